@@ -1,0 +1,106 @@
+"""Settings of a mount, as frozen dataclasses: validated once at construction, no I/O.
+
+The CLI parses strings (sizes such as ``8GiB``) with `parse_size` and builds a `MountConfig`;
+everything below the CLI receives the config and never sees a string it has to parse.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+KIB = 1024
+MIB = 1024 * KIB
+GIB = 1024 * MIB
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte count: ``4096``, ``512K``, ``8GiB``, ``1.5G``, ``100MB``.
+
+    K/M/G/T and KiB/MiB/GiB/TiB are binary (powers of 1024), as in `dd`, rclone and
+    mountpoint-s3's cache sizes; a user who writes ``8G`` for a RAM budget means 8 GiB.
+    """
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"size must not be negative: {text}")
+        return text
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (examples: 4096, 512M, 8GiB)")
+    number, unit, _suffix = match.groups()
+    return int(float(number) * 1024 ** _SIZE_UNITS[unit.lower()])
+
+
+def default_state_dir(mountpoint: Path) -> Path:
+    """Per-mount directory for the order file, daemon log and pid file.
+
+    Keyed by the mount point's real path so that `cachefs publish MNT` run by the trainer and
+    the daemon agree on it without talking to each other.
+    """
+    base = Path(os.environ.get("XDG_RUNTIME_DIR") or os.environ.get("XDG_CACHE_HOME")
+                or Path.home() / ".cache") / "cachefs"
+    digest = hashlib.sha1(os.fsencode(os.path.realpath(mountpoint))).hexdigest()[:16]
+    return base / digest
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Budgets and the unit of caching."""
+
+    ram_bytes: int = 1 * GIB
+    block_bytes: int = 4 * MIB
+    ssd_dir: Path | None = None
+    ssd_bytes: int = 0
+
+    def __post_init__(self):
+        if self.block_bytes < 4 * KIB or self.block_bytes & (self.block_bytes - 1):
+            raise ValueError(f"block size must be a power of two >= 4 KiB: {self.block_bytes}")
+        if self.ram_bytes < 0 or self.ssd_bytes < 0:
+            raise ValueError("cache sizes must not be negative")
+        if self.ssd_dir is not None and self.ssd_bytes <= 0:
+            raise ValueError("--ssd-cache needs a positive --ssd-size")
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    """How far and how wide to read ahead."""
+
+    lookahead_items: int = 0  # 0: automatic (as far as the RAM budget reaches)
+    source_threads: int = 32
+    sequential_blocks: int = 4  # read-ahead inside a file read sequentially without an order
+
+    def __post_init__(self):
+        if self.lookahead_items < 0:
+            raise ValueError("--lookahead must be >= 0")
+        if self.source_threads < 1:
+            raise ValueError("--source-threads must be >= 1")
+
+
+@dataclass(frozen=True)
+class MountConfig:
+    """Everything `mount.run` needs."""
+
+    source: Path
+    mountpoint: Path
+    state_dir: Path
+    order_file: Path
+    cache: CacheConfig = CacheConfig()
+    prefetch: PrefetchConfig = PrefetchConfig()
+    allow_other: bool = False
+    debug: bool = False
+    fuse_tasks: int = 16  # pyfuse3 worker tasks: a miss holds one; hits never await
+    kernel_timeout_s: float = 300.0  # entry/attribute cache in the kernel (read-only data)
+    metadata_ttl_s: float = 1.0  # how old a source stat may be when a file is opened
+    source_delay_s: float = 0.0  # testing aid: added latency per source open and read
+
+    def __post_init__(self):
+        if self.fuse_tasks < 1:
+            raise ValueError("--fuse-tasks must be >= 1")
+        if self.metadata_ttl_s < 0 or self.kernel_timeout_s < 0 or self.source_delay_s < 0:
+            raise ValueError("timeouts and delays must not be negative")

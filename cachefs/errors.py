@@ -1,0 +1,57 @@
+"""The cachefs exception tree and its errno / exit-code mapping, in one place.
+
+Library code raises these domain errors; `fuse_ops` turns them into `FUSEError(errno)` and the
+CLI turns them into a message and an exit code. Nothing else maps errors, so the mapping can be
+read here in full:
+
+- `OrderError`: a bad order file (EINVAL); the previous order stays in force.
+- `TierError`: a cache tier failed (disk full, I/O error, corrupt entry). Never reaches a
+  reader: the tiered cache counts it, logs a warning and reads from the next tier.
+- `StartupError`: the mount cannot start; carries the documented exit code (man/cachefs-mount.1).
+- `SourceChanged`: the source file changed under a read; the reader retries from the source.
+"""
+
+from __future__ import annotations
+
+import errno
+
+
+class CachefsError(Exception):
+    """Base class; `errno_value` is what a FUSE handler answers for it."""
+
+    errno_value = errno.EIO
+
+
+class OrderError(CachefsError):
+    """An order file or order arguments that cannot be used; the message names the problem."""
+
+    errno_value = errno.EINVAL
+
+
+class TierError(CachefsError):
+    """A cache tier failed; callers treat it as a miss."""
+
+
+class SourceChanged(CachefsError):
+    """The source file's identity changed between planning and reading."""
+
+    errno_value = errno.EAGAIN
+
+
+# Exit codes of `cachefs mount` (documented in man/cachefs-mount.1, EXIT STATUS).
+EXIT_OK = 0
+EXIT_ERROR = 1  # anything not listed below
+EXIT_USAGE = 2  # click's own code for bad arguments
+EXIT_SOURCE = 3  # SRC missing or not a directory
+EXIT_MOUNTPOINT = 4  # MNT missing or not a directory
+EXIT_ALREADY_MOUNTED = 5  # MNT is already a mount point
+EXIT_NO_FUSE = 6  # /dev/fuse or fusermount3 missing
+EXIT_CACHE_DIR = 7  # --ssd-cache unusable or locked by another mount
+
+
+class StartupError(CachefsError):
+    """The mount cannot start. `exit_code` is one of the EXIT_* constants above."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_ERROR):
+        super().__init__(message)
+        self.exit_code = exit_code
