@@ -1,0 +1,799 @@
+"""SSD/NVRAM tier: cache-once, persistent, checksummed, crash-safe (DESIGN.md §2 "Tiers").
+
+Policy. Blocks are admitted until the byte budget is full; after that nothing is admitted and
+nothing is replaced (seed 004: on a data set larger than the cache, a cache filled once and
+never churned hits size(cache)/size(data) of every later epoch, where LRU gets about half the
+square of that). Dropping an entry whose source changed, or whose bytes fail their checksum,
+frees its budget. The budget counts payload bytes; the 96-byte entry headers and the index
+(72 bytes per entry) are overhead on top (0.15% for 110 KB blocks).
+
+Layout of DIR::
+
+    lock                 flock'ed for the lifetime of an SsdTier: one mount per directory
+    meta                 JSON {"format", "block_bytes", "clean"}
+    index                append-only log of fixed 72-byte records (see below)
+    entries/00 .. ff/    256 fan-out directories, so no directory holds a million files
+    entries/ab/<name>    one block: a 96-byte header, then the payload
+    entries/ab/<name>.<random>.tmp   an entry being written; renamed to <name> when complete
+
+An entry's name is the 128-bit xxh3 of (xxh3_128(relpath), block_index), in hex. Its header
+holds magic, format version, block_bytes, the 128-bit hash of the relpath, the block index, the
+source identity (size, mtime_ns, ino), the payload length, xxh3_64 of the payload and xxh3_64
+of the header itself. A read checks all of them against the request, so a truncated,
+half-written, bit-flipped or misplaced entry is dropped and counted, never served.
+
+The index. The file is a 64-byte header (magic, version, record size, block_bytes, the count
+and xxh3_64 of a *base* section), then the base: live records sorted by key, written at
+compaction, then a *tail* of records appended one per admission or drop (a drop is a
+tombstone). Each tail record carries its own mixing checksum so a torn last record is
+recognised. Loading a cleanly closed index is one read, one xxh3 over the base and a
+vectorised sortedness check; lookups go to the sorted base with `np.searchsorted`, and to a
+dict for rows added since open. No Python object is created per loaded entry, which is what
+keeps a 1M-entry open well under a second (scripts/bench_ssd_index.py).
+
+Crash recovery. `meta` says ``"clean": false`` from open until `close` has compacted the index
+and fsynced it. An entry is written to a temporary name, renamed into place, and only then is
+its index record appended; a drop appends its tombstone, then unlinks. So after a crash the
+index may lag the entry files in both directions. When an open finds the previous session
+unclean, or the index missing or damaged, it reconciles with one scan of the 256 fan-out
+directories: leftover ``.tmp`` files are removed; entry files missing from the index are
+adopted if their header verifies (a crash loses nothing that was fully renamed), deleted
+otherwise; index records whose file is gone are dropped; then the index is rewritten
+compacted. A clean open touches no entry file. The worst a crash can cause is a lost entry
+(for example an index record for a replaced entry whose new record was lost is later dropped
+as stale), never wrong bytes, because every read verifies the header against the request.
+
+Errors. Any OSError while writing an entry or the index (ENOSPC on a full disk, EIO) removes
+the temporary file, stops admission for the rest of this mount, logs one warning and records
+the reason in `stats()`; reads go on. A read error or a failed check on an entry is a miss:
+the entry is dropped and counted, nothing is raised to the caller.
+
+Threads. Every public method may be called from worker threads at once. One `threading.Lock`
+guards the in-memory index and the index log appends (72-byte writes); it is never held
+while an entry's payload is read or written. Invariants, under the lock:
+
+- a key whose entry file is being written or unlinked is in `_busy` and has no live row, so
+  two threads never race on one file name and a reader never sees a key mid-change;
+- `_bytes` is the sum of the live rows' payload lengths, and `_bytes + _reserved_bytes`
+  (admissions in flight) never exceeds the budget;
+- `close` refuses new work at once, waits for the writes in flight, then compacts.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import secrets
+import shutil
+import struct
+import threading
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from cachefs.errors import EXIT_CACHE_DIR, StartupError
+from cachefs.source import SourceIdentity
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+FANOUT = 256
+
+_MASK64 = (1 << 64) - 1
+
+# Entry header: magic, version, header size, block_bytes, path hash (16 bytes, little endian),
+# block index, identity size, mtime_ns, ino, payload length, payload xxh3_64, header xxh3_64.
+_ENTRY_MAGIC = b"CFSBLK\x00\x01"
+_ENTRY_HEADER = struct.Struct("<8sIIQ16sQqqQQQQ")
+ENTRY_HEADER_BYTES = _ENTRY_HEADER.size  # 96
+
+# Index file header: magic, version, record size, block_bytes, base count, base xxh3_64,
+# reserved, header xxh3_64.
+_INDEX_MAGIC = b"CFSIDX\x00\x01"
+_INDEX_HEADER = struct.Struct("<8sIIQQQ16sQ")
+INDEX_HEADER_BYTES = _INDEX_HEADER.size  # 64
+
+_RECORD_MAGIC = 0x4346
+OP_ADD = 1
+OP_DROP = 2
+# One index record; the numpy dtype and the struct describe the same 72 bytes.
+RECORD_DTYPE = np.dtype([
+    ("magic", "<u2"), ("op", "u1"), ("pad", "u1"), ("length", "<u4"),
+    ("key_lo", "<u8"), ("key_hi", "<u8"), ("path_lo", "<u8"), ("block", "<u8"),
+    ("size", "<i8"), ("mtime_ns", "<i8"), ("ino", "<u8"), ("check", "<u8"),
+])
+_RECORD = struct.Struct("<HBBIQQQQqqQQ")
+RECORD_BYTES = _RECORD.size  # 72
+assert RECORD_DTYPE.itemsize == RECORD_BYTES
+
+# Odd multipliers of the per-record check: XOR over the first eight 64-bit words, each
+# multiplied by its constant (a bijection mod 2**64, so any single changed word changes it).
+_CHECK_MULTIPLIERS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
+                      0x27D4EB2F165667C5, 0x94D049BB133111EB, 0xBF58476D1CE4E5B9,
+                      0x85EBCA77C2B2AE63, 0xFF51AFD7ED558CCD)
+_WORDS = struct.Struct("<8Q")
+
+# How many damaged-entry warnings to log per mount before going quiet (a dying disk would
+# otherwise log one line per block); the count in stats() keeps going.
+_MAX_ENTRY_WARNINGS = 10
+# How long close() waits for entry writes in flight before giving up on a clean close.
+_CLOSE_WAIT_S = 30.0
+
+
+class _Corrupt(Exception):
+    """An entry file that does not verify; the message says which check failed."""
+
+
+class _Key:
+    """A block key hashed once: the path hash for the header, the entry hash for the name."""
+
+    __slots__ = ("block", "path_hash", "lo", "hi", "name")
+
+    def __init__(self, relpath: bytes, block_index: int):
+        self.block = block_index
+        self.path_hash = xxhash.xxh3_128_intdigest(relpath)
+        entry_hash = xxhash.xxh3_128_intdigest(
+            self.path_hash.to_bytes(16, "little") + block_index.to_bytes(8, "little"))
+        self.lo = entry_hash & _MASK64
+        self.hi = entry_hash >> 64
+        self.name = f"{entry_hash:032x}"
+
+
+def entry_name(key_hi: int, key_lo: int) -> str:
+    return f"{(key_hi << 64) | key_lo:032x}"
+
+
+def record_check(words8: tuple[int, ...]) -> int:
+    """The per-record check over the first 64 bytes of a record, as eight 64-bit words."""
+    check = 0
+    for word, mult in zip(words8, _CHECK_MULTIPLIERS):
+        check ^= (word * mult) & _MASK64
+    return check
+
+
+def records_check(records: np.ndarray) -> np.ndarray:
+    """`record_check` of every record, vectorised (uint64 arithmetic wraps mod 2**64)."""
+    words = records.view("<u8").reshape(len(records), RECORD_BYTES // 8)
+    check = np.zeros(len(records), dtype=np.uint64)
+    for column, mult in enumerate(_CHECK_MULTIPLIERS):
+        check ^= words[:, column] * np.uint64(mult)
+    return check
+
+
+def pack_record(op: int, length: int, key_lo: int, key_hi: int, path_lo: int, block: int,
+                identity: SourceIdentity) -> bytes:
+    fields = (_RECORD_MAGIC, op, 0, length, key_lo, key_hi, path_lo, block,
+              identity.size, identity.mtime_ns, identity.ino)
+    body = _RECORD.pack(*fields, 0)
+    return body[:64] + record_check(_WORDS.unpack_from(body)).to_bytes(8, "little")
+
+
+def write_index(path: Path, live: np.ndarray, block_bytes: int) -> None:
+    """Write a compacted index (live records only, sorted by key) atomically, fsynced."""
+    records = live[np.argsort(live["key_lo"], kind="stable")]  # a copy: the caller's is kept
+    records["op"] = OP_ADD
+    records["check"] = records_check(records)
+    base_hash = xxhash.xxh3_64_intdigest(records.view(np.uint8)) if len(records) else 0
+    fields = (_INDEX_MAGIC, FORMAT_VERSION, RECORD_BYTES, block_bytes, len(records), base_hash,
+              b"\0" * 16)
+    head = _INDEX_HEADER.pack(*fields, 0)[:-8]
+    head += xxhash.xxh3_64_intdigest(head).to_bytes(8, "little")
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as out:
+        out.write(head)
+        records.tofile(out)
+        out.flush()
+        os.fsync(out.fileno())
+    os.rename(tmp, path)
+
+
+def load_index(path: Path, block_bytes: int) -> tuple[np.ndarray, np.ndarray, bool] | None:
+    """Read an index file: (sorted base, valid tail records, tail intact).
+
+    None if the file is missing or its header or base section is damaged; a damaged tail
+    record ends the tail there (`tail intact` False) since a log is only good up to its first
+    bad record.
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(INDEX_HEADER_BYTES)
+            if len(head) != INDEX_HEADER_BYTES:
+                return None
+            (magic, version, record_bytes, index_block_bytes, base_count, base_hash, _reserved,
+             head_hash) = _INDEX_HEADER.unpack(head)
+            if (magic != _INDEX_MAGIC or version != FORMAT_VERSION or record_bytes != RECORD_BYTES
+                    or index_block_bytes != block_bytes
+                    or xxhash.xxh3_64_intdigest(head[:-8]) != head_hash):
+                return None
+            base = np.fromfile(f, dtype=RECORD_DTYPE, count=base_count)
+            if len(base) != base_count:
+                return None
+            tail_bytes = np.fromfile(f, dtype=np.uint8)
+    except FileNotFoundError:
+        return None
+    if base_count and xxhash.xxh3_64_intdigest(base.view(np.uint8)) != base_hash:
+        return None
+    if base_count > 1 and not np.all(base["key_lo"][1:] > base["key_lo"][:-1]):
+        return None
+    whole = len(tail_bytes) // RECORD_BYTES
+    tail = tail_bytes[:whole * RECORD_BYTES].view(RECORD_DTYPE)
+    good = ((tail["magic"] == _RECORD_MAGIC) & ((tail["op"] == OP_ADD) | (tail["op"] == OP_DROP))
+            & (tail["length"] <= block_bytes) & (tail["check"] == records_check(tail)))
+    intact = bool(good.all()) and whole * RECORD_BYTES == len(tail_bytes)
+    if not good.all():
+        tail = tail[:int(np.argmin(good))]
+    return base, tail.copy(), intact
+
+
+def merge_log(records: np.ndarray) -> np.ndarray:
+    """Replay a log: the last record of each key wins; keep the keys whose last op is ADD."""
+    if not len(records):
+        return records.copy()
+    order = np.argsort(records["key_lo"], kind="stable")
+    ordered = records[order]
+    last = np.ones(len(ordered), dtype=bool)
+    last[:-1] = ordered["key_lo"][1:] != ordered["key_lo"][:-1]
+    ordered = ordered[last]
+    return ordered[ordered["op"] == OP_ADD]
+
+
+def _pack_header(key: _Key, block_bytes: int, identity: SourceIdentity, payload_len: int,
+                 payload_hash: int) -> bytes:
+    fields = (_ENTRY_MAGIC, FORMAT_VERSION, ENTRY_HEADER_BYTES, block_bytes,
+              key.path_hash.to_bytes(16, "little"), key.block, identity.size,
+              identity.mtime_ns, identity.ino, payload_len, payload_hash)
+    head = _ENTRY_HEADER.pack(*fields, 0)[:-8]
+    return head + xxhash.xxh3_64_intdigest(head).to_bytes(8, "little")
+
+
+def _unpack_header(head: bytes, block_bytes: int) -> tuple:
+    """The header's fields after checking magic, version, block size and its own checksum."""
+    if len(head) != ENTRY_HEADER_BYTES:
+        raise _Corrupt(f"short header ({len(head)} bytes)")
+    fields = _ENTRY_HEADER.unpack(head)
+    magic, version, header_bytes, entry_block_bytes = fields[:4]
+    if magic != _ENTRY_MAGIC or version != FORMAT_VERSION or header_bytes != ENTRY_HEADER_BYTES:
+        raise _Corrupt("bad magic or version")
+    if xxhash.xxh3_64_intdigest(head[:-8]) != fields[-1]:
+        raise _Corrupt("header checksum mismatch")
+    if entry_block_bytes != block_bytes:
+        raise _Corrupt(f"block size {entry_block_bytes} != {block_bytes}")
+    return fields
+
+
+class SsdTier:
+    """A cache-once block store in one directory; see the module docstring."""
+
+    def __init__(self, directory: Path, budget_bytes: int, block_bytes: int):
+        if budget_bytes <= 0 or block_bytes <= 0:
+            raise ValueError("budget_bytes and block_bytes must be positive")
+        self._dir = Path(directory)
+        self._entries_dir = self._dir / "entries"
+        self._index_path = self._dir / "index"
+        self._budget = budget_bytes
+        self._block_bytes = block_bytes
+
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when _busy shrinks
+        self._closed = False
+        self._busy: set[int] = set()  # key_lo of entries being written or unlinked
+        self._reserved_bytes = 0  # budget held by admissions in flight
+        self._bytes = 0
+        self._entries = 0
+        self._rejected = 0
+        self._dropped_stale = 0
+        self._disabled: str | None = None
+        self._entry_warnings = 0
+        self._index_fd = -1
+
+        self._lock_fd = self._acquire_lock()
+        try:
+            self._open_state()
+        except OSError as exc:
+            self._release_fds()
+            raise StartupError(f"cache directory {self._dir} is not usable: {exc}",
+                               EXIT_CACHE_DIR) from exc
+
+    # ----------------------------------------------------------------- public API
+
+    def contains(self, key: tuple[bytes, int], identity: SourceIdentity) -> bool:
+        k = _Key(*key)
+        with self._lock:
+            if self._closed:
+                return False
+            row = self._find(k)
+            return row is not None and self._same_identity(row, identity)
+
+    def read(self, key: tuple[bytes, int], identity: SourceIdentity) -> bytes | None:
+        k = _Key(*key)
+        with self._lock:
+            if self._closed:
+                return None
+            row = self._find(k)
+            if row is None or row == -1:
+                return None
+            if not self._same_identity(row, identity):
+                self._dropped_stale += 1
+                self._kill_row(row)
+                self._busy.add(k.lo)
+                stale = True
+            else:
+                stale = False
+                length = int(self._length[row])
+        if stale:
+            self._unlink_entry(k)
+            return None
+        try:
+            return self._read_entry(k, identity, length)
+        except (OSError, _Corrupt) as exc:
+            self._reject(k, row, exc)
+            return None
+
+    def admit(self, key: tuple[bytes, int], identity: SourceIdentity, data: bytes) -> bool:
+        length = len(data)
+        if length > self._block_bytes:
+            raise ValueError(f"block of {length} bytes exceeds block_bytes {self._block_bytes}")
+        k = _Key(*key)
+        with self._lock:
+            if self._closed or self._disabled is not None or k.lo in self._busy:
+                return False
+            row = self._find(k)
+            if row == -1:
+                return False  # a different key shares the low 64 bits: keep the resident one
+            replaced_bytes = 0
+            if row is not None:
+                if self._same_identity(row, identity):
+                    return False
+                replaced_bytes = int(self._length[row])
+            if self._bytes - replaced_bytes + self._reserved_bytes + length > self._budget:
+                return False
+            if row is not None:
+                # The old entry is stale; its file is replaced atomically by the rename below.
+                self._dropped_stale += 1
+                self._kill_row(row)
+            self._busy.add(k.lo)
+            self._reserved_bytes += length
+        try:
+            self._write_entry(k, identity, data)
+        except OSError as exc:
+            if row is not None:
+                self._unlink_quietly(self._entry_path(k.name))
+            with self._lock:
+                self._reserved_bytes -= length
+                self._release_busy(k.lo)
+                self._disable(f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc}")
+            return False
+        with self._lock:
+            self._reserved_bytes -= length
+            self._release_busy(k.lo)
+            if self._index_fd < 0:
+                # close() gave up waiting for us; an unindexed file would be an orphan.
+                self._unlink_quietly(self._entry_path(k.name))
+                return False
+            self._add_row(k, identity, length)
+        return True
+
+    def has_room(self, size_bytes: int) -> bool:
+        with self._lock:
+            return (not self._closed and self._disabled is None
+                    and self._bytes + self._reserved_bytes + size_bytes <= self._budget)
+
+    def drop_file(self, relpath: bytes) -> int:
+        path_lo = xxhash.xxh3_128_intdigest(relpath) & _MASK64
+        keys = []
+        with self._lock:
+            if self._closed:
+                return 0
+            used = self._n
+            rows = np.nonzero(self._live[:used] & (self._path_lo[:used] == np.uint64(path_lo)))[0]
+            for row in rows.tolist():
+                k = _Key(relpath, int(self._block[row]))
+                if self._find(k) == row:  # not merely a path-hash collision
+                    self._kill_row(row)
+                    self._busy.add(k.lo)
+                    keys.append(k)
+        for k in keys:
+            self._unlink_entry(k)
+        return len(keys)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                "bytes": self._bytes,
+                "budget": self._budget,
+                "entries": self._entries,
+                "rejected_checksum": self._rejected,
+                "dropped_stale": self._dropped_stale,
+                "admission_disabled": self._disabled,
+                "dir": str(self._dir),
+            }
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            settled = self._idle.wait_for(lambda: not self._busy, timeout=_CLOSE_WAIT_S)
+            if not settled:
+                log.warning("ssd cache %s: %d entry writes still in flight at close; the next "
+                            "mount will reconcile", self._dir, len(self._busy))
+            try:
+                if settled:
+                    write_index(self._index_path, self._live_records(), self._block_bytes)
+                    self._write_meta(clean=True)
+            except OSError as exc:
+                log.warning("ssd cache %s: cannot save the index at close (%s); the next mount "
+                            "will rebuild it", self._dir, exc)
+            self._release_fds()
+
+    def __enter__(self) -> SsdTier:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- opening
+
+    def _acquire_lock(self) -> int:
+        import fcntl  # POSIX only, like the rest of a FUSE file system
+
+        try:
+            self._dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self._dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise StartupError(f"cannot use cache directory {self._dir}: {exc}",
+                               EXIT_CACHE_DIR) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StartupError(f"cache directory {self._dir} is in use by another cachefs mount",
+                               EXIT_CACHE_DIR) from None
+        return fd
+
+    def _open_state(self) -> None:
+        meta = self._read_meta()
+        if meta is None or meta.get("format") != FORMAT_VERSION or (
+                meta.get("block_bytes") != self._block_bytes):
+            self._wipe(meta)
+            table, needs_rewrite = np.empty(0, RECORD_DTYPE), True
+        else:
+            table, needs_rewrite = self._load(clean=bool(meta.get("clean")))
+        for fan in range(FANOUT):
+            (self._entries_dir / f"{fan:02x}").mkdir(parents=True, exist_ok=True)
+        if needs_rewrite:
+            write_index(self._index_path, table, self._block_bytes)
+        self._install_table(table)
+        self._index_fd = os.open(self._index_path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self._write_meta(clean=False)
+        self._trim_to_budget()
+        log.info("ssd cache %s: %d entries, %d of %d bytes", self._dir, self._entries,
+                 self._bytes, self._budget)
+
+    def _load(self, clean: bool) -> tuple[np.ndarray, bool]:
+        """The live records and whether the index file must be rewritten."""
+        loaded = load_index(self._index_path, self._block_bytes)
+        if loaded is None:
+            if self._index_path.exists():
+                log.warning("ssd cache %s: index damaged; rebuilding it from the entries",
+                            self._dir)
+            else:
+                log.info("ssd cache %s: no index; rebuilding it from the entries", self._dir)
+            return self._reconcile(np.empty(0, RECORD_DTYPE)), True
+        base, tail, intact = loaded
+        if clean and intact and not len(tail):
+            return base, False
+        table = merge_log(np.concatenate([base, tail])) if len(tail) else base
+        if not clean or not intact:
+            log.info("ssd cache %s: previous session did not close cleanly; reconciling",
+                     self._dir)
+            table = self._reconcile(table)
+        return table, True
+
+    def _reconcile(self, table: np.ndarray) -> np.ndarray:
+        """Bring `table` in line with the entry files (one scan of the fan-out dirs)."""
+        known = dict(zip(table["key_lo"].tolist(), range(len(table))))
+        seen = np.zeros(len(table), dtype=bool)
+        adopted = []
+        removed = 0
+        for fan in range(FANOUT):
+            sub = self._entries_dir / f"{fan:02x}"
+            try:
+                names = os.listdir(sub)
+            except FileNotFoundError:
+                continue
+            for name in names:
+                path = sub / name
+                if name.endswith(".tmp"):
+                    self._unlink_quietly(path)
+                    removed += 1
+                    continue
+                try:
+                    entry_hash = int(name, 16)
+                except ValueError:
+                    continue  # not ours: leave it alone
+                row = known.get(entry_hash & _MASK64)
+                if row is not None and int(table["key_hi"][row]) == entry_hash >> 64:
+                    seen[row] = True
+                    continue
+                record = self._record_from_header(path, entry_hash)
+                if record is None:
+                    self._unlink_quietly(path)
+                    removed += 1
+                else:
+                    adopted.append(record)
+        missing = int(len(table) - seen.sum())
+        log.info("ssd cache %s: reconciled: %d entries adopted from files, %d index records "
+                 "without a file dropped, %d temporary or damaged files removed",
+                 self._dir, len(adopted), missing, removed)
+        extra = np.frombuffer(b"".join(adopted), dtype=RECORD_DTYPE)
+        return merge_log(np.concatenate([table[seen], extra]))
+
+    def _record_from_header(self, path: Path, entry_hash: int) -> bytes | None:
+        """An index record for an entry file whose header verifies, else None."""
+        try:
+            with open(path, "rb") as f:
+                head = f.read(ENTRY_HEADER_BYTES)
+                file_bytes = os.fstat(f.fileno()).st_size
+            fields = _unpack_header(head, self._block_bytes)
+        except (OSError, _Corrupt):
+            return None
+        path_hash, block, size, mtime_ns, ino, payload_len = fields[4:10]
+        path_hash = int.from_bytes(path_hash, "little")
+        name_hash = xxhash.xxh3_128_intdigest(path_hash.to_bytes(16, "little")
+                                              + block.to_bytes(8, "little"))
+        if name_hash != entry_hash or file_bytes != ENTRY_HEADER_BYTES + payload_len:
+            return None
+        return pack_record(OP_ADD, payload_len, entry_hash & _MASK64, entry_hash >> 64,
+                           path_hash & _MASK64, block, SourceIdentity(size, mtime_ns, ino))
+
+    def _wipe(self, meta: dict | None) -> None:
+        """Remove our entries and index (only our own names: DIR may hold other files)."""
+        if meta is not None:
+            log.warning("ssd cache %s holds format %s with %s-byte blocks; this mount uses "
+                        "format %d with %d-byte blocks: discarding the cached entries",
+                        self._dir, meta.get("format"), meta.get("block_bytes"),
+                        FORMAT_VERSION, self._block_bytes)
+        elif self._entries_dir.exists():
+            log.warning("ssd cache %s: entries without a meta file: discarding them", self._dir)
+        shutil.rmtree(self._entries_dir, ignore_errors=True)
+        self._unlink_quietly(self._index_path)
+
+    def _read_meta(self) -> dict | None:
+        try:
+            meta = json.loads((self._dir / "meta").read_text())
+        except FileNotFoundError:
+            return None
+        except (ValueError, UnicodeDecodeError):
+            log.warning("ssd cache %s: meta file damaged", self._dir)
+            return {}
+        return meta if isinstance(meta, dict) else {}
+
+    def _write_meta(self, clean: bool) -> None:
+        meta = {"format": FORMAT_VERSION, "block_bytes": self._block_bytes, "clean": clean}
+        tmp = self._dir / "meta.tmp"
+        with open(tmp, "w") as out:
+            json.dump(meta, out)
+            out.flush()
+            # Durable before any entry is written: a "clean" meta that outlived a crash would
+            # skip the reconciliation that the unsynced index relies on.
+            os.fsync(out.fileno())
+        os.rename(tmp, self._dir / "meta")
+
+    def _trim_to_budget(self) -> None:
+        """A smaller --ssd-size than last time: drop entries until the rest fits."""
+        if self._bytes <= self._budget:
+            return
+        dropped = 0
+        for row in range(self._n - 1, -1, -1):
+            if self._bytes <= self._budget:
+                break
+            name = entry_name(int(self._key_hi[row]), int(self._key_lo[row]))
+            self._kill_row(row)
+            self._unlink_quietly(self._entry_path(name))
+            dropped += 1
+        log.warning("ssd cache %s: over the %d-byte budget; dropped %d entries", self._dir,
+                    self._budget, dropped)
+
+    def _release_fds(self) -> None:
+        for fd in (self._index_fd, self._lock_fd):
+            if fd >= 0:
+                os.close(fd)  # closing the lock fd releases the flock
+        self._index_fd = self._lock_fd = -1
+
+    # ----------------------------------------------------------------- in-memory index
+    # Rows [0, _base_n) are the loaded base, sorted by key_lo and found by binary search;
+    # later rows are found through _added (key_lo -> row). Rows are never reused while
+    # mounted, so a row number identifies one entry for the lifetime of the SsdTier.
+
+    def _install_table(self, table: np.ndarray) -> None:
+        capacity = len(table) + max(4096, len(table) // 8)
+        self._table = np.zeros(capacity, dtype=RECORD_DTYPE)
+        self._table[:len(table)] = table
+        self._live = np.zeros(capacity, dtype=bool)
+        self._live[:len(table)] = True
+        self._n = self._base_n = len(table)
+        # Contiguous: searchsorted on the strided table column would copy it on every lookup.
+        self._base_keys = np.ascontiguousarray(table["key_lo"])
+        self._added: dict[int, int] = {}
+        self._bind_columns()
+        self._bytes = int(table["length"].sum()) if len(table) else 0
+        self._entries = len(table)
+
+    def _bind_columns(self) -> None:
+        table = self._table
+        self._key_lo, self._key_hi = table["key_lo"], table["key_hi"]
+        self._path_lo, self._block = table["path_lo"], table["block"]
+        self._size, self._mtime_ns, self._ino = table["size"], table["mtime_ns"], table["ino"]
+        self._length = table["length"]
+
+    def _find(self, k: _Key) -> int | None:
+        """The live row of `k`, None if absent, -1 if another key holds its low 64 bits."""
+        row = self._added.get(k.lo)
+        if row is None and self._base_n:
+            pos = int(np.searchsorted(self._base_keys, np.uint64(k.lo)))
+            if pos < self._base_n and int(self._key_lo[pos]) == k.lo:
+                row = pos
+        if row is None or not self._live[row]:
+            return None
+        return row if int(self._key_hi[row]) == k.hi else -1
+
+    def _same_identity(self, row: int, identity: SourceIdentity) -> bool:
+        return (row >= 0 and int(self._size[row]) == identity.size
+                and int(self._mtime_ns[row]) == identity.mtime_ns
+                and int(self._ino[row]) == identity.ino)
+
+    def _row_identity(self, row: int) -> SourceIdentity:
+        return SourceIdentity(int(self._size[row]), int(self._mtime_ns[row]), int(self._ino[row]))
+
+    def _add_row(self, k: _Key, identity: SourceIdentity, length: int) -> None:
+        record = pack_record(OP_ADD, length, k.lo, k.hi, k.path_hash & _MASK64, k.block, identity)
+        if self._n == len(self._table):
+            self._grow()
+        row = self._n
+        self._table[row:row + 1] = np.frombuffer(record, dtype=RECORD_DTYPE)
+        self._live[row] = True
+        self._n += 1
+        self._added[k.lo] = row
+        self._bytes += length
+        self._entries += 1
+        self._append_log(record)
+
+    def _kill_row(self, row: int) -> None:
+        self._live[row] = False
+        key_lo = int(self._key_lo[row])
+        if self._added.get(key_lo) == row:
+            del self._added[key_lo]
+        length = int(self._length[row])
+        self._bytes -= length
+        self._entries -= 1
+        self._append_log(pack_record(OP_DROP, length, key_lo, int(self._key_hi[row]),
+                                     int(self._path_lo[row]), int(self._block[row]),
+                                     self._row_identity(row)))
+
+    def _grow(self) -> None:
+        capacity = 2 * len(self._table)
+        table = np.zeros(capacity, dtype=RECORD_DTYPE)
+        table[:self._n] = self._table[:self._n]
+        live = np.zeros(capacity, dtype=bool)
+        live[:self._n] = self._live[:self._n]
+        self._table, self._live = table, live
+        self._bind_columns()
+
+    def _live_records(self) -> np.ndarray:
+        return self._table[:self._n][self._live[:self._n]]
+
+    def _append_log(self, record: bytes) -> None:
+        """Append one record (held under the lock, so the log order is the memory order)."""
+        if self._index_fd < 0 or self._disabled is not None:
+            # After a write error the log is not trusted to be complete: the meta stays
+            # unclean (close() rewrites it from memory, or the next open reconciles).
+            return
+        try:
+            os.write(self._index_fd, record)
+        except OSError as exc:
+            self._disable(f"{errno.errorcode.get(exc.errno, exc.errno)} writing the index: {exc}")
+
+    def _disable(self, reason: str) -> None:
+        if self._disabled is None:
+            self._disabled = reason
+            log.warning("ssd cache %s: admission stopped for this mount (%s); reads continue",
+                        self._dir, reason)
+
+    def _release_busy(self, key_lo: int) -> None:
+        self._busy.discard(key_lo)
+        self._idle.notify_all()
+
+    # ----------------------------------------------------------------- entry files
+
+    def _entry_path(self, name: str) -> str:
+        return os.path.join(self._entries_dir, name[:2], name)
+
+    def _write_entry(self, k: _Key, identity: SourceIdentity, data: bytes) -> None:
+        """Write to a temporary name in the entry's directory, then rename into place.
+
+        No fsync: after a power loss the rename may be durable while the data is not, but the
+        header holds the payload's xxh3 and its own, so zeros or stale blocks in the file fail
+        the checks and are dropped, never served. What a crash can lose is only cache.
+        """
+        final = self._entry_path(k.name)
+        tmp = f"{final}.{secrets.token_hex(4)}.tmp"
+        header = _pack_header(k, self._block_bytes, identity, len(data),
+                              xxhash.xxh3_64_intdigest(data))
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                _write_all(fd, [header, data])
+            finally:
+                os.close(fd)
+            os.rename(tmp, final)
+        except OSError:
+            self._unlink_quietly(tmp)
+            raise
+
+    def _read_entry(self, k: _Key, identity: SourceIdentity, length: int) -> bytes:
+        fd = os.open(self._entry_path(k.name), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            head = os.pread(fd, ENTRY_HEADER_BYTES, 0)
+            fields = _unpack_header(head, self._block_bytes)
+            # One byte more than expected, to notice a file longer than its header says.
+            payload = os.pread(fd, length + 1, ENTRY_HEADER_BYTES)
+        finally:
+            os.close(fd)
+        path_hash, block, size, mtime_ns, ino, payload_len, payload_hash = fields[4:11]
+        if int.from_bytes(path_hash, "little") != k.path_hash or block != k.block:
+            raise _Corrupt("header names another block")
+        if (size, mtime_ns, ino) != tuple(identity):
+            raise _Corrupt("header identity differs from the index")
+        if payload_len != length or len(payload) != length:
+            raise _Corrupt(f"payload is {len(payload)} bytes, header says {payload_len}, "
+                           f"index says {length}")
+        if xxhash.xxh3_64_intdigest(payload) != payload_hash:
+            raise _Corrupt("payload checksum mismatch")
+        return payload
+
+    def _reject(self, k: _Key, row: int, exc: Exception) -> None:
+        """A failed read: drop the entry and count it, unless it changed meanwhile."""
+        with self._lock:
+            if self._closed or self._find(k) != row:
+                return  # dropped or replaced by another thread while we read
+            self._rejected += 1
+            self._kill_row(row)
+            self._busy.add(k.lo)
+            self._entry_warnings += 1
+            quiet = self._entry_warnings > _MAX_ENTRY_WARNINGS
+        log.log(logging.DEBUG if quiet else logging.WARNING,
+                "ssd cache %s: dropping entry %s: %s", self._dir, k.name, exc)
+        self._unlink_entry(k)
+
+    def _unlink_entry(self, k: _Key) -> None:
+        """Unlink a dropped entry's file, then let the key be admitted again."""
+        self._unlink_quietly(self._entry_path(k.name))
+        with self._lock:
+            self._release_busy(k.lo)
+
+    @staticmethod
+    def _unlink_quietly(path) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.debug("cannot remove %s: %s", path, exc)
+
+
+def _write_all(fd: int, buffers: list) -> None:
+    """os.writev until every byte is written (a regular file may take a short write)."""
+    views = [memoryview(buf).cast("B") for buf in buffers]
+    while views:
+        written = os.writev(fd, views)
+        if written == 0:
+            raise OSError(errno.EIO, "write returned 0")
+        while views and written >= len(views[0]):
+            written -= len(views[0])
+            views.pop(0)
+        if views and written:
+            views[0] = views[0][written:]

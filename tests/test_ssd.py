@@ -1,0 +1,465 @@
+"""Tests of the SSD cache-once tier (cachefs/cache/ssd.py), without FUSE.
+
+What a user of the tier sees: what `contains` and `read` answer, the bytes `read` returns,
+`stats()`, the files left in the cache directory, the warnings logged, the errors raised.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cachefs.cache import ssd as ssd_module
+from cachefs.cache.ssd import ENTRY_HEADER_BYTES, SsdTier
+from cachefs.errors import EXIT_CACHE_DIR, StartupError
+from cachefs.source import SourceIdentity
+
+BLOCK = 4096
+
+
+def ident(n: int, version: int = 0) -> SourceIdentity:
+    return SourceIdentity(size=1000 + n, mtime_ns=1_700_000_000_000_000_000 + version, ino=n + 1)
+
+
+def payload(n: int, length: int = 1000) -> bytes:
+    return random.Random(n).randbytes(length)
+
+
+def key(n: int, block: int = 0) -> tuple[bytes, int]:
+    return (f"train/class{n % 7}/img{n:06d}.jpg".encode(), block)
+
+
+def entry_files(directory: Path) -> list[Path]:
+    return sorted(p for p in (directory / "entries").rglob("*") if p.is_file())
+
+
+def crash(tier: SsdTier) -> None:
+    """What kill -9 leaves: the index log as appended so far, meta unclean, lock released."""
+    tier._release_fds()
+
+
+@pytest.fixture
+def cache_dir(tmp_path):
+    return tmp_path / "ssd"
+
+
+def fill(tier: SsdTier, count: int, length: int = 1000) -> None:
+    for n in range(count):
+        assert tier.admit(key(n), ident(n), payload(n, length))
+
+
+# ----------------------------------------------------------------- cache-once policy
+
+def test_cache_once_fills_budget_then_admits_and_replaces_nothing(cache_dir):
+    with SsdTier(cache_dir, budget_bytes=10_000, block_bytes=BLOCK) as tier:
+        admitted = [tier.admit(key(n), ident(n), payload(n)) for n in range(25)]
+        assert admitted == [True] * 10 + [False] * 15
+        assert not tier.has_room(1)
+        # Nothing was replaced: the first ten are the ones held, byte for byte.
+        for n in range(10):
+            assert tier.read(key(n), ident(n)) == payload(n)
+        for n in range(10, 25):
+            assert not tier.contains(key(n), ident(n))
+            assert tier.read(key(n), ident(n)) is None
+        # Admitting a resident block again is a no-op.
+        assert not tier.admit(key(3), ident(3), payload(3))
+        stats = tier.stats()
+        assert (stats["bytes"], stats["entries"], stats["budget"]) == (10_000, 10, 10_000)
+        assert len(entry_files(cache_dir)) == 10
+
+
+def test_hit_rate_of_random_epochs_equals_cached_fraction(cache_dir):
+    items, cached = 60, 24
+    hits_per_epoch = []
+    rng = random.Random(4)
+    with SsdTier(cache_dir, budget_bytes=cached * 1000, block_bytes=BLOCK) as tier:
+        for _epoch in range(4):
+            order = list(range(items))
+            rng.shuffle(order)
+            hits = 0
+            for n in order:
+                data = tier.read(key(n), ident(n))
+                if data is None:
+                    tier.admit(key(n), ident(n), payload(n))  # a miss read from the source
+                else:
+                    assert data == payload(n)
+                    hits += 1
+            hits_per_epoch.append(hits)
+    assert hits_per_epoch == [0, cached, cached, cached]  # cached/total = 24/60 exactly
+
+
+def test_dropping_frees_budget_for_new_admissions(cache_dir):
+    with SsdTier(cache_dir, budget_bytes=3000, block_bytes=BLOCK) as tier:
+        fill(tier, 3)
+        assert not tier.admit(key(9), ident(9), payload(9))
+        assert tier.drop_file(key(1)[0]) == 1
+        assert tier.has_room(1000)
+        assert tier.admit(key(9), ident(9), payload(9))
+        assert tier.stats()["bytes"] == 3000
+
+
+def test_drop_file_drops_every_block_of_that_file_only(cache_dir):
+    with SsdTier(cache_dir, budget_bytes=100_000, block_bytes=BLOCK) as tier:
+        for block in range(5):
+            assert tier.admit((b"shard-0.tar", block), ident(0), payload(block, BLOCK))
+        assert tier.admit((b"shard-1.tar", 0), ident(1), payload(7, BLOCK))
+        assert tier.drop_file(b"shard-0.tar") == 5
+        assert tier.drop_file(b"shard-0.tar") == 0
+        assert not any(tier.contains((b"shard-0.tar", b), ident(0)) for b in range(5))
+        assert tier.read((b"shard-1.tar", 0), ident(1)) == payload(7, BLOCK)
+        assert tier.stats()["entries"] == 1
+        assert len(entry_files(cache_dir)) == 1
+
+
+# ----------------------------------------------------------------- persistence and recovery
+
+def test_reopen_is_warm_with_identical_bytes(cache_dir):
+    with SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK) as tier:
+        fill(tier, 20)
+        for block in range(3):  # a file of several blocks, the last one short
+            tier.admit((b"big.npy", block), ident(99), payload(block, BLOCK if block < 2 else 10))
+        before = tier.stats()
+    with SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK) as tier:
+        assert tier.stats() == before
+        for n in range(20):
+            assert tier.contains(key(n), ident(n))
+            assert tier.read(key(n), ident(n)) == payload(n)
+        assert tier.read((b"big.npy", 2), ident(99)) == payload(2, 10)
+        assert tier.stats()["rejected_checksum"] == 0
+
+
+def test_missing_index_is_rebuilt_from_entries(cache_dir):
+    with SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK) as tier:
+        fill(tier, 30)
+    (cache_dir / "index").unlink()
+    with SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK) as tier:
+        assert tier.stats()["entries"] == 30
+        assert all(tier.read(key(n), ident(n)) == payload(n) for n in range(30))
+    assert (cache_dir / "index").stat().st_size > 30 * 72
+
+
+@pytest.mark.parametrize("damage", ["garbage", "flip_in_base", "truncated"])
+def test_damaged_index_is_rebuilt_from_entries(cache_dir, caplog, damage):
+    with SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK) as tier:
+        fill(tier, 30)
+    index = cache_dir / "index"
+    raw = bytearray(index.read_bytes())
+    if damage == "garbage":
+        raw = bytearray(os.urandom(len(raw)))
+    elif damage == "flip_in_base":
+        raw[64 + 72 * 10 + 20] ^= 0x10
+    else:
+        raw = raw[:64 + 72 * 10 + 5]
+    index.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING):
+        with SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK) as tier:
+            assert tier.stats()["entries"] == 30
+            assert all(tier.read(key(n), ident(n)) == payload(n) for n in range(30))
+    assert "index damaged" in caplog.text
+
+
+def test_crash_reconciles_lagging_index_and_removes_tmp(cache_dir):
+    tier = SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK)
+    fill(tier, 10)
+    tier.close()  # ten entries in the compacted base
+    tier = SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK)
+    for n in range(10, 20):
+        assert tier.admit(key(n), ident(n), payload(n))
+    assert tier.drop_file(key(2)[0]) == 1
+    crash(tier)
+    # The index lags the files: lose the appended tail, as if those appends never happened,
+    # and leave a half-written entry behind.
+    index = cache_dir / "index"
+    with open(index, "r+b") as f:
+        f.truncate(64 + 72 * 10)
+    stray = cache_dir / "entries" / "ab" / ("ab" + "0" * 30 + ".1234abcd.tmp")
+    stray.write_bytes(b"half an entry")
+    with SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK) as tier:
+        assert not stray.exists()
+        present = {n for n in range(20) if tier.contains(key(n), ident(n))}
+        assert present == set(range(20)) - {2}  # adopted from files; the drop is kept
+        assert all(tier.read(key(n), ident(n)) == payload(n) for n in present)
+        assert tier.stats()["entries"] == 19
+        assert tier.stats()["bytes"] == 19_000
+    assert not list((cache_dir / "entries").rglob("*.tmp"))
+
+
+def test_crash_after_drops_replays_tombstones(cache_dir):
+    tier = SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK)
+    fill(tier, 6)
+    assert tier.read(key(4), ident(4, version=1)) is None  # stale: dropped
+    tier.drop_file(key(5)[0])
+    crash(tier)
+    with SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK) as tier:
+        assert [tier.contains(key(n), ident(n)) for n in range(6)] == [True] * 4 + [False] * 2
+        assert tier.stats()["bytes"] == 4000
+
+
+def test_kill_9_mid_fill_never_serves_bad_bytes(cache_dir):
+    """A real kill -9 of a process filling the tier; then every entry must verify."""
+    child = textwrap.dedent(f"""
+        import random, sys
+        from pathlib import Path
+        from cachefs.cache.ssd import SsdTier
+        from cachefs.source import SourceIdentity
+        tier = SsdTier(Path({str(cache_dir)!r}), 1 << 30, 1 << 20)
+        for n in range(100_000):
+            data = random.Random(n).randbytes(50_000 + n % 7)
+            tier.admit((b"f%d" % n, 0), SourceIdentity(len(data), n, n), data)
+            if n == 50:
+                print("filling", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE,
+                            cwd=Path(__file__).parent.parent)
+    try:
+        assert proc.stdout.readline() == b"filling\n"
+        time.sleep(0.3)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    with SsdTier(cache_dir, budget_bytes=1 << 30, block_bytes=1 << 20) as tier:
+        entries = tier.stats()["entries"]
+        assert entries > 50
+        served = 0
+        for n in range(entries + 100):
+            data = random.Random(n).randbytes(50_000 + n % 7)
+            got = tier.read((b"f%d" % n, 0), SourceIdentity(len(data), n, n))
+            if got is not None:
+                assert got == data
+                served += 1
+        assert served == entries
+        assert tier.stats()["rejected_checksum"] == 0
+    assert not list((cache_dir / "entries").rglob("*.tmp"))
+
+
+# ----------------------------------------------------------------- staleness and corruption
+
+def test_stale_identity_is_dropped_counted_and_replaceable(cache_dir):
+    with SsdTier(cache_dir, budget_bytes=3000, block_bytes=BLOCK) as tier:
+        fill(tier, 3)
+        changed = ident(1, version=1)
+        assert not tier.contains(key(1), changed)
+        assert tier.read(key(1), changed) is None
+        assert tier.stats()["dropped_stale"] == 1
+        assert not tier.contains(key(1), ident(1))  # the old entry is gone, not just hidden
+        assert tier.stats()["bytes"] == 2000
+        assert tier.admit(key(1), changed, payload(101))
+        assert tier.read(key(1), changed) == payload(101)
+        # Admitting under a new identity replaces the stale entry even with the budget full.
+        assert tier.admit(key(2), ident(2, version=5), payload(102))
+        assert tier.read(key(2), ident(2, version=5)) == payload(102)
+        assert tier.stats()["dropped_stale"] == 2
+        assert len(entry_files(cache_dir)) == 3
+
+
+def _damage(path: Path, how: str) -> None:
+    raw = bytearray(path.read_bytes())
+    if how == "payload_bit_flip":
+        raw[ENTRY_HEADER_BYTES + 500] ^= 0x01
+    elif how == "truncated":
+        raw = raw[:ENTRY_HEADER_BYTES + 300]
+    elif how == "header_bit_flip":
+        raw[40] ^= 0x80  # inside the identity fields
+    elif how == "header_only":
+        raw = raw[:ENTRY_HEADER_BYTES - 1]
+    elif how == "extended":
+        raw += b"\0" * 10
+    elif how == "zeros":  # what a power loss may leave behind a durable rename
+        raw = bytearray(len(raw))
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("how", ["payload_bit_flip", "truncated", "header_bit_flip",
+                                 "header_only", "extended", "zeros"])
+def test_damaged_entry_is_never_served(cache_dir, how):
+    with SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK) as tier:
+        assert tier.admit(key(0), ident(0), payload(0))
+        _damage(entry_files(cache_dir)[0], how)
+        assert tier.read(key(0), ident(0)) is None
+        assert tier.stats()["rejected_checksum"] == 1
+        assert not tier.contains(key(0), ident(0))
+        assert (tier.stats()["bytes"], tier.stats()["entries"]) == (0, 0)
+        assert entry_files(cache_dir) == []
+        assert tier.admit(key(0), ident(0), payload(0))  # the source bytes, again
+        assert tier.read(key(0), ident(0)) == payload(0)
+
+
+def test_damaged_entry_adopted_after_crash_is_rejected(cache_dir):
+    tier = SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK)
+    fill(tier, 3)
+    crash(tier)
+    (cache_dir / "index").unlink()
+    for path in entry_files(cache_dir):
+        _damage(path, "payload_bit_flip")  # the header still verifies: adopted at rebuild
+    with SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK) as tier:
+        assert [tier.read(key(n), ident(n)) for n in range(3)] == [None] * 3
+        assert tier.stats()["rejected_checksum"] == 3
+
+
+def test_read_error_is_a_counted_miss(cache_dir, monkeypatch):
+    with SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK) as tier:
+        fill(tier, 2)
+        real_pread = os.pread
+
+        def failing_pread(fd, size, offset):
+            if offset == ENTRY_HEADER_BYTES:
+                raise OSError(errno.EIO, "Input/output error")
+            return real_pread(fd, size, offset)
+
+        monkeypatch.setattr(ssd_module.os, "pread", failing_pread)
+        assert tier.read(key(0), ident(0)) is None
+        monkeypatch.undo()
+        assert tier.stats()["rejected_checksum"] == 1
+        assert tier.read(key(1), ident(1)) == payload(1)
+
+
+# ----------------------------------------------------------------- directory handling
+
+def test_second_tier_on_same_directory_is_refused(cache_dir):
+    first = SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK)
+    try:
+        with pytest.raises(StartupError) as raised:
+            SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK)
+        assert raised.value.exit_code == EXIT_CACHE_DIR
+        assert str(raised.value) == (f"cache directory {cache_dir} is in use by another "
+                                     f"cachefs mount")
+    finally:
+        first.close()
+    first.close()  # idempotent
+    SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK).close()
+
+
+def test_unusable_directory_is_a_startup_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(StartupError) as raised:
+        SsdTier(blocker / "ssd", budget_bytes=1 << 20, block_bytes=BLOCK)
+    assert raised.value.exit_code == EXIT_CACHE_DIR
+    assert str(blocker / "ssd") in str(raised.value)
+
+
+def test_block_size_change_wipes_entries(cache_dir, caplog):
+    with SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK) as tier:
+        fill(tier, 5)
+    (cache_dir / "mine.txt").write_text("the user's own file")
+    with caplog.at_level(logging.WARNING):
+        with SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=2 * BLOCK) as tier:
+            assert tier.stats()["entries"] == 0
+            assert not tier.contains(key(0), ident(0))
+            assert tier.read(key(0), ident(0)) is None
+    assert "discarding the cached entries" in caplog.text
+    assert entry_files(cache_dir) == []
+    assert (cache_dir / "mine.txt").exists()
+
+
+def test_smaller_budget_on_reopen_trims_to_fit(cache_dir):
+    with SsdTier(cache_dir, budget_bytes=10_000, block_bytes=BLOCK) as tier:
+        fill(tier, 10)
+    with SsdTier(cache_dir, budget_bytes=4_500, block_bytes=BLOCK) as tier:
+        stats = tier.stats()
+        assert (stats["entries"], stats["bytes"]) == (4, 4000)
+        assert len(entry_files(cache_dir)) == 4
+
+
+# ----------------------------------------------------------------- write errors
+
+def test_write_error_stops_admission_once_and_reads_go_on(cache_dir, caplog, monkeypatch):
+    with SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK) as tier:
+        fill(tier, 3)
+
+        def disk_full(fd, buffers):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(ssd_module.os, "writev", disk_full)
+        with caplog.at_level(logging.WARNING, logger="cachefs.cache.ssd"):
+            assert not tier.admit(key(10), ident(10), payload(10))
+            monkeypatch.undo()  # the disk has room again: admission stays off for this mount
+            assert not tier.admit(key(11), ident(11), payload(11))
+            assert not tier.has_room(1)
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1
+        assert "ENOSPC" in tier.stats()["admission_disabled"]
+        assert all(tier.read(key(n), ident(n)) == payload(n) for n in range(3))
+        assert not list((cache_dir / "entries").rglob("*.tmp"))
+        assert len(entry_files(cache_dir)) == 3
+
+
+def test_full_tmpfs_stops_admission_and_reads_go_on(tmp_path, caplog):
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    tier = None
+    try:
+        tier = SsdTier(mnt / "ssd", budget_bytes=10 << 20, block_bytes=1 << 16)
+        with caplog.at_level(logging.WARNING, logger="cachefs.cache.ssd"):
+            admitted = 0
+            while tier.admit(key(admitted), ident(admitted), payload(admitted, 60_000)):
+                admitted += 1
+        assert 5 < admitted < 20
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1
+        assert "ENOSPC" in tier.stats()["admission_disabled"]
+        assert not tier.admit(key(admitted + 1), ident(admitted + 1), payload(1, 10))
+        for n in range(admitted):
+            assert tier.read(key(n), ident(n)) == payload(n, 60_000)
+        assert not list((mnt / "ssd" / "entries").rglob("*.tmp"))
+    finally:
+        if tier is not None:
+            tier.close()  # its open files would make umount fail with EBUSY
+        subprocess.run(["umount", "--lazy", str(mnt)], check=True)
+
+
+# ----------------------------------------------------------------- threads
+
+def test_concurrent_admits_reads_and_drops_keep_exact_accounting(cache_dir):
+    items, budget = 400, 150 * 1000
+    errors = []
+    with SsdTier(cache_dir, budget_bytes=budget, block_bytes=BLOCK) as tier:
+        def worker(seed: int) -> None:
+            rng = random.Random(seed)
+            try:
+                for _ in range(600):
+                    n = rng.randrange(items)
+                    length = 1000 if n % 2 else 500
+                    action = rng.random()
+                    if action < 0.5:
+                        tier.admit(key(n), ident(n), payload(n, length))
+                    elif action < 0.95:
+                        got = tier.read(key(n), ident(n))
+                        assert got is None or got == payload(n, length)
+                    else:
+                        tier.drop_file(key(n)[0])
+            except Exception as exc:  # re-raised in the main thread below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == []
+        stats = tier.stats()
+        resident = [n for n in range(items) if tier.contains(key(n), ident(n))]
+        expected = sum(1000 if n % 2 else 500 for n in resident)
+        assert (stats["bytes"], stats["entries"]) == (expected, len(resident))
+        assert stats["bytes"] <= budget
+        assert stats["rejected_checksum"] == stats["dropped_stale"] == 0
+        files = entry_files(cache_dir)
+        assert len(files) == len(resident)
+        assert sum(p.stat().st_size - ENTRY_HEADER_BYTES for p in files) == expected
+    with SsdTier(cache_dir, budget_bytes=budget, block_bytes=BLOCK) as tier:
+        assert tier.stats()["bytes"] == expected
+        assert all(tier.read(key(n), ident(n)) is not None for n in resident)
