@@ -1,0 +1,549 @@
+"""The order file: format, validation messages, rank slicing, atomic writes, publish.
+
+Pure tests: no FUSE. `publish` is tested against a fake daemon that answers the two xattrs
+the real one serves (see `FakeDaemon`).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from cachefs import order as order_mod
+from cachefs.errors import OrderError
+from cachefs.order import (
+    ORDER_VERSION,
+    FileIdentity,
+    Manifest,
+    load_order,
+    permutation,
+    publish,
+    rank_slice,
+    read_files_list,
+    read_index_file,
+    scan_source,
+    source_file_count,
+    validate_arrays,
+    write_order_file,
+)
+from cachefs.order_watch import OrderWatcher
+
+FILES = [f"train/c{i % 3}/img_{i:03d}.jpg" for i in range(12)]
+
+
+@pytest.fixture
+def source_manifest() -> Manifest:
+    return Manifest.from_paths(sorted(FILES, key=os.fsencode))
+
+
+def save_npz(path: Path, **arrays) -> Path:
+    """Write an order file by hand, as a framework without cachefs would."""
+    arrays.setdefault("version", np.int64(ORDER_VERSION))
+    np.savez(path, **arrays)
+    return path
+
+
+def rejection(path: Path, manifest) -> str:
+    with pytest.raises(OrderError) as info:
+        load_order(path, manifest)
+    return str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Manifest and scanning
+
+
+def test_manifest_keeps_order_and_finds_paths():
+    manifest = Manifest.from_paths(["b.jpg", "a.jpg", "dir/ü.jpg", b"raw\xff.jpg"])
+    assert manifest.paths.dtype.kind == "S"
+    assert len(manifest) == 4
+    assert manifest.path(0) == b"b.jpg"
+    assert manifest.index_of(b"a.jpg") == 1
+    assert manifest.index_of("dir/ü.jpg") == 2
+    assert manifest.index_of(b"raw\xff.jpg") == 3
+    assert manifest.index_of(b"missing.jpg") == -1
+    assert manifest.index_of(b"a.jpg/longer/than/any/path/in/the/manifest") == -1
+    with pytest.raises(IndexError):
+        manifest.path(4)
+
+
+def test_manifest_from_unicode_and_bytes_arrays_agree():
+    paths = ["x/1.png", "x/22.png", "y/333.png"]
+    from_u = Manifest.from_paths(np.array(paths))
+    from_s = Manifest.from_paths(np.array(paths, dtype="S"))
+    assert from_u.paths.tolist() == from_s.paths.tolist() == [p.encode() for p in paths]
+
+
+def test_lookup_between_manifests_of_different_widths():
+    source = Manifest.from_paths([f"d/{i}.jpg" for i in range(1000)])
+    query = Manifest.from_paths(np.array(["d/999.jpg", "d/0.jpg", "nope", "d/5.jpg"], dtype="S40"))
+    assert source.lookup(query).tolist() == [999, 0, -1, 5]
+
+
+def test_scan_source_lists_regular_files_by_path_bytes_without_symlinks(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "z.jpg").write_bytes(b"1")
+    (tmp_path / "a.txt").write_bytes(b"2")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x").write_bytes(b"3")
+    (tmp_path / "link.jpg").symlink_to(tmp_path / "a.txt")
+    (tmp_path / "linkdir").symlink_to(tmp_path / "b")
+    (tmp_path / "empty").mkdir()
+    manifest = scan_source(tmp_path)
+    # b"a.txt" < b"a/x" because '.' (0x2e) sorts before '/' (0x2f)
+    assert manifest.paths.tolist() == [b"a.txt", b"a/x", b"b/z.jpg"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Generator and rank slicing
+
+
+def test_permutation_is_reproducible_and_differs_per_epoch():
+    first = permutation(1000, seed=7, epoch=3)
+    assert first.dtype == np.int64
+    assert np.array_equal(first, permutation(1000, seed=7, epoch=3))
+    assert np.array_equal(np.sort(first), np.arange(1000))
+    assert not np.array_equal(first, permutation(1000, seed=7, epoch=4))
+    assert not np.array_equal(first, permutation(1000, seed=8, epoch=3))
+    documented = np.random.Generator(np.random.PCG64([7, 3])).permutation(1000)
+    assert np.array_equal(first, documented)
+
+
+def distributed_sampler_indices(indices: list[int], rank: int, num_replicas: int) -> list[int]:
+    """torch.utils.data.DistributedSampler.__iter__ with drop_last=False, copied (no torch)."""
+    num_samples = math.ceil(len(indices) / num_replicas)
+    total_size = num_samples * num_replicas
+    padding_size = total_size - len(indices)
+    if padding_size <= len(indices):
+        indices += indices[:padding_size]
+    else:
+        indices += (indices * math.ceil(padding_size / len(indices)))[:padding_size]
+    assert len(indices) == total_size
+    indices = indices[rank:total_size:num_replicas]
+    assert len(indices) == num_samples
+    return indices
+
+
+@pytest.mark.parametrize("n, world_size", [(10, 1), (10, 3), (12, 4), (7, 8), (2, 5), (1, 3),
+                                           (100, 7), (5, 16)])
+def test_rank_slice_matches_distributed_sampler(n, world_size):
+    order = permutation(n, seed=1, epoch=0)
+    for rank in range(world_size):
+        expected = distributed_sampler_indices(order.tolist(), rank, world_size)
+        assert rank_slice(order, rank, world_size).tolist() == expected
+
+
+def test_rank_slice_rejects_bad_rank():
+    with pytest.raises(OrderError, match="rank"):
+        rank_slice(np.arange(4), 2, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing and loading good files
+
+
+def test_round_trip_with_files_and_rank(tmp_path, source_manifest):
+    files = list(reversed(FILES))
+    current, nxt = permutation(12, 0, 5), permutation(12, 0, 6)
+    identity = write_order_file(tmp_path / "order.npz", epoch=5, current=current, next=nxt,
+                                files=files, rank=1, world_size=5)
+    assert identity == FileIdentity.from_stat(os.stat(tmp_path / "order.npz"))
+    order = load_order(tmp_path / "order.npz", source_manifest)
+    assert order.epoch == 5 and order.rank == 1 and order.world_size == 5
+    assert order.total_length == 12
+    assert order.current.tolist() == distributed_sampler_indices(current.tolist(), 1, 5)
+    assert order.next.tolist() == distributed_sampler_indices(nxt.tolist(), 1, 5)
+    assert order.manifest.path(0) == files[0].encode()
+    assert order.file == identity
+    assert order.status() == {"epoch": 5, "length": 3, "total_length": 12, "rank": 1,
+                              "world_size": 5, "has_next": True, "file": identity.to_json()}
+    with pytest.raises(ValueError):
+        order.current[0] = 0  # the daemon's arrays are read-only
+
+
+def test_without_files_the_manifest_is_the_source_computed_on_demand(tmp_path,
+                                                                     source_manifest):
+    write_order_file(tmp_path / "order.npz", epoch=0, current=np.arange(12)[::-1])
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return source_manifest
+
+    order = load_order(tmp_path / "order.npz", compute)
+    assert calls == [1]
+    assert order.manifest is source_manifest and order.next is None
+    assert order.current.tolist() == list(range(11, -1, -1))
+
+
+def test_a_bad_file_does_not_compute_the_source_manifest(tmp_path):
+    save_npz(tmp_path / "order.npz", epoch=np.int64(0))  # no `current`
+
+    def compute():
+        raise AssertionError("scanned the source for a malformed file")
+
+    with pytest.raises(OrderError, match="missing key 'current'"):
+        load_order(tmp_path / "order.npz", compute)
+
+
+def test_hand_written_file_with_unicode_files_and_int32_indices(tmp_path, source_manifest):
+    save_npz(tmp_path / "order.npz", epoch=np.int64(1),
+             current=np.arange(12, dtype=np.int32), files=np.array(FILES))
+    order = load_order(tmp_path / "order.npz", source_manifest)
+    assert order.current.dtype == np.int64
+    assert order.manifest.path(3) == FILES[3].encode()
+
+
+def test_write_is_atomic_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "order.npz"
+    write_order_file(path, epoch=0, current=[0, 1, 2])
+    first = os.stat(path).st_ino
+    write_order_file(path, epoch=1, current=[2, 1, 0])
+    assert os.listdir(tmp_path) == ["order.npz"]
+    assert os.stat(path).st_ino != first  # replaced by rename, not rewritten in place
+    with np.load(path, allow_pickle=False) as npz:
+        assert int(npz["epoch"]) == 1 and npz["current"].tolist() == [2, 1, 0]
+
+
+def test_a_failing_validation_writes_nothing(tmp_path):
+    path = tmp_path / "order.npz"
+    write_order_file(path, epoch=0, current=[0, 1, 2])
+    before = path.read_bytes()
+    with pytest.raises(OrderError, match="duplicate index 1"):
+        write_order_file(path, epoch=1, current=[0, 1, 1])
+    assert os.listdir(tmp_path) == ["order.npz"] and path.read_bytes() == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad files: each rejected with a message naming the problem
+
+
+def test_reject_not_an_npz(tmp_path, source_manifest):
+    (tmp_path / "order.npz").write_text("epoch=1\ncurrent=1,2,3\n")
+    assert "not an npz archive" in rejection(tmp_path / "order.npz", source_manifest)
+
+
+def test_reject_a_single_npy(tmp_path, source_manifest):
+    np.save(tmp_path / "order.npy", np.arange(3))
+    assert "single .npy array, not an npz" in rejection(tmp_path / "order.npy",
+                                                        source_manifest)
+
+
+def test_reject_zero_byte_file(tmp_path, source_manifest):
+    (tmp_path / "order.npz").write_bytes(b"")
+    assert "empty file (0 bytes)" in rejection(tmp_path / "order.npz", source_manifest)
+
+
+def test_reject_truncated_file(tmp_path, source_manifest):
+    write_order_file(tmp_path / "good.npz", epoch=0, current=np.arange(12))
+    data = (tmp_path / "good.npz").read_bytes()
+    for cut in (len(data) // 2, len(data) - 10, 30):
+        (tmp_path / "order.npz").write_bytes(data[:cut])
+        assert "truncated or corrupt npz" in rejection(tmp_path / "order.npz", source_manifest)
+
+
+def test_reject_pickled_object_array(tmp_path, source_manifest):
+    save_npz(tmp_path / "order.npz", epoch=np.int64(0),
+             current=np.array([0, 1, 2], dtype=object))
+    message = rejection(tmp_path / "order.npz", source_manifest)
+    assert "'current'" in message and "pickled (object) array" in message
+
+
+def test_reject_pickled_files_list(tmp_path, source_manifest):
+    save_npz(tmp_path / "order.npz", epoch=np.int64(0), current=np.arange(2),
+             files=np.array(["a", "b"], dtype=object))
+    message = rejection(tmp_path / "order.npz", source_manifest)
+    assert "'files'" in message and "pickled" in message
+
+
+def test_reject_missing_current(tmp_path, source_manifest):
+    save_npz(tmp_path / "order.npz", epoch=np.int64(0), next=np.arange(12))
+    assert "missing key 'current'" in rejection(tmp_path / "order.npz", source_manifest)
+
+
+def test_reject_missing_version_and_unknown_version(tmp_path, source_manifest):
+    np.savez(tmp_path / "a.npz", epoch=np.int64(0), current=np.arange(3))
+    assert "missing key 'version'" in rejection(tmp_path / "a.npz", source_manifest)
+    save_npz(tmp_path / "b.npz", version=np.int64(2), epoch=np.int64(0), current=np.arange(3))
+    assert "unknown version 2" in rejection(tmp_path / "b.npz", source_manifest)
+
+
+def test_reject_unknown_key(tmp_path, source_manifest):
+    save_npz(tmp_path / "order.npz", epoch=np.int64(0), current=np.arange(3),
+             nxt=np.arange(3))
+    assert "unknown key(s) 'nxt'" in rejection(tmp_path / "order.npz", source_manifest)
+
+
+def test_reject_non_integer_indices(tmp_path, source_manifest):
+    save_npz(tmp_path / "order.npz", epoch=np.int64(0), current=np.array([0.0, 1.0]))
+    message = rejection(tmp_path / "order.npz", source_manifest)
+    assert "current must be an integer array" in message and "float64" in message
+
+
+def test_reject_negative_index(tmp_path, source_manifest):
+    save_npz(tmp_path / "order.npz", epoch=np.int64(0), current=np.array([0, 1, -3, 2]))
+    assert "current[2] = -3 is negative" in rejection(tmp_path / "order.npz", source_manifest)
+
+
+def test_reject_out_of_range_index_against_the_source(tmp_path, source_manifest):
+    save_npz(tmp_path / "order.npz", epoch=np.int64(0), current=np.array([0, 12, 1]))
+    message = rejection(tmp_path / "order.npz", source_manifest)
+    assert "current[1] = 12 is out of range" in message and "12 files" in message
+
+
+def test_reject_out_of_range_index_against_files(tmp_path, source_manifest):
+    save_npz(tmp_path / "order.npz", epoch=np.int64(0), current=np.array([0, 1]),
+             next=np.array([1, 2]), files=np.array(FILES[:2]))
+    assert "next[1] = 2 is out of range" in rejection(tmp_path / "order.npz", source_manifest)
+
+
+def test_reject_duplicate_index(tmp_path, source_manifest):
+    save_npz(tmp_path / "order.npz", epoch=np.int64(0), current=np.array([4, 5, 6, 5]))
+    assert "current has duplicate index 5 at positions 1 and 3" in rejection(
+        tmp_path / "order.npz", source_manifest)
+
+
+def test_reject_duplicate_index_in_next(tmp_path, source_manifest):
+    save_npz(tmp_path / "order.npz", epoch=np.int64(0), current=np.array([0, 1, 2]),
+             next=np.array([2, 2, 0]))
+    assert "next has duplicate index 2" in rejection(tmp_path / "order.npz", source_manifest)
+
+
+def test_reject_current_next_length_mismatch(tmp_path, source_manifest):
+    save_npz(tmp_path / "order.npz", epoch=np.int64(0), current=np.arange(5),
+             next=np.arange(4))
+    assert "next has 4 entries but current has 5" in rejection(tmp_path / "order.npz",
+                                                               source_manifest)
+
+
+def test_reject_absolute_path(tmp_path, source_manifest):
+    save_npz(tmp_path / "order.npz", epoch=np.int64(0), current=np.arange(2),
+             files=np.array([FILES[0], "/etc/passwd"]))
+    assert "files[1] = '/etc/passwd' is absolute" in rejection(tmp_path / "order.npz",
+                                                                source_manifest)
+
+
+@pytest.mark.parametrize("bad", ["../secret", "train/../../x", "train/c0/..", ".."])
+def test_reject_dotdot_path(tmp_path, source_manifest, bad):
+    save_npz(tmp_path / "order.npz", epoch=np.int64(0), current=np.arange(2),
+             files=np.array([FILES[0], bad]))
+    assert f"files[1] = {bad!r} contains a '..' component" in rejection(
+        tmp_path / "order.npz", source_manifest)
+
+
+def test_reject_path_not_under_source(tmp_path, source_manifest):
+    save_npz(tmp_path / "order.npz", epoch=np.int64(0), current=np.arange(3),
+             files=np.array([FILES[0], FILES[1], "train/c9/img_999.jpg"]))
+    message = rejection(tmp_path / "order.npz", source_manifest)
+    assert "files[2] = 'train/c9/img_999.jpg' does not exist under the source" in message
+
+
+def test_reject_empty_and_duplicate_paths(tmp_path, source_manifest):
+    save_npz(tmp_path / "a.npz", epoch=np.int64(0), current=np.arange(2),
+             files=np.array([FILES[0], ""]))
+    assert "files[1] is an empty path" in rejection(tmp_path / "a.npz", source_manifest)
+    save_npz(tmp_path / "b.npz", epoch=np.int64(0), current=np.arange(3),
+             files=np.array([FILES[0], FILES[1], FILES[0]]))
+    assert f"files has duplicate path {FILES[0]!r} at positions 0 and 2" in rejection(
+        tmp_path / "b.npz", source_manifest)
+
+
+def test_reject_rank_at_or_above_world_size(tmp_path, source_manifest):
+    save_npz(tmp_path / "order.npz", epoch=np.int64(0), current=np.arange(12),
+             rank=np.int64(4), world_size=np.int64(4))
+    assert "rank 4 >= world_size 4" in rejection(tmp_path / "order.npz", source_manifest)
+
+
+def test_reject_rank_without_world_size_and_bad_world_size(tmp_path, source_manifest):
+    save_npz(tmp_path / "a.npz", epoch=np.int64(0), current=np.arange(12), rank=np.int64(0))
+    assert "rank given without world_size" in rejection(tmp_path / "a.npz", source_manifest)
+    save_npz(tmp_path / "b.npz", epoch=np.int64(0), current=np.arange(12),
+             rank=np.int64(0), world_size=np.int64(0))
+    assert "world_size must be >= 1" in rejection(tmp_path / "b.npz", source_manifest)
+
+
+def test_rejection_carries_the_file_identity(tmp_path, source_manifest):
+    path = save_npz(tmp_path / "order.npz", epoch=np.int64(0), current=np.array([1, 1]))
+    with pytest.raises(OrderError) as info:
+        load_order(path, source_manifest)
+    assert info.value.file == FileIdentity.from_stat(os.stat(path))
+
+
+def test_validate_arrays_names_the_problem_before_anything_is_written():
+    with pytest.raises(OrderError, match=r"current\[1\] = 7 is out of range"):
+        validate_arrays(0, [0, 7], manifest_len=5)
+    with pytest.raises(OrderError, match="epoch must be an integer"):
+        validate_arrays("3", [0])
+    with pytest.raises(OrderError, match="world_size given without rank"):
+        validate_arrays(0, [0], world_size=2)
+    validate_arrays(0, np.arange(5), next=np.arange(5)[::-1], rank=1, world_size=2,
+                    manifest_len=5)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI input files
+
+
+def test_read_index_file_text_and_npy(tmp_path):
+    (tmp_path / "cur.txt").write_text("3\n1\n\n  2 \n0\n")
+    assert read_index_file(tmp_path / "cur.txt").tolist() == [3, 1, 2, 0]
+    np.save(tmp_path / "cur.npy", np.array([2, 0, 1], dtype=np.int32))
+    assert read_index_file(tmp_path / "cur.npy").tolist() == [2, 0, 1]
+
+
+def test_read_index_file_names_the_bad_line(tmp_path):
+    (tmp_path / "cur.txt").write_text("3\n1\n\nfour\n0\n")
+    with pytest.raises(OrderError, match=r"cur.txt: line 4: not an integer: 'four'"):
+        read_index_file(tmp_path / "cur.txt")
+    np.save(tmp_path / "obj.npy", np.array([1, 2], dtype=object), allow_pickle=True)
+    with pytest.raises(OrderError, match="obj.npy: not a usable .npy array"):
+        read_index_file(tmp_path / "obj.npy")
+    with pytest.raises(OrderError, match="missing.txt"):
+        read_index_file(tmp_path / "missing.txt")
+
+
+def test_read_files_list(tmp_path):
+    (tmp_path / "files.txt").write_bytes(b"a/b.jpg\n\nc d.jpg\r\nx\xff.jpg\n")
+    names = read_files_list(tmp_path / "files.txt")
+    assert names == ["a/b.jpg", "c d.jpg", os.fsdecode(b"x\xff.jpg")]
+    assert Manifest.from_paths(names).path(2) == b"x\xff.jpg"
+
+
+# ---------------------------------------------------------------------------------------------
+# publish() against a fake daemon
+
+
+class FakeDaemon:
+    """Answers the mount's xattrs like the daemon: loads the order file on each stats read."""
+
+    def __init__(self, mount: Path, order_path: Path, source: Manifest | None):
+        self.mount, self.order_path, self.source = mount, order_path, source
+        self.order_status = None
+        self.last_rejection = None
+        self.handled = None
+        self.answer = True
+
+    def getxattr(self, path, name, *args, **kwargs):
+        if Path(path) != self.mount:
+            raise OSError(errno.ENODATA, "No data available")
+        if name == "user.cachefs.order_file":
+            return os.fsencode(self.order_path)
+        if name == "user.cachefs.stats":
+            if self.answer:
+                self._check()
+            return json.dumps({
+                "order": self.order_status, "last_rejection": self.last_rejection,
+                "manifest": {"files": len(self.source) if self.source is not None else None},
+            }).encode()
+        raise OSError(errno.ENODATA, "No data available")
+
+    def _check(self):
+        if not self.order_path.exists():
+            return
+        identity = FileIdentity.from_stat(os.stat(self.order_path))
+        if identity == self.handled:
+            return
+        self.handled = identity
+        try:
+            order = load_order(self.order_path, self.source)
+        except OrderError as err:
+            self.last_rejection = {"reason": str(err), "at": 0.0, "file": identity.to_json()}
+        else:
+            self.order_status = dict(order.status(), published_at=0.0)
+
+
+@pytest.fixture
+def fake_mount(tmp_path, monkeypatch, source_manifest):
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    daemon = FakeDaemon(mount, tmp_path / "state" / "order.npz", source_manifest)
+    daemon.order_path.parent.mkdir()
+    monkeypatch.setattr(order_mod.os, "getxattr", daemon.getxattr)
+    return daemon
+
+
+def test_publish_returns_the_accepted_order(fake_mount):
+    status = publish(fake_mount.mount, 2, permutation(12, 0, 2), next=permutation(12, 0, 3))
+    assert status["epoch"] == 2 and status["length"] == 12 and status["has_next"]
+    assert status["file"] == FileIdentity.from_stat(os.stat(fake_mount.order_path)).to_json()
+
+
+def test_publish_fails_with_the_daemons_reason(fake_mount):
+    # Not caught before writing (the path's syntax is fine): only the daemon knows the source.
+    with pytest.raises(OrderError, match="'train/c9/new.jpg' does not exist under the source"):
+        publish(fake_mount.mount, 0, [0, 1], files=[FILES[0], "train/c9/new.jpg"])
+    assert fake_mount.order_status is None
+
+
+def test_publish_validates_before_writing(fake_mount):
+    with pytest.raises(OrderError, match="current has duplicate index 3"):
+        publish(fake_mount.mount, 0, [3, 3])
+    with pytest.raises(OrderError, match=r"current\[0\] = 12 is out of range"):
+        publish(fake_mount.mount, 0, [12, 0])  # the daemon's manifest count is known
+    assert not fake_mount.order_path.exists()
+
+
+def test_publish_on_a_directory_that_is_not_a_mount(fake_mount, tmp_path):
+    with pytest.raises(OrderError, match="is not a cachefs mount"):
+        publish(tmp_path, 0, [0, 1])
+
+
+def test_publish_times_out_when_the_daemon_does_not_answer(fake_mount):
+    fake_mount.answer = False
+    with pytest.raises(OrderError, match="did not answer within 0.2 s"):
+        publish(fake_mount.mount, 0, [0, 1], timeout_s=0.2)
+
+
+def test_source_file_count_waits_for_the_scan(fake_mount):
+    assert source_file_count(fake_mount.mount) == 12
+    fake_mount.source = None
+    with pytest.raises(OrderError, match="has not finished scanning"):
+        source_file_count(fake_mount.mount, timeout_s=0.1)
+
+
+def test_publish_end_to_end_with_the_real_watcher(tmp_path, monkeypatch, source_manifest):
+    """publish() -> rename -> OrderWatcher (in its own trio thread) -> stats -> accepted."""
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    order_path = tmp_path / "order.npz"
+    switched = []
+    watcher = OrderWatcher(order_path, lambda p: load_order(p, source_manifest), switched.append)
+
+    def getxattr(path, name, *args, **kwargs):
+        if name == "user.cachefs.order_file":
+            return os.fsencode(order_path)
+        status = watcher.status()
+        return json.dumps(dict(status, manifest={"files": len(source_manifest)})).encode()
+
+    monkeypatch.setattr(order_mod.os, "getxattr", getxattr)
+    ready, stop = threading.Event(), threading.Event()
+
+    async def serve():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(watcher.run)
+            ready.set()
+            while not stop.is_set():
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    thread = threading.Thread(target=trio.run, args=(serve,))
+    thread.start()
+    try:
+        assert ready.wait(10)
+        status = publish(mount, 1, permutation(12, 3, 1), rank=0, world_size=2)
+        assert status["epoch"] == 1 and status["length"] == 6 and status["world_size"] == 2
+        with pytest.raises(OrderError, match="'nope.jpg' does not exist under the source"):
+            publish(mount, 2, [1, 0], files=[FILES[0], "nope.jpg"])
+        assert [order.epoch for order in switched] == [1]
+        assert watcher.status()["order"]["epoch"] == 1  # the previous order stays
+    finally:
+        stop.set()
+        thread.join(10)

@@ -1,0 +1,233 @@
+"""OrderWatcher: picks up published files quickly, rejects bad ones, never dies. No FUSE."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from cachefs import order_watch
+from cachefs.errors import OrderError
+from cachefs.order import FileIdentity, Manifest, load_order, write_order_file
+from cachefs.order_watch import OrderWatcher
+
+PICKUP_S = 0.2  # the issue's bar: a new order is in force within 200 ms
+SOURCE = Manifest.from_paths([f"img_{i:02d}.jpg" for i in range(8)])
+
+
+class Harness:
+    """A watcher on tmp_path/order.npz whose accepted orders arrive on a channel."""
+
+    def __init__(self, tmp_path: Path, load=None):
+        self.path = tmp_path / "order.npz"
+        self.accepted = []
+        self._send, self.received = trio.open_memory_channel(10)
+        self.watcher = OrderWatcher(self.path, load or (lambda p: load_order(p, SOURCE)),
+                                    self._on_order)
+
+    def _on_order(self, order):
+        self.accepted.append(order)
+        self._send.send_nowait(order)
+
+    async def next_order(self, timeout_s: float = PICKUP_S):
+        with trio.fail_after(timeout_s):
+            return await self.received.receive()
+
+    async def wait_rejection(self, identity: FileIdentity, timeout_s: float = PICKUP_S):
+        with trio.fail_after(timeout_s):
+            while True:
+                rejection = self.watcher.status()["last_rejection"]
+                if rejection and rejection["file"] == identity.to_json():
+                    return rejection
+                await trio.sleep(0.005)
+
+
+def run_with_watcher(tmp_path, body, load=None):
+    """trio.run a test body next to a running watcher (no pytest-trio)."""
+    harness = Harness(tmp_path, load)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(harness.watcher.run)
+            await body(harness)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return harness
+
+
+def write_bad_file(path: Path) -> FileIdentity:
+    """A complete file renamed into place whose content is invalid (duplicate index)."""
+    temporary = path.with_name(".bad.tmp")
+    with open(temporary, "wb") as handle:  # a file object: savez would append ".npz" to a name
+        np.savez(handle, version=np.int64(1), epoch=np.int64(9), current=np.array([1, 1]))
+    os.replace(temporary, path)
+    return FileIdentity.from_stat(os.stat(path))
+
+
+@pytest.fixture(params=["inotify", "polling"])
+def mode(request, monkeypatch):
+    if request.param == "polling":
+        monkeypatch.setattr(order_watch._Inotify, "open", classmethod(lambda cls, d: None))
+    return request.param
+
+
+def test_picks_up_a_renamed_in_file_within_200_ms(tmp_path, mode):
+    async def body(h: Harness):
+        for epoch in (1, 2, 3):
+            await trio.sleep(0.05)  # the watcher is idle, waiting for an event or a poll
+            write_order_file(h.path, epoch=epoch, current=np.arange(8)[::-1])
+            order = await h.next_order()
+            assert order.epoch == epoch
+        status = h.watcher.status()
+        assert status["path"] == str(h.path)
+        assert status["order"]["epoch"] == 3 and status["order"]["published_at"] > 0
+        assert status["order"]["file"] == FileIdentity.from_stat(os.stat(h.path)).to_json()
+        assert status["last_rejection"] is None
+
+    harness = run_with_watcher(tmp_path, body)
+    assert [order.epoch for order in harness.accepted] == [1, 2, 3]
+
+
+def test_notices_a_file_rewritten_in_place(tmp_path, mode):
+    async def body(h: Harness):
+        write_order_file(h.path, epoch=1, current=np.arange(8))
+        await h.next_order()
+        other = tmp_path / "other.npz"
+        write_order_file(other, epoch=2, current=np.arange(8))
+        h.path.write_bytes(other.read_bytes())  # same inode, new content (close-write)
+        assert (await h.next_order()).epoch == 2
+
+    run_with_watcher(tmp_path, body)
+
+
+def test_loads_an_existing_file_at_start(tmp_path):
+    write_order_file(tmp_path / "order.npz", epoch=4, current=np.arange(8))
+
+    async def body(h: Harness):
+        assert (await h.next_order()).epoch == 4
+
+    run_with_watcher(tmp_path, body)
+
+
+def test_unchanged_file_is_not_reloaded(tmp_path, mode):
+    loads = []
+
+    def load(path):
+        loads.append(path)
+        return load_order(path, SOURCE)
+
+    async def body(h: Harness):
+        write_order_file(h.path, epoch=1, current=np.arange(8))
+        await h.next_order()
+        (tmp_path / "unrelated.txt").write_text("x")  # an event for another file
+        await trio.sleep(0.3)  # several polls
+        await h.watcher.check()
+
+    run_with_watcher(tmp_path, body, load)
+    assert len(loads) == 1
+
+
+def test_records_a_rejection_and_keeps_the_previous_order(tmp_path, mode, caplog):
+    async def body(h: Harness):
+        good = write_order_file(h.path, epoch=1, current=np.arange(8))
+        await h.next_order()
+        bad = write_bad_file(h.path)
+        rejection = await h.wait_rejection(bad)
+        assert "current has duplicate index 1" in rejection["reason"]
+        assert rejection["at"] > 0
+        status = h.watcher.status()
+        assert status["order"]["epoch"] == 1 and status["order"]["file"] == good.to_json()
+        assert h.watcher.order.epoch == 1
+        # and a good file after the bad one is taken again
+        write_order_file(h.path, epoch=2, current=np.arange(8))
+        assert (await h.next_order()).epoch == 2
+
+    with caplog.at_level(logging.WARNING, logger="cachefs.order_watch"):
+        harness = run_with_watcher(tmp_path, body)
+    assert [order.epoch for order in harness.accepted] == [1, 2]
+    assert any("rejected" in record.getMessage() and "duplicate index 1" in record.getMessage()
+               for record in caplog.records)
+
+
+def test_survives_a_loader_that_raises(tmp_path, mode, caplog):
+    calls = []
+
+    def load(path):
+        calls.append(path)
+        if len(calls) == 2:
+            raise RuntimeError("loader bug")
+        return load_order(path, SOURCE)
+
+    async def body(h: Harness):
+        write_order_file(h.path, epoch=1, current=np.arange(8))
+        await h.next_order()
+        crashing = write_order_file(h.path, epoch=2, current=np.arange(8))
+        rejection = await h.wait_rejection(crashing)
+        assert "RuntimeError('loader bug')" in rejection["reason"]
+        assert h.watcher.status()["order"]["epoch"] == 1
+        write_order_file(h.path, epoch=3, current=np.arange(8))
+        assert (await h.next_order()).epoch == 3
+
+    with caplog.at_level(logging.WARNING, logger="cachefs.order_watch"):
+        run_with_watcher(tmp_path, body, load)
+    assert any(record.exc_info for record in caplog.records)  # logged with its traceback
+
+
+def test_a_failing_on_order_is_a_rejection(tmp_path):
+    def on_order(order):
+        raise ValueError("cannot plan")
+
+    watcher = OrderWatcher(tmp_path / "order.npz", lambda p: load_order(p, SOURCE), on_order)
+    identity = write_order_file(tmp_path / "order.npz", epoch=1, current=np.arange(8))
+    trio.run(watcher.check)
+    status = watcher.status()
+    assert status["order"] is None
+    assert "cannot plan" in status["last_rejection"]["reason"]
+    assert status["last_rejection"]["file"] == identity.to_json()
+
+
+def test_missing_file_and_missing_directory_are_quiet(tmp_path):
+    async def body(h: Harness):
+        await trio.sleep(0.1)
+        assert h.watcher.status() == {"path": str(h.path), "order": None,
+                                      "last_rejection": None}
+
+    run_with_watcher(tmp_path, body)
+
+    watcher = OrderWatcher(tmp_path / "absent" / "order.npz",
+                           lambda p: pytest.fail("nothing to load"), lambda o: None)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(watcher.run)  # no directory: falls back to polling
+            await trio.sleep(0.1)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert watcher.status()["order"] is None
+
+
+def test_rejection_from_a_loader_uses_the_identity_of_the_file_it_read(tmp_path):
+    """A file renamed in between stat and open: the rejection names the file actually read."""
+    read_identity = FileIdentity(1, 2, 3)
+
+    def load(path):
+        err = OrderError("bad")
+        err.file = read_identity
+        raise err
+
+    watcher = OrderWatcher(tmp_path / "order.npz", load, lambda o: None)
+    write_order_file(tmp_path / "order.npz", epoch=1, current=np.arange(8))
+    trio.run(watcher.check)
+    assert watcher.status()["last_rejection"]["file"] == read_identity.to_json()
+    # the file on disk is not the one read, so the next check loads it again
+    calls = []
+    watcher._load = lambda p: calls.append(p) or load_order(p, SOURCE)
+    watcher._on_order = lambda o: None
+    trio.run(watcher.check)
+    assert calls and watcher.status()["order"]["epoch"] == 1
