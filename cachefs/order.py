@@ -131,6 +131,23 @@ def _path_hashes(paths: np.ndarray) -> np.ndarray:
     return hashes
 
 
+def _path_hash_one(path: bytes) -> int:
+    """`_path_hashes` of one path with Python ints: no numpy call overhead on a hot path."""
+    total = 0
+    for column in range(max(1, -(-len(path) // 8))):
+        word = int.from_bytes(path[column * 8:column * 8 + 8].ljust(8, b"\0"), "little")
+        seed = ((column + 1) * _GOLDEN64) & _MASK64
+        mixed = ((word ^ seed) * _MIX_MUL1) & _MASK64
+        mixed ^= mixed >> 29
+        mixed = (mixed * _MIX_MUL2) & _MASK64
+        total = (total + mixed - _word_mix_of_zero(seed)) & _MASK64
+    total ^= total >> 30
+    total = (total * _MIX_MUL1) & _MASK64
+    total ^= total >> 27
+    total = (total * _MIX_MUL2) & _MASK64
+    return total ^ (total >> 31)
+
+
 def _quote(path: bytes) -> str:
     text = repr(os.fsdecode(bytes(path)))
     if len(text) > _SHOWN_PATH_CHARS:
@@ -260,9 +277,23 @@ class Manifest:
         return found
 
     def index_of(self, relpath: bytes) -> int:
-        """Index of one relative path, -1 if absent; O(log n) once the table is built."""
-        query = np.array([os.fsencode(relpath)], dtype="S")
-        return int(self.lookup(query)[0])
+        """Index of one relative path, -1 if absent; O(log n) once the table is built.
+
+        A few microseconds: the daemon calls this when a file is opened.
+        """
+        self.prepare()
+        relpath = os.fsencode(relpath)
+        if not relpath or relpath.endswith(b"\0"):
+            return -1  # an 'S' array cannot hold such a path
+        wanted = np.uint64(_path_hash_one(relpath))
+        sorted_hashes = self._sorted_hashes
+        slot = int(sorted_hashes.searchsorted(wanted))
+        while slot < len(sorted_hashes) and sorted_hashes[slot] == wanted:
+            index = int(self._by_hash[slot])
+            if self.paths[index] == relpath:
+                return index
+            slot += 1  # a hash collision: try the next path with the same hash
+        return -1
 
 
 def scan_source(root: Path) -> Manifest:

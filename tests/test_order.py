@@ -10,6 +10,8 @@ import errno
 import json
 import math
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -57,6 +59,14 @@ def rejection(path: Path, manifest) -> str:
     return str(info.value)
 
 
+def test_importable_without_fuse_torch_or_trio():
+    code = ("import sys, cachefs.order; "
+            "print(sorted(m for m in ('pyfuse3', 'torch', 'trio') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent.parent, check=True)
+    assert result.stdout.strip() == "[]"
+
+
 # ---------------------------------------------------------------------------------------------
 # Manifest and scanning
 
@@ -86,6 +96,21 @@ def test_lookup_between_manifests_of_different_widths():
     source = Manifest.from_paths([f"d/{i}.jpg" for i in range(1000)])
     query = Manifest.from_paths(np.array(["d/999.jpg", "d/0.jpg", "nope", "d/5.jpg"], dtype="S40"))
     assert source.lookup(query).tolist() == [999, 0, -1, 5]
+
+
+def test_hash_collisions_cost_time_but_never_a_wrong_answer(monkeypatch, tmp_path):
+    """With every path hashing alike, lookups, index_of and duplicate checks stay right."""
+    monkeypatch.setattr(order_mod, "_path_hashes",
+                        lambda paths: np.full(len(paths), 7, dtype=np.uint64))
+    monkeypatch.setattr(order_mod, "_path_hash_one", lambda path: 7)
+    source = Manifest.from_paths(FILES)
+    assert [source.index_of(p) for p in FILES] == list(range(12))
+    assert source.index_of("train/c0/none.jpg") == -1
+    query = Manifest.from_paths([FILES[5], "nope", FILES[0]])
+    assert source.lookup(query).tolist() == [5, -1, 0]
+    with pytest.raises(OrderError, match=f"duplicate path {FILES[2]!r} at positions 2 and 4"):
+        validate_arrays(0, [0], files=[FILES[0], FILES[1], FILES[2], FILES[3], FILES[2]])
+    validate_arrays(0, [0], files=FILES)
 
 
 def test_scan_source_lists_regular_files_by_path_bytes_without_symlinks(tmp_path):
@@ -200,6 +225,18 @@ def test_hand_written_file_with_unicode_files_and_int32_indices(tmp_path, source
     order = load_order(tmp_path / "order.npz", source_manifest)
     assert order.current.dtype == np.int64
     assert order.manifest.path(3) == FILES[3].encode()
+
+
+def test_the_man_page_example_is_accepted(tmp_path, source_manifest):
+    """man/cachefs-order.5 EXAMPLES: python ints and savez on a file object, numpy only."""
+    def perm(e):
+        return np.random.Generator(np.random.PCG64([0, e])).permutation(12)
+
+    with open(tmp_path / "order.npz", "wb") as f:
+        np.savez(f, version=1, epoch=3, current=perm(3), next=perm(4), rank=0, world_size=1)
+    order = load_order(tmp_path / "order.npz", source_manifest)
+    assert order.epoch == 3 and np.array_equal(order.current, permutation(12, 0, 3))
+    assert np.array_equal(order.next, permutation(12, 0, 4))
 
 
 def test_write_is_atomic_and_leaves_no_temporary(tmp_path):
