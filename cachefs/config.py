@@ -17,7 +17,7 @@ MIB = 1024 * KIB
 GIB = 1024 * MIB
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "k": 1, "m": 2, "g": 3, "t": 4}
+_SIZE_UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
 
 def parse_size(text: str | int) -> int:

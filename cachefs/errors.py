@@ -26,6 +26,7 @@ class OrderError(CachefsError):
     """An order file or order arguments that cannot be used; the message names the problem."""
 
     errno_value = errno.EINVAL
+    file = None  # identity of the order file that was read, when there was one
 
 
 class TierError(CachefsError):

@@ -1,15 +1,154 @@
-"""The slow source directory (placeholder: the lead is writing this module now).
+"""The slow source directory: every access to it, and nothing else.
 
-`SourceIdentity` is what a cached copy of a source file is checked against: a cached block is
-served only while the source's (size, mtime_ns, ino) are the ones recorded with the block.
+The source may be NFS, Lustre, sshfs or a spinning disk, where one call can take milliseconds.
+So every call runs in a worker thread (`trio.to_thread.run_sync`) under one
+`trio.CapacityLimiter`: the limiter's size is how many source requests are in flight at once,
+which is what hides the source's latency. Paths are relative and bytes (`b""` is the root),
+exactly as FUSE hands names to us, so no name is ever decoded.
+
+A block read opens, fstats, preads and closes in one thread call: the identity returned with
+the data comes from the same open file, so data and identity always belong together (a cached
+block is served only while the source still has that identity; see `SourceIdentity`).
+
+`delay_s` is a testing aid (`--source-delay-ms`): it sleeps before every open and every read,
+in the worker thread, to turn a fast local directory into a slow one.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
+
+import trio
+
+log = logging.getLogger(__name__)
 
 
 class SourceIdentity(NamedTuple):
+    """What a cached copy is checked against: the file it came from has not changed."""
+
     size: int
     mtime_ns: int
     ino: int
+
+    @classmethod
+    def from_stat(cls, st: os.stat_result) -> "SourceIdentity":
+        return cls(st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@dataclass(frozen=True)
+class BlockData:
+    """One block as read from the source, with the identity of the file it came from."""
+
+    data: bytes
+    identity: SourceIdentity
+
+
+class Source:
+    """Read-only access to the source directory, in worker threads."""
+
+    def __init__(self, root: Path, *, threads: int, delay_s: float = 0.0):
+        self.root = os.fsencode(os.path.realpath(root))
+        self.limiter = trio.CapacityLimiter(threads)
+        self.delay_s = delay_s
+
+    def full_path(self, relpath: bytes) -> bytes:
+        return self.root + b"/" + relpath if relpath else self.root
+
+    async def _run(self, fn, *args):
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+    # -- metadata --------------------------------------------------------------------------
+
+    def lstat_sync(self, relpath: bytes) -> os.stat_result:
+        return os.lstat(self.full_path(relpath))
+
+    async def lstat(self, relpath: bytes) -> os.stat_result:
+        return await self._run(self.lstat_sync, relpath)
+
+    def _scandir(self, relpath: bytes) -> list[tuple[bytes, os.stat_result]]:
+        entries = []
+        with os.scandir(self.full_path(relpath)) as it:
+            for entry in it:
+                try:
+                    entries.append((entry.name, entry.stat(follow_symlinks=False)))
+                except FileNotFoundError:
+                    continue  # vanished between readdir and stat: not listed
+        entries.sort()
+        return entries
+
+    async def listdir(self, relpath: bytes) -> list[tuple[bytes, os.stat_result]]:
+        """Names and lstat results of one directory, sorted by name bytes."""
+        return await self._run(self._scandir, relpath)
+
+    async def readlink(self, relpath: bytes) -> bytes:
+        return await self._run(os.readlink, self.full_path(relpath))
+
+    async def statvfs(self) -> os.statvfs_result:
+        return await self._run(os.statvfs, self.root)
+
+    async def listxattr(self, relpath: bytes) -> list[str]:
+        return await self._run(lambda: os.listxattr(self.full_path(relpath), follow_symlinks=False))
+
+    async def getxattr(self, relpath: bytes, name: bytes) -> bytes:
+        return await self._run(
+            lambda: os.getxattr(self.full_path(relpath), name, follow_symlinks=False))
+
+    async def check_readable(self, relpath: bytes) -> SourceIdentity:
+        """Open the file for reading (permission check, as the reader's open would) and fstat it."""
+        return await self._run(self._open_identity, relpath)
+
+    def _open_identity(self, relpath: bytes) -> SourceIdentity:
+        fd = self._open(relpath)
+        try:
+            return SourceIdentity.from_stat(os.fstat(fd))
+        finally:
+            os.close(fd)
+
+    # -- data ------------------------------------------------------------------------------
+
+    def _open(self, relpath: bytes) -> int:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return os.open(self.full_path(relpath), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+    def read_block_sync(self, relpath: bytes, block_index: int, block_bytes: int) -> BlockData:
+        fd = self._open(relpath)
+        try:
+            identity = SourceIdentity.from_stat(os.fstat(fd))
+            offset = block_index * block_bytes
+            want = max(0, min(block_bytes, identity.size - offset))
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            data = _pread_full(fd, want, offset)
+        finally:
+            os.close(fd)
+        return BlockData(data, identity)
+
+    async def read_block(self, relpath: bytes, block_index: int, block_bytes: int) -> BlockData:
+        return await self._run(self.read_block_sync, relpath, block_index, block_bytes)
+
+
+def _pread_full(fd: int, size: int, offset: int) -> bytes:
+    """pread until `size` bytes or EOF: network file systems may return short reads."""
+    data = os.pread(fd, size, offset)
+    if len(data) == size or not data:
+        return data
+    parts = [data]
+    got = len(data)
+    while got < size:
+        more = os.pread(fd, size - got, offset + got)
+        if not more:
+            break
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
+
+
+def is_not_found(exc: OSError) -> bool:
+    return exc.errno in (errno.ENOENT, errno.ENOTDIR)

@@ -1,0 +1,167 @@
+"""The RAM tier: blocks ordered by next use, within a byte budget that is never exceeded.
+
+Each resident block carries a priority: the planner's next use of its item (smaller is
+sooner), plus a small fraction by block index so a file's blocks keep their order. A block
+outside any order has priority infinity and is evicted before anything with a known future,
+least recently used first (that is the "plain cache" of a mount with no order).
+
+Room is made by one rule, `reserve(nbytes, priority)`: evict blocks whose priority is strictly
+farther than the one asking (or, between blocks with no known future, less recently used),
+farthest first, until the bytes fit; if they do not, the caller
+gets False and does not cache (a demand read is then served without being kept). In-flight
+fetches reserve their bytes before they start, so resident plus reserved bytes never exceed the
+budget.
+
+Priorities change when an item is consumed or an epoch switches. The eviction heap is lazy:
+every change pushes a new (priority, lru_seq) tuple, and a popped tuple that no longer matches
+its block is skipped. `rebuild` redoes the heap when every priority changes at once.
+
+Invariant: `used_bytes == sum(len(b.data) for resident b) + reserved_bytes <= budget_bytes`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from cachefs.source import SourceIdentity
+
+log = logging.getLogger(__name__)
+
+BlockKey = tuple  # (relpath: bytes, block_index: int)
+
+
+@dataclass(eq=False)
+class RamBlock:
+    data: bytes
+    identity: SourceIdentity
+    item: int  # manifest index of the file, -1 if not in the manifest
+    origin: int  # stats.ORIGIN_*: how it got here (prefetched from source, or from SSD)
+    priority: float = math.inf
+    served: bool = False  # returned to a reader at least once since it was loaded
+    lru_seq: int = field(default=0)
+
+
+class RamTier:
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.resident_bytes = 0
+        self.reserved_bytes = 0
+        self.blocks: dict[BlockKey, RamBlock] = {}
+        self._heap: list[tuple[float, int, BlockKey]] = []
+        self._seq = itertools.count()
+        self.evictions = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return self.resident_bytes + self.reserved_bytes
+
+    def get(self, key: BlockKey) -> RamBlock | None:
+        return self.blocks.get(key)
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self.blocks
+
+    # -- room ------------------------------------------------------------------------------
+
+    def reserve(self, nbytes: int, priority: float) -> bool:
+        """Reserve `nbytes` for a block of `priority`, evicting strictly farther blocks."""
+        if nbytes > self.budget_bytes:
+            return False
+        while self.used_bytes + nbytes > self.budget_bytes:
+            victim = self._farthest()
+            if victim is None or not _may_displace(priority, victim[1].priority):
+                return False
+            self._remove(victim[0])
+            self.evictions += 1
+        self.reserved_bytes += nbytes
+        return True
+
+    def unreserve(self, nbytes: int) -> None:
+        self.reserved_bytes -= nbytes
+        assert self.reserved_bytes >= 0, "reservation released twice"
+
+    def farthest_priority(self) -> float | None:
+        victim = self._farthest()
+        return None if victim is None else victim[1].priority
+
+    def _farthest(self) -> tuple[BlockKey, RamBlock] | None:
+        heap = self._heap
+        while heap:
+            neg_priority, seq, key = heap[0]
+            block = self.blocks.get(key)
+            if block is not None and block.lru_seq == seq and -neg_priority == block.priority:
+                return key, block
+            heapq.heappop(heap)  # stale tuple: the block changed or left
+        return None
+
+    # -- contents --------------------------------------------------------------------------
+
+    def insert(self, key: BlockKey, block: RamBlock, reserved_bytes: int) -> bool:
+        """Turn a reservation into a resident block. False (nothing kept) if it cannot fit."""
+        self.unreserve(reserved_bytes)
+        old = self.blocks.get(key)
+        if old is not None:
+            self._remove(key)
+        extra = len(block.data)
+        if not self.reserve(extra, block.priority):
+            return False
+        self.reserved_bytes -= extra
+        self.resident_bytes += extra
+        self.blocks[key] = block
+        self._push(key, block)
+        return True
+
+    def set_priority(self, key: BlockKey, priority: float) -> None:
+        block = self.blocks.get(key)
+        if block is not None:
+            block.priority = priority
+            self._push(key, block)
+
+    def touch(self, key: BlockKey, block: RamBlock) -> None:
+        """A block outside any order was used: it becomes the most recently used."""
+        if math.isinf(block.priority):
+            self._push(key, block)
+
+    def drop(self, key: BlockKey) -> None:
+        if key in self.blocks:
+            self._remove(key)
+
+    def rebuild(self, priority_of: Callable[[BlockKey, RamBlock], float | None]) -> None:
+        """Give every block a new priority; `None` drops the block."""
+        self._heap = []
+        for key, block in list(self.blocks.items()):
+            priority = priority_of(key, block)
+            if priority is None:
+                self._remove(key)
+            else:
+                block.priority = priority
+                self._push(key, block)
+
+    def _push(self, key: BlockKey, block: RamBlock) -> None:
+        block.lru_seq = next(self._seq)
+        heapq.heappush(self._heap, (-block.priority, block.lru_seq, key))
+        if len(self._heap) > 4 * len(self.blocks) + 1024:
+            # mostly stale tuples: rebuild from the live blocks
+            self._heap = [(-b.priority, b.lru_seq, k) for k, b in self.blocks.items()]
+            heapq.heapify(self._heap)
+
+    def _remove(self, key: BlockKey) -> None:
+        block = self.blocks.pop(key)
+        self.resident_bytes -= len(block.data)
+
+    def stats(self) -> dict:
+        return {"bytes": self.resident_bytes, "reserved": self.reserved_bytes,
+                "budget": self.budget_bytes, "blocks": len(self.blocks),
+                "evictions": self.evictions}
+
+
+def _may_displace(priority: float, victim_priority: float) -> bool:
+    """A block may evict one used strictly later; among blocks with no known future (both
+    infinite) the least recently used goes, which makes the tier a plain LRU cache when no
+    order is published."""
+    return victim_priority > priority or (math.isinf(priority) and math.isinf(victim_priority))

@@ -1,0 +1,312 @@
+"""The `cachefs` command: a click group, one function per subcommand, no logic of its own.
+
+Each command parses its options, builds a config or calls the package, and turns domain errors
+into a message and an exit code (documented in the man pages under man/). Only this module
+prints. Every option can also be given as an environment variable CACHEFS_<COMMAND>_<OPTION>
+(click's auto_envvar_prefix; the option's name with dashes as underscores), e.g.
+CACHEFS_MOUNT_RAM_CACHE=8GiB.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from cachefs import __version__, errors
+from cachefs.config import (CacheConfig, MountConfig, PrefetchConfig, default_state_dir,
+                            parse_size)
+
+MOUNT_WAIT_S = 60.0
+UMOUNT_WAIT_S = 20.0
+
+
+class SizeType(click.ParamType):
+    name = "SIZE"
+
+    def convert(self, value, param, ctx):
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+SIZE = SizeType()
+
+
+def _fail(message: str, code: int = errors.EXIT_ERROR):
+    exc = click.ClickException(message)
+    exc.exit_code = code
+    raise exc
+
+
+def _setup_logging(debug: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="cachefs")
+def cli():
+    """Order-aware read-only FUSE cache for deep-learning data sets."""
+
+
+# -- mount -------------------------------------------------------------------------------------
+
+@cli.command()
+@click.argument("source", type=click.Path(path_type=Path))
+@click.argument("mountpoint", type=click.Path(path_type=Path))
+@click.option("--foreground", "-f", is_flag=True, help="Stay attached; log to stderr.")
+@click.option("--debug", is_flag=True, help="Log debug messages.")
+@click.option("-o", "fuse_options", multiple=True, metavar="OPT",
+              help="FUSE mount option; only allow_other is accepted.")
+@click.option("--order-file", type=click.Path(path_type=Path),
+              help="Order file to watch [default: STATE_DIR/order.npz].")
+@click.option("--state-dir", type=click.Path(path_type=Path),
+              help="Directory for the order file, log and pid file.")
+@click.option("--ram-cache", type=SIZE, default="1GiB", show_default=True,
+              help="RAM tier budget.")
+@click.option("--block-size", type=SIZE, default="4MiB", show_default=True,
+              help="Unit of caching (power of two).")
+@click.option("--lookahead", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Read-ahead window in files of the order; 0 = automatic.")
+@click.option("--source-threads", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Parallel reads of the source.")
+@click.option("--ssd-cache", type=click.Path(path_type=Path),
+              help="Directory of the persistent cache-once tier.")
+@click.option("--ssd-size", type=SIZE, default="0",
+              help="Budget of the SSD tier.")
+@click.option("--source-delay-ms", type=click.FloatRange(min=0), default=0.0,
+              help="Testing aid: latency added to every source open and read.")
+@click.option("--metadata-ttl", type=click.FloatRange(min=0), default=1.0,
+              show_default=True, help="Seconds a source stat is trusted at open.")
+@click.option("--kernel-timeout", type=click.FloatRange(min=0),
+              default=300.0, show_default=True,
+              help="Seconds the kernel caches entries and attributes.")
+@click.option("--fuse-tasks", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Concurrent FUSE requests.")
+def mount(source, mountpoint, foreground, debug, fuse_options, order_file, state_dir,
+          ram_cache, block_size, lookahead, source_threads, ssd_cache, ssd_size,
+          source_delay_ms, metadata_ttl, kernel_timeout, fuse_tasks):
+    """Mount SOURCE read-only at MOUNTPOINT."""
+    unknown = [opt for opt in fuse_options if opt != "allow_other"]
+    if unknown:
+        raise click.BadParameter(f"unsupported -o option(s): {', '.join(unknown)}",
+                                 param_hint="-o")
+    state_dir = state_dir or default_state_dir(mountpoint)
+    try:
+        config = MountConfig(
+            source=source.absolute(), mountpoint=mountpoint.absolute(), state_dir=state_dir,
+            order_file=(order_file or state_dir / "order.npz").absolute(),
+            cache=CacheConfig(ram_bytes=ram_cache, block_bytes=block_size,
+                              ssd_dir=ssd_cache.absolute() if ssd_cache else None,
+                              ssd_bytes=ssd_size),
+            prefetch=PrefetchConfig(lookahead_items=lookahead, source_threads=source_threads),
+            allow_other="allow_other" in fuse_options, debug=debug, fuse_tasks=fuse_tasks,
+            kernel_timeout_s=kernel_timeout, metadata_ttl_s=metadata_ttl,
+            source_delay_s=source_delay_ms / 1000.0)
+    except ValueError as exc:
+        raise click.UsageError(str(exc))
+    if foreground:
+        _mount_foreground(config)
+    else:
+        _mount_daemon(config)
+
+
+def _mount_foreground(config: MountConfig) -> None:
+    from cachefs import mount as mount_mod  # imports pyfuse3: only where a mount runs
+
+    _setup_logging(config.debug)
+    try:
+        code = mount_mod.run(config)
+    except errors.StartupError as exc:
+        _fail(str(exc), exc.exit_code)
+    sys.exit(code)
+
+
+def _mount_daemon(config: MountConfig) -> None:
+    """Start the foreground mount in a new session and return once it is mounted."""
+    from cachefs import mount as mount_mod
+
+    try:
+        mount_mod.check_startup(config)  # fail fast, in the user's terminal
+    except errors.StartupError as exc:
+        _fail(str(exc), exc.exit_code)
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    log_path = config.state_dir / "daemon.log"
+    args = [sys.executable, "-m", "cachefs", *sys.argv[1:], "--foreground"]
+    with open(log_path, "ab") as log_file:
+        child = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log_file,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + MOUNT_WAIT_S
+    mountpoint = os.path.abspath(config.mountpoint)
+    while time.monotonic() < deadline:
+        code = child.poll()
+        if code is not None:
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
+            _fail("mount failed:\n  " + "\n  ".join(tail), code or errors.EXIT_ERROR)
+        if mountpoint in mount_mod.mounted_paths():
+            click.echo(f"mounted {config.source} at {config.mountpoint} "
+                       f"(pid {child.pid}, log {log_path})")
+            return
+        time.sleep(0.02)
+    child.terminate()
+    _fail(f"mount did not come up within {MOUNT_WAIT_S:.0f} s; see {log_path}")
+
+
+# -- umount ------------------------------------------------------------------------------------
+
+@cli.command()
+@click.argument("mountpoint", type=click.Path(path_type=Path))
+@click.option("--state-dir", type=click.Path(path_type=Path),
+              help="State directory given to mount, if not the default.")
+def umount(mountpoint, state_dir):
+    """Unmount MOUNTPOINT, also one whose daemon died."""
+    from cachefs.mount import mounted_paths
+
+    real = os.path.abspath(mountpoint)  # no realpath: it would stat a possibly stuck mount
+    if real not in mounted_paths():
+        _fail(f"{mountpoint} is not mounted")
+    pid = _daemon_pid(state_dir or default_state_dir(mountpoint))
+    done = subprocess.run(["fusermount3", "-u", real], capture_output=True, text=True)
+    if done.returncode != 0:
+        # a dead daemon or a busy mount: detach it now, the kernel finishes when idle
+        lazy = subprocess.run(["fusermount3", "-u", "-z", real], capture_output=True, text=True)
+        if lazy.returncode != 0:
+            _fail(f"could not unmount {mountpoint}: {lazy.stderr.strip() or done.stderr.strip()}")
+    if pid is not None:
+        _wait_for_exit(pid, UMOUNT_WAIT_S)
+    click.echo(f"unmounted {mountpoint}")
+
+
+def _daemon_pid(state_dir: Path) -> int | None:
+    try:
+        return int(json.loads((state_dir / "pid").read_text())["pid"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _wait_for_exit(pid: int, timeout_s: float) -> None:
+    """Wait until the daemon has closed its tiers (the SSD index is written at exit)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+
+
+# -- publish -----------------------------------------------------------------------------------
+
+@cli.command()
+@click.argument("mountpoint", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--epoch", type=click.IntRange(min=0), required=True,
+              help="The epoch that --current describes.")
+@click.option("--current", type=click.Path(dir_okay=False, path_type=Path),
+              help="This epoch's order: .npy or text, one index per line.")
+@click.option("--next", "next_", type=click.Path(dir_okay=False, path_type=Path),
+              help="The next epoch's order, same format.")
+@click.option("--files", type=click.Path(dir_okay=False, path_type=Path),
+              help="Manifest: text file of relative paths, one per line.")
+@click.option("--seed", type=click.IntRange(min=0),
+              help="Draw both orders with the documented generator instead.")
+@click.option("--rank", type=click.IntRange(min=0), help="This node's rank.")
+@click.option("--world-size", type=click.IntRange(min=1), help="Number of ranks.")
+@click.option("--timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              help="Seconds to wait for the daemon to accept the order.")
+def publish(mountpoint, epoch, current, next_, files, seed, rank, world_size, timeout):
+    """Publish the read order of MOUNTPOINT and wait until the daemon accepts it."""
+    from cachefs import order
+
+    if seed is not None and (current or next_):
+        raise click.UsageError("--seed draws the orders itself: do not give --current or --next")
+    if seed is None and current is None:
+        raise click.UsageError("give --current (and optionally --next), or --seed")
+    try:
+        manifest = order.read_files_list(files) if files else None
+        if seed is not None:
+            n = len(manifest) if manifest is not None else order.source_file_count(mountpoint)
+            current_order = order.permutation(n, seed, epoch)
+            next_order = order.permutation(n, seed, epoch + 1)
+        else:
+            current_order = order.read_index_file(current)
+            next_order = order.read_index_file(next_) if next_ else None
+        status = order.publish(mountpoint, epoch, current_order, next=next_order,
+                               files=manifest, rank=rank, world_size=world_size,
+                               timeout_s=timeout)
+    except errors.OrderError as exc:
+        _fail(f"order rejected: {exc}")
+    click.echo(f"epoch {status['epoch']}: {status['length']} of {status['total_length']} "
+               f"items accepted")
+
+
+# -- stats -------------------------------------------------------------------------------------
+
+def read_stats(mountpoint: Path) -> dict:
+    from cachefs.ctrl import STATS
+
+    try:
+        return json.loads(os.getxattr(mountpoint, STATS))
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
+            _fail(f"{mountpoint} is not a cachefs mount")
+        _fail(f"cannot read stats of {mountpoint}: {exc.strerror}")
+
+
+@cli.command()
+@click.argument("mountpoint", type=click.Path(exists=True, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the full JSON snapshot.")
+def stats(mountpoint, as_json):
+    """Show hit rates per tier and epoch, backend bytes, stalls and the active order."""
+    snapshot = read_stats(mountpoint)
+    if as_json:
+        click.echo(json.dumps(snapshot, indent=2))
+        return
+    click.echo(format_stats(snapshot))
+
+
+def format_stats(snapshot: dict) -> str:
+    lines = []
+    order = snapshot.get("order")
+    if order:
+        lines.append(f"order: epoch {order.get('epoch')}, {order.get('consumed', 0)}/"
+                     f"{order.get('length')} consumed, cursor {order.get('cursor', 0)}, "
+                     f"next {'known' if order.get('has_next') else 'unknown'}")
+    else:
+        lines.append("order: none published (plain caching)")
+    rejection = snapshot.get("last_rejection")
+    if rejection:
+        lines.append(f"last rejected order: {rejection['reason']}")
+    ram = snapshot["ram"]
+    lines.append(f"ram: {ram['bytes'] / 2**20:.1f} / {ram['budget'] / 2**20:.1f} MiB, "
+                 f"{ram['blocks']} blocks")
+    ssd = snapshot.get("ssd")
+    if ssd:
+        lines.append(f"ssd: {ssd['bytes'] / 2**20:.1f} / {ssd['budget'] / 2**20:.1f} MiB, "
+                     f"{ssd['entries']} entries, {ssd['rejected_checksum']} corrupt, "
+                     f"{ssd['dropped_stale']} stale")
+    header = (f"{'epoch':>6} {'reads':>8} {'ram':>8} {'ssd':>8} {'prefetch':>8} {'miss':>8} "
+              f"{'backend MB':>11} {'stall s':>8}")
+    lines.append(header)
+    for record in snapshot["epochs"]:
+        epoch = "-" if record["epoch"] is None else record["epoch"]
+        lines.append(f"{epoch:>6} {record['reads']:>8} {record['hits_ram']:>8} "
+                     f"{record['hits_ssd']:>8} {record['prefetched']:>8} {record['misses']:>8} "
+                     f"{record['backend_bytes'] / 1e6:>11.1f} {record['stall_s']:>8.2f}")
+    return "\n".join(lines)
+
+
+def main():
+    cli(auto_envvar_prefix="CACHEFS")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""pyfuse3.Operations for cachefs: a thin adapter from kernel requests to the package.
+
+Every handler is wrapped once (`_guarded`) so that whatever goes wrong becomes a FUSEError:
+pyfuse3 ends the whole mount on any other exception (an ExceptionGroup from a nursery
+included), and one bad file must never take the mount down. The errno map (STYLE.md):
+source OSError -> its errno; cachefs errors -> their errno; anything unexpected -> logged with
+its traceback, EIO. Write-like operations answer EROFS (the mount is also made with `ro`, so
+the kernel usually answers them itself).
+
+Attributes and entries are cached by the kernel for `kernel_timeout_s` (the data set is
+read-only while mounted), so a walk over 100k files reaches the daemon once per file. Data is
+not kept in the kernel page cache across opens (`keep_cache=False`): every read of an order
+file reaches the reader, so consumption and hits are counted exactly and a block is not held
+twice in memory (once in the RAM tier, once in the page cache). Opening a file revalidates its
+source identity when the one we know is older than `metadata_ttl_s`; a changed file drops its
+cached copies and the kernel's attributes for it.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+import time
+
+import pyfuse3
+import trio
+
+from cachefs import errors
+from cachefs.ctrl import Control
+from cachefs.inodes import ROOT_INODE, InodeTable
+from cachefs.reader import OpenFile, Reader
+from cachefs.source import Source, SourceIdentity
+
+log = logging.getLogger(__name__)
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+_WRITE_OPS = ("setattr", "mknod", "mkdir", "unlink", "rmdir", "symlink", "rename", "link",
+              "write", "create", "setxattr", "removexattr", "fsync", "fsyncdir")
+
+
+def _guarded(handler):
+    """Map every exception of a handler to a FUSEError; log the unexpected ones."""
+
+    @functools.wraps(handler)
+    async def wrapper(self, *args):
+        try:
+            return await handler(self, *args)
+        except pyfuse3.FUSEError:
+            raise
+        except OSError as exc:
+            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+        except errors.CachefsError as exc:
+            log.warning("%s: %s", handler.__name__, exc)
+            raise pyfuse3.FUSEError(exc.errno_value) from None
+        except Exception:  # noqa: BLE001 - the mount must survive anything
+            log.exception("unexpected error in %s%r", handler.__name__, args[:2])
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+async def _read_only(self, *args):
+    raise pyfuse3.FUSEError(errno.EROFS)
+
+
+class Operations(pyfuse3.Operations):
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(self, source: Source, reader: Reader, control: Control, *,
+                 kernel_timeout_s: float, metadata_ttl_s: float):
+        super().__init__()
+        self.source = source
+        self.reader = reader
+        self.control = control
+        self.kernel_timeout_s = kernel_timeout_s
+        self.metadata_ttl_s = metadata_ttl_s
+        self.inodes = InodeTable(os.lstat(source.root))
+        self._files: dict[int, OpenFile] = {}
+        # open directories: fh -> (relpath, sorted entries read at opendir)
+        self._dirs: dict[int, tuple[bytes, list[tuple[bytes, os.stat_result]]]] = {}
+        self._next_fh = 1
+        self._nursery: trio.Nursery | None = None
+        reader.tiered.on_source_changed.append(self._source_changed)
+
+    def bind(self, nursery: trio.Nursery) -> None:
+        """Background work (kernel cache invalidation) runs in this nursery."""
+        self._nursery = nursery
+
+    # -- attributes ------------------------------------------------------------------------
+
+    def _attrs(self, inode: int, st: os.stat_result) -> pyfuse3.EntryAttributes:
+        attrs = pyfuse3.EntryAttributes()
+        attrs.st_ino = inode
+        attrs.generation = 0
+        attrs.entry_timeout = self.kernel_timeout_s
+        attrs.attr_timeout = self.kernel_timeout_s
+        attrs.st_mode = st.st_mode
+        attrs.st_nlink = st.st_nlink
+        attrs.st_uid = st.st_uid
+        attrs.st_gid = st.st_gid
+        attrs.st_rdev = st.st_rdev
+        attrs.st_size = st.st_size
+        attrs.st_blksize = st.st_blksize
+        attrs.st_blocks = st.st_blocks
+        attrs.st_atime_ns = st.st_atime_ns
+        attrs.st_mtime_ns = st.st_mtime_ns
+        attrs.st_ctime_ns = st.st_ctime_ns
+        return attrs
+
+    def _entry(self, inode: int):
+        try:
+            return self.inodes.get(inode)
+        except KeyError:
+            raise pyfuse3.FUSEError(errno.ENOENT) from None
+
+    @_guarded
+    async def lookup(self, parent_inode, name, ctx=None):
+        self._entry(parent_inode)  # ENOENT for a parent we do not know
+        relpath = self.inodes.child_path(parent_inode, name)
+        st = await self.source.lstat(relpath)
+        inode = self.inodes.remember(relpath, st, lookup=True)
+        return self._attrs(inode, st)
+
+    @_guarded
+    async def getattr(self, inode, ctx=None):
+        entry = self._entry(inode)
+        if time.monotonic() - entry.stat_time_s > self.metadata_ttl_s:
+            self.inodes.update_stat(inode, await self.source.lstat(entry.relpath))
+        return self._attrs(inode, entry.stat)
+
+    def forget(self, inode_list):
+        for inode, count in inode_list:
+            self.inodes.forget(inode, count)
+
+    @_guarded
+    async def readlink(self, inode, ctx):
+        return await self.source.readlink(self._entry(inode).relpath)
+
+    @_guarded
+    async def statfs(self, ctx):
+        vfs = await self.source.statvfs()
+        out = pyfuse3.StatvfsData()
+        for name in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files",
+                     "f_ffree", "f_favail", "f_namemax"):
+            setattr(out, name, getattr(vfs, name))
+        return out
+
+    # -- directories -----------------------------------------------------------------------
+
+    @_guarded
+    async def opendir(self, inode, ctx):
+        relpath = self._entry(inode).relpath
+        entries = await self.source.listdir(relpath)
+        fh = self._new_fh()
+        self._dirs[fh] = (relpath, entries)
+        return fh
+
+    @_guarded
+    async def readdir(self, fh, start_id, token):
+        if fh not in self._dirs:
+            raise pyfuse3.FUSEError(errno.EBADF)
+        parent, entries = self._dirs[fh]
+        for index in range(start_id, len(entries)):
+            name, st = entries[index]
+            relpath = parent + b"/" + name if parent else name
+            inode = self.inodes.remember(relpath, st, lookup=False)
+            if not pyfuse3.readdir_reply(token, name, self._attrs(inode, st), index + 1):
+                break
+            self.inodes.add_lookup(inode)  # readdirplus: the kernel now holds a reference
+
+    async def releasedir(self, fh):
+        self._dirs.pop(fh, None)
+
+    # -- files -----------------------------------------------------------------------------
+
+    @_guarded
+    async def open(self, inode, flags, ctx):
+        if flags & _WRITE_FLAGS:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        entry = self._entry(inode)
+        if not stat.S_ISREG(entry.stat.st_mode):
+            raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(entry.stat.st_mode)
+                                    else errno.EINVAL)
+        identity = await self._current_identity(inode, entry)
+        fh = self._new_fh()
+        self._files[fh] = self.reader.open(inode, entry.relpath, identity)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=False)
+
+    async def _current_identity(self, inode: int, entry) -> SourceIdentity:
+        """The source identity of a file, re-checked if what we know is too old."""
+        item = self.reader.prefetcher.item_of(entry.relpath)
+        identity = self.reader.prefetcher.known_identity(item)
+        if identity is None and time.monotonic() - entry.stat_time_s <= self.metadata_ttl_s:
+            identity = SourceIdentity.from_stat(entry.stat)
+        if identity is None:
+            identity = await self.source.check_readable(entry.relpath)
+            self.reader.prefetcher.record_identity(item, identity)
+        if identity != SourceIdentity.from_stat(entry.stat):
+            if entry.stat.st_ino and entry.stat.st_mtime_ns:
+                self.reader.tiered.source_changed(entry.relpath, identity)
+            self.inodes.update_stat(inode, await self.source.lstat(entry.relpath))
+        return identity
+
+    @_guarded
+    async def read(self, fh, offset, size):
+        handle = self._files.get(fh)
+        if handle is None:
+            raise pyfuse3.FUSEError(errno.EBADF)
+        return await self.reader.read(handle, offset, size)
+
+    @_guarded
+    async def release(self, fh):
+        handle = self._files.pop(fh, None)
+        if handle is not None:
+            self.reader.release(handle)
+
+    async def flush(self, fh):
+        # Nothing to flush on a read-only mount; ENOSYS makes the kernel stop sending FLUSH
+        # on every close (one request fewer per file).
+        raise pyfuse3.FUSEError(errno.ENOSYS)
+
+    def _new_fh(self) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        return fh
+
+    # -- extended attributes -----------------------------------------------------------------
+
+    @_guarded
+    async def getxattr(self, inode, name, ctx):
+        if inode == ROOT_INODE:
+            value = self.control.get(name)
+            if value is not None:
+                return value
+        try:
+            return await self.source.getxattr(self._entry(inode).relpath, name)
+        except OSError as exc:
+            if exc.errno == errno.ENODATA:
+                raise pyfuse3.FUSEError(pyfuse3.ENOATTR) from None
+            raise
+
+    @_guarded
+    async def listxattr(self, inode, ctx):
+        names = await self.source.listxattr(self._entry(inode).relpath)
+        return [os.fsencode(name) for name in names]
+
+    # -- changes seen in the source ----------------------------------------------------------
+
+    def _source_changed(self, relpath: bytes, identity: SourceIdentity) -> None:
+        """Drop the kernel's cached attributes and pages of a file that changed."""
+        inode = self.inodes.inode_of(relpath)
+        if inode is not None and self._nursery is not None:
+            self._nursery.start_soon(self._invalidate, inode)
+
+    async def _invalidate(self, inode: int) -> None:
+        try:
+            # not from inside a handler: the kernel may hold the inode while it waits for us
+            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, inode)
+        except OSError as exc:
+            log.debug("invalidate_inode(%d): %s", inode, exc)
+
+
+for _name in _WRITE_OPS:
+    setattr(Operations, _name, _read_only)

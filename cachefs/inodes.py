@@ -1,0 +1,86 @@
+"""Inode numbers for source paths, and the source attributes last seen for each.
+
+The kernel names files by inode number; the source by path. This table hands out our own
+inode numbers (1 is the root, as FUSE requires) for relative paths, keeps each one stable while
+the kernel holds a reference (lookup counts, `forget`), and remembers the lstat result it last
+saw with the monotonic time it was taken. That time is how `fuse_ops` decides whether a file's
+identity must be re-checked at open (`metadata_ttl_s`): a changed source file is never served
+from a cache, yet an unchanged one costs no extra round trip to the source.
+
+Invariant: `_inode_by_path[p] == i` iff `_entries[i].relpath == p`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+ROOT_INODE = 1  # the same value as pyfuse3.ROOT_INODE; this module does not import pyfuse3
+
+
+@dataclass
+class InodeEntry:
+    relpath: bytes
+    stat: os.stat_result
+    stat_time_s: float  # time.monotonic() when `stat` was taken
+    lookups: int = 0
+    manifest_index: int = -1  # -2: not looked up yet
+
+
+class InodeTable:
+    def __init__(self, root_stat: os.stat_result):
+        self._entries: dict[int, InodeEntry] = {
+            ROOT_INODE: InodeEntry(b"", root_stat, time.monotonic(), lookups=1)}
+        self._inode_by_path: dict[bytes, int] = {b"": ROOT_INODE}
+        self._next_inode = ROOT_INODE + 1
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, inode: int) -> InodeEntry:
+        """The entry of a known inode; KeyError for one the kernel should not know."""
+        return self._entries[inode]
+
+    def inode_of(self, relpath: bytes) -> int | None:
+        return self._inode_by_path.get(relpath)
+
+    def child_path(self, parent_inode: int, name: bytes) -> bytes:
+        parent = self._entries[parent_inode].relpath
+        return parent + b"/" + name if parent else name
+
+    def remember(self, relpath: bytes, st: os.stat_result, *, lookup: bool) -> int:
+        """Record `st` for `relpath` and return its inode; `lookup` counts a kernel reference."""
+        inode = self._inode_by_path.get(relpath)
+        now = time.monotonic()
+        if inode is None:
+            inode = self._next_inode
+            self._next_inode += 1
+            self._entries[inode] = InodeEntry(relpath, st, now, manifest_index=-2)
+            self._inode_by_path[relpath] = inode
+        else:
+            entry = self._entries[inode]
+            entry.stat = st
+            entry.stat_time_s = now
+        if lookup:
+            self._entries[inode].lookups += 1
+        return inode
+
+    def add_lookup(self, inode: int) -> None:
+        """The kernel took a reference without a lookup call (readdirplus)."""
+        self._entries[inode].lookups += 1
+
+    def update_stat(self, inode: int, st: os.stat_result) -> None:
+        entry = self._entries[inode]
+        entry.stat = st
+        entry.stat_time_s = time.monotonic()
+
+    def forget(self, inode: int, count: int) -> None:
+        entry = self._entries.get(inode)
+        if entry is None or inode == ROOT_INODE:
+            return
+        entry.lookups -= count
+        if entry.lookups <= 0:
+            del self._entries[inode]
+            if self._inode_by_path.get(entry.relpath) == inode:
+                del self._inode_by_path[entry.relpath]

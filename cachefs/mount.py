@@ -1,0 +1,236 @@
+"""Builds a mount's objects, runs pyfuse3 under trio, and takes it down cleanly.
+
+`run(config)` is the whole life of a foreground mount: check the paths (clear errors with the
+exit codes of man/cachefs-mount.1), build source -> tiers -> planner -> reader -> operations,
+`pyfuse3.init`, then one root nursery holding the services (SSD admission, prefetcher, order
+watcher, source scan, signal handler) and `pyfuse3.main`. SIGTERM/SIGINT and an external
+`fusermount3 -u` both end `pyfuse3.main`; the nursery is cancelled, the SSD index is closed and
+the kernel mount removed, and `run` returns 0.
+
+Daemonizing is the CLI's job (it starts this in a child process and waits for the mount).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+from cachefs import __version__, errors
+from cachefs.cache.ram import RamTier
+from cachefs.cache.tiered import TieredCache
+from cachefs.config import MountConfig
+from cachefs.ctrl import Control
+from cachefs.fuse_ops import Operations
+from cachefs.order import Manifest, load_order, scan_source
+from cachefs.order_watch import OrderWatcher
+from cachefs.planner import Planner
+from cachefs.prefetch import Prefetcher
+from cachefs.reader import Reader
+from cachefs.source import Source
+from cachefs.stats import Stats
+
+log = logging.getLogger(__name__)
+
+READ_AHEAD_KB = 1024  # kernel read-ahead of the mount: 1 MiB requests double large-file MB/s
+
+
+def _unescape(field: bytes) -> bytes:
+    """Undo mountinfo's octal escapes (space, tab, newline, backslash)."""
+    return (field.replace(b"\\040", b" ").replace(b"\\011", b"\t")
+            .replace(b"\\012", b"\n").replace(b"\\134", b"\\"))
+
+
+def mounted_paths() -> set[str]:
+    """Mount points of this mount namespace, from /proc/self/mountinfo (dead FUSE mounts too).
+
+    Reading mountinfo never touches a mount, so it cannot hang on a stuck daemon.
+    """
+    with open("/proc/self/mountinfo", "rb") as f:
+        return {os.fsdecode(_unescape(line.split(b" ")[4])) for line in f}
+
+
+def check_startup(config: MountConfig) -> None:
+    """Refuse to start with a clear message; exit codes are in man/cachefs-mount.1."""
+    if not config.source.is_dir():
+        what = "does not exist" if not config.source.exists() else "is not a directory"
+        raise errors.StartupError(f"source {config.source} {what}", errors.EXIT_SOURCE)
+    if os.path.abspath(config.mountpoint) in mounted_paths():
+        raise errors.StartupError(
+            f"{config.mountpoint} is already a mount point (a stale cachefs mount? "
+            f"run: cachefs umount {config.mountpoint})", errors.EXIT_ALREADY_MOUNTED)
+    if not config.mountpoint.is_dir():
+        what = "does not exist" if not config.mountpoint.exists() else "is not a directory"
+        raise errors.StartupError(f"mount point {config.mountpoint} {what}",
+                                  errors.EXIT_MOUNTPOINT)
+    if not os.path.exists("/dev/fuse"):
+        raise errors.StartupError("/dev/fuse is missing (load the fuse module or install fuse3)",
+                                  errors.EXIT_NO_FUSE)
+    if shutil.which("fusermount3") is None:
+        raise errors.StartupError("fusermount3 is missing (install the fuse3 package)",
+                                  errors.EXIT_NO_FUSE)
+
+
+class SourceManifest:
+    """The default manifest (every regular file of the source), scanned once, lazily.
+
+    Thread-safe: the order loader (a worker thread) and the start-up scan may both ask.
+    """
+
+    def __init__(self, root: Path):
+        self._root = root
+        self._lock = threading.Lock()
+        self.manifest: Manifest | None = None
+
+    def get(self) -> Manifest:
+        with self._lock:
+            if self.manifest is None:
+                started = time.monotonic()
+                self.manifest = scan_source(self._root)
+                log.info("source scanned: %d files in %.2f s", len(self.manifest),
+                         time.monotonic() - started)
+            return self.manifest
+
+
+class Mount:
+    """The objects of one mount, wired; `serve` runs them."""
+
+    def __init__(self, config: MountConfig):
+        self.config = config
+        cache = config.cache
+        self.started_at = time.time()
+        self.stats = Stats()
+        self.source = Source(config.source, threads=config.prefetch.source_threads,
+                             delay_s=config.source_delay_s)
+        self.ssd = None
+        if cache.ssd_dir is not None:
+            from cachefs.cache.ssd import SsdTier  # only mounts with an SSD tier need it
+            self.ssd = SsdTier(cache.ssd_dir, cache.ssd_bytes, cache.block_bytes)
+        self.ram = RamTier(cache.ram_bytes)
+        self.planner = Planner(config.prefetch.lookahead_items or 1)
+        self.prefetcher = Prefetcher(
+            self.planner, self.ram, self.source, self.stats, block_bytes=cache.block_bytes,
+            source_threads=config.prefetch.source_threads,
+            lookahead_items=config.prefetch.lookahead_items,
+            metadata_ttl_s=config.metadata_ttl_s)
+        self.tiered = TieredCache(self.ram, self.source, self.stats, cache.block_bytes,
+                                  self.prefetcher.priority_of, ssd=self.ssd)
+        self.prefetcher.attach(self.tiered)
+        self.reader = Reader(self.tiered, self.prefetcher, self.stats,
+                             block_bytes=cache.block_bytes,
+                             sequential_blocks=config.prefetch.sequential_blocks)
+        self.source_manifest = SourceManifest(config.source)
+        self.watcher = OrderWatcher(config.order_file, self._load_order,
+                                    self.prefetcher.set_order)
+        self.control = Control(self.snapshot, config.order_file)
+        self.ops = Operations(self.source, self.reader, self.control,
+                              kernel_timeout_s=config.kernel_timeout_s,
+                              metadata_ttl_s=config.metadata_ttl_s)
+
+    def _load_order(self, path: Path):
+        return load_order(path, self.source_manifest.get)
+
+    def snapshot(self) -> dict:
+        """The JSON of `cachefs stats` (keys documented in man/cachefs-stats.1)."""
+        watch = self.watcher.status()
+        order = watch.get("order")
+        if order is not None and self.planner.active:
+            order = dict(order, **self.planner.status())
+        manifest = self.source_manifest.manifest
+        ssd = self.ssd.stats() if self.ssd is not None else None
+        if ssd is not None:
+            ssd["admissions_skipped"] = self.tiered.admissions_skipped
+            ssd["errors"] = self.stats.ssd_errors
+        return {
+            "version": 1,
+            "cachefs_version": __version__,
+            "mount": {"source": str(self.config.source), "mountpoint": str(self.config.mountpoint),
+                      "pid": os.getpid(), "started_at": self.started_at,
+                      "block_bytes": self.config.cache.block_bytes},
+            "order_file": str(self.config.order_file),
+            "order": order,
+            "last_rejection": watch.get("last_rejection"),
+            "manifest": {"files": len(manifest) if manifest is not None else None},
+            "epochs": self.stats.snapshot(),
+            "ram": self.ram.stats(),
+            "ssd": ssd,
+            "prefetch": self.prefetcher.status(),
+        }
+
+    async def serve(self) -> None:
+        options = set(pyfuse3.default_options)
+        options |= {"fsname=cachefs", "subtype=cachefs", "ro"}
+        if self.config.allow_other:
+            options.add("allow_other")
+        pyfuse3.init(self.ops, str(self.config.mountpoint), options)
+        log.info("mounted %s at %s", self.config.source, self.config.mountpoint)
+        _raise_read_ahead(self.config.mountpoint)
+        try:
+            async with trio.open_nursery() as nursery:
+                self.ops.bind(nursery)
+                await nursery.start(self.tiered.run)
+                await nursery.start(self.prefetcher.run)
+                await nursery.start(self.watcher.run)
+                nursery.start_soon(trio.to_thread.run_sync, self.source_manifest.get)
+                nursery.start_soon(_terminate_on_signal)
+                await pyfuse3.main(min_tasks=1, max_tasks=self.config.fuse_tasks)
+                nursery.cancel_scope.cancel()
+        finally:
+            pyfuse3.close(unmount=True)
+            if self.ssd is not None:
+                self.ssd.close()
+            log.info("unmounted %s", self.config.mountpoint)
+
+
+async def _terminate_on_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("signal %d: unmounting", signum)
+            pyfuse3.terminate()
+            return
+
+
+def _raise_read_ahead(mountpoint: Path) -> None:
+    """Best effort (root only): 1 MiB kernel read-ahead for the mount's backing device.
+
+    The device comes from /proc/self/mountinfo, never from a stat of the mount point: until
+    pyfuse3.main answers FUSE_INIT, any access to the mount would wait for this very process.
+    """
+    target = os.fsencode(os.path.abspath(mountpoint))
+    device = None
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            for line in f:
+                fields = line.split(b" ")
+                if _unescape(fields[4]) == target:
+                    device = fields[2].decode()
+        if device is None:
+            return
+        with open(f"/sys/class/bdi/{device}/read_ahead_kb", "w") as f:
+            f.write(str(READ_AHEAD_KB))
+    except OSError as exc:
+        log.debug("could not raise read-ahead: %s", exc)
+
+
+def run(config: MountConfig) -> int:
+    """Mount in the foreground until unmounted or signalled; raises StartupError."""
+    check_startup(config)
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    config.order_file.parent.mkdir(parents=True, exist_ok=True)
+    pid_file = config.state_dir / "pid"
+    mount = Mount(config)
+    pid_file.write_text(json.dumps({"pid": os.getpid(), "mountpoint": str(config.mountpoint)}))
+    try:
+        trio.run(mount.serve)
+    finally:
+        pid_file.unlink(missing_ok=True)
+    return errors.EXIT_OK
+

@@ -1,0 +1,199 @@
+"""The order state and the one rule that drives the RAM tier: an item's next use.
+
+Pure: no I/O, no trio, no FUSE. The prefetcher, the reader and the simulator all ask this
+module the same questions, so the policy tested in the simulator is the policy that runs.
+
+The rule (DESIGN.md §2, after Cao et al., SIGMETRICS'95): an item's *next use* is
+- its position in the current order, if it has not been consumed yet;
+- else N + its position in the next order (N = length of the current order);
+- else never (infinity).
+RAM keeps the blocks with the nearest next uses; the prefetcher fetches the next missing item of
+the read-ahead window as soon as the block it would displace is used later. Consumed items not
+needed soon lose to everything else and are dropped at once when their next use is never; the
+head of the next epoch has the nearest next uses among consumed items, so it is what stays.
+
+Positions are "virtual": 0..N-1 walk the current order, N..N+M-1 the next one. The window is the
+virtual range [cursor, cursor + lookahead); the cursor is the lowest unconsumed position, so
+readers with several workers, which consume a little out of order, keep the window in place.
+
+Everything is held in numpy arrays indexed by manifest item or by position: an order of
+ImageNet's 1.28M items costs a few tens of MB and no per-item Python objects.
+
+Invariants:
+- `consumed[p]` is True for exactly `consumed_count` positions, and every position below
+  `cursor` is consumed.
+- `pos_cur[item]` is the first unconsumed position of `item` in the current order, or -1.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Iterator
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+NEVER = math.inf
+
+
+class Planner:
+    def __init__(self, lookahead_items: int):
+        self.lookahead_items = max(1, lookahead_items)
+        self.order = None  # the cachefs.order.Order in force, for its manifest and status
+        self.epoch: int | None = None
+        self.epoch_serial = 0  # bumped at every epoch switch or new order
+        self.current = np.empty(0, np.int64)
+        self.next: np.ndarray | None = None
+        self.consumed = np.empty(0, bool)
+        self.consumed_count = 0
+        self.cursor = 0
+        self.scan = 0  # the prefetcher has handled every window position below this
+        self.pos_cur = np.empty(0, np.int64)
+        self.pos_next = np.empty(0, np.int64)
+        self._later_positions: dict[int, list[int]] = {}  # items that occur twice (rank padding)
+
+    # -- order changes ---------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return self.order is not None
+
+    @property
+    def length(self) -> int:
+        return len(self.current)
+
+    def set_order(self, order) -> bool:
+        """Put a newly accepted order in force; True if a new epoch started.
+
+        Publishing the epoch that the planner already switched to by itself (same epoch, same
+        `current`) only adds the `next` order and keeps what was consumed, so a trainer that
+        publishes at the start of every epoch does not reset the window.
+        """
+        same_epoch = (self.order is not None and order.epoch == self.epoch
+                      and np.array_equal(order.current, self.current))
+        self.order = order
+        manifest_len = len(order.manifest)
+        if not same_epoch:
+            self._start(order.epoch, order.current, order.next, manifest_len)
+            return True
+        self.next = order.next
+        self.pos_next = _positions(order.next, manifest_len)
+        self.scan = self.cursor
+        return False
+
+    def _start(self, epoch: int, current: np.ndarray, next_: np.ndarray | None,
+               manifest_len: int) -> None:
+        self.epoch = epoch
+        self.epoch_serial += 1
+        self.current = current
+        self.next = next_
+        self.consumed = np.zeros(len(current), bool)
+        self.consumed_count = 0
+        self.cursor = 0
+        self.scan = 0
+        self.pos_cur = _positions(current, manifest_len)
+        self.pos_next = _positions(next_, manifest_len)
+        self._later_positions = _duplicates(current)
+        log.info("epoch %s: %d items in order, next order %s", epoch, len(current),
+                 "known" if next_ is not None else "unknown")
+
+    def switch_to_next(self) -> bool:
+        """The current order is consumed: the next one becomes current. False if none is known."""
+        if self.next is None:
+            return False
+        self._start(self.epoch + 1, self.next, None, len(self.pos_cur))
+        return True
+
+    # -- questions -------------------------------------------------------------------------
+
+    def item_at(self, position: int) -> int:
+        """The item at a virtual position, or -1 beyond the known orders."""
+        n = len(self.current)
+        if position < n:
+            return int(self.current[position])
+        if self.next is not None and position - n < len(self.next):
+            return int(self.next[position - n])
+        return -1
+
+    def next_use(self, item: int) -> float:
+        if item < 0 or item >= len(self.pos_cur):
+            return NEVER
+        position = self.pos_cur[item]
+        if position >= 0:
+            return float(position)
+        position = self.pos_next[item]
+        if position >= 0:
+            return float(len(self.current) + position)
+        return NEVER
+
+    def window_end(self) -> int:
+        known = len(self.current) + (len(self.next) if self.next is not None else 0)
+        return min(self.cursor + self.lookahead_items, known)
+
+    def window(self) -> Iterator[tuple[int, int]]:
+        """(virtual position, item) pairs the prefetcher has not handled yet, nearest first.
+
+        An item of the next order that is still unconsumed in the current one is skipped: its
+        next use is its current position, where the window already met it.
+        """
+        n = len(self.current)
+        position = max(self.scan, self.cursor)
+        end = self.window_end()
+        while position < end:
+            if position < n:
+                if not self.consumed[position]:
+                    yield position, int(self.current[position])
+            else:
+                item = int(self.next[position - n])
+                if self.pos_cur[item] < 0:
+                    yield position, item
+            position += 1
+
+    # -- consumption -----------------------------------------------------------------------
+
+    def consume(self, item: int) -> bool:
+        """A reader finished `item`. Returns True if that completed the current order."""
+        if item < 0 or item >= len(self.pos_cur):
+            return False
+        position = int(self.pos_cur[item])
+        if position < 0:
+            return False  # not in the current order, or consumed already
+        self.consumed[position] = True
+        self.consumed_count += 1
+        later = self._later_positions.get(item)
+        self.pos_cur[item] = later.pop(0) if later else -1
+        while self.cursor < len(self.current) and self.consumed[self.cursor]:
+            self.cursor += 1
+        return self.consumed_count == len(self.current)
+
+    def status(self) -> dict:
+        if self.order is None:
+            return {}
+        return {"epoch": self.epoch, "length": len(self.current),
+                "consumed": self.consumed_count, "cursor": self.cursor,
+                "has_next": self.next is not None, "lookahead": self.lookahead_items}
+
+
+def _positions(order: np.ndarray | None, manifest_len: int) -> np.ndarray:
+    """Inverse of an order: item -> its first position in it, -1 where absent."""
+    positions = np.full(manifest_len, -1, np.int64)
+    if order is not None and len(order):
+        # assign in reverse so that the first occurrence of a repeated item wins
+        positions[order[::-1]] = np.arange(len(order) - 1, -1, -1, dtype=np.int64)
+    return positions
+
+
+def _duplicates(order: np.ndarray) -> dict[int, list[int]]:
+    """Later positions of items that occur more than once (DistributedSampler padding)."""
+    if len(order) == 0:
+        return {}
+    unique, counts = np.unique(order, return_counts=True)
+    repeated = unique[counts > 1]
+    if len(repeated) == 0:
+        return {}
+    later: dict[int, list[int]] = {}
+    for position in np.nonzero(np.isin(order, repeated))[0]:
+        later.setdefault(int(order[position]), []).append(int(position))
+    return {item: positions[1:] for item, positions in later.items()}

@@ -1,0 +1,131 @@
+"""read(handle, offset, size): split into blocks, take each from RAM or fetch it, assemble.
+
+The hot path is a RAM hit: it never awaits (no thread, no scheduling), so hits are served even
+while other requests wait on the source. A miss awaits the tiered cache's single-flight fetch;
+the time a reader spends waiting on the source is its stall.
+
+Consumption (DESIGN.md §2): a file of the order is consumed when its last byte has been
+returned to a reader, or when a handle that read from it is released, whichever comes first.
+The prefetcher is told, and moves the window. Each handle is classified once, at release,
+into the stats' per-epoch counters (see stats.py for the classes).
+
+A file read sequentially (block n right after block n-1) gets its next blocks read ahead even
+without an order, so large files (shards, HDF5, .npy) stream at source bandwidth.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import trio
+
+from cachefs import stats as stats_mod
+from cachefs.cache.tiered import TieredCache, block_count
+from cachefs.prefetch import Prefetcher
+from cachefs.source import SourceIdentity
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class OpenFile:
+    inode: int
+    relpath: bytes
+    identity: SourceIdentity
+    item: int  # manifest index, -1 if the file is in no manifest
+    origin: int = stats_mod.ORIGIN_RAM  # costliest origin of any block served so far
+    stall_s: float = 0.0
+    bytes_served: int = 0
+    read_called: bool = False
+    consumed: bool = False
+    next_block: int = 0  # the block a sequential reader asks for next
+    # the epoch record in force when the file was consumed: consuming the last item of an
+    # order switches the epoch, and the file must still count in the epoch that read it
+    epoch_record: stats_mod.EpochStats | None = None
+
+
+class Reader:
+    def __init__(self, tiered: TieredCache, prefetcher: Prefetcher, stats: stats_mod.Stats,
+                 *, block_bytes: int, sequential_blocks: int):
+        self.tiered = tiered
+        self.prefetcher = prefetcher
+        self.stats = stats
+        self.block_bytes = block_bytes
+        self.sequential_blocks = sequential_blocks
+
+    def open(self, inode: int, relpath: bytes, identity: SourceIdentity) -> OpenFile:
+        return OpenFile(inode, relpath, identity, self.prefetcher.item_of(relpath))
+
+    async def read(self, handle: OpenFile, offset: int, size: int) -> bytes:
+        handle.read_called = True
+        block_bytes = self.block_bytes
+        while True:
+            identity = handle.identity
+            end = min(offset + size, identity.size)
+            if offset >= end:
+                self._consume(handle)
+                return b""
+            parts = []
+            for block_index in range(offset // block_bytes, (end - 1) // block_bytes + 1):
+                data = await self._block(handle, block_index)
+                if handle.identity != identity:
+                    break  # the file changed under us: start over with its new size
+                start = block_index * block_bytes
+                lo, hi = max(offset, start) - start, min(end, start + len(data)) - start
+                parts.append(data if (lo, hi) == (0, len(data)) else data[lo:hi])
+            else:
+                break
+        result = parts[0] if len(parts) == 1 else b"".join(parts)
+        handle.bytes_served += len(result)
+        if end >= identity.size:
+            self._consume(handle)
+        self._read_ahead(handle, offset // block_bytes, (end - 1) // block_bytes)
+        return result
+
+    async def _block(self, handle: OpenFile, block_index: int) -> bytes:
+        key = (handle.relpath, block_index)
+        block = self.tiered.lookup(key, handle.identity)
+        if block is not None:  # the hot path: no await
+            origin = stats_mod.ORIGIN_RAM if block.served else block.origin
+            block.served = True
+            self.tiered.ram.touch(key, block)
+            handle.origin = max(handle.origin, origin)
+            return block.data
+        # trio's clock (time.monotonic in a mount) so the simulator's virtual clock measures
+        # stalls too
+        started_s = trio.current_time()
+        fetched = await self.tiered.fetch(key, handle.identity, handle.item, demand=True)
+        if fetched.origin == stats_mod.ORIGIN_MISS:
+            handle.stall_s += trio.current_time() - started_s
+        handle.origin = max(handle.origin, fetched.origin)
+        cached = self.tiered.ram.get(key)
+        if cached is not None:
+            cached.served = True
+        if fetched.identity != handle.identity:
+            handle.identity = fetched.identity
+            self.prefetcher.record_identity(handle.item, fetched.identity)
+        return fetched.data
+
+    def _read_ahead(self, handle: OpenFile, first_block: int, last_block: int) -> None:
+        sequential = first_block in (handle.next_block, handle.next_block - 1)
+        handle.next_block = last_block + 1
+        if not sequential or last_block == 0 or self.sequential_blocks == 0:
+            return
+        total = block_count(handle.identity.size, self.block_bytes)
+        wanted = range(last_block + 1, min(total, last_block + 1 + self.sequential_blocks))
+        self.prefetcher.read_ahead(handle.relpath, handle.identity, handle.item, wanted)
+
+    def _consume(self, handle: OpenFile) -> None:
+        if not handle.consumed:
+            handle.consumed = True
+            handle.epoch_record = self.stats.current
+            self.prefetcher.consumed(handle.item)
+
+    def release(self, handle: OpenFile) -> None:
+        if not handle.read_called:
+            return
+        if handle.bytes_served:
+            self._consume(handle)
+        self.stats.file_read(handle.origin, handle.stall_s, handle.bytes_served,
+                             record=handle.epoch_record)

@@ -1,0 +1,519 @@
+"""Trace-driven simulator of the order-driven cache: the mount's own code, without FUSE.
+
+Why it exists. The policy (DESIGN.md §2) makes claims about time and memory: no stalls once
+the read-ahead window is full, the head of every later epoch served from RAM, a budget that is
+never exceeded, no block read twice in one epoch. Checking them against a real mount over slow
+storage takes minutes and is noisy. Here the same claims are checked in a fraction of a second
+of real time, deterministically.
+
+What is real and what is simulated. `simulate` builds the real `Planner`, `RamTier`,
+`Prefetcher`, `TieredCache`, `Reader` and `Stats`, wired exactly as `cachefs.mount.Mount` wires
+them. Only the edges are fakes:
+- `SimSource` has the interface the code uses from `cachefs.source.Source` (`read_block`,
+  `lstat`, `check_readable`, `limiter`). Every request holds one slot of a
+  `trio.CapacityLimiter(parallelism)` and sleeps `latency_s` (plus `size / bandwidth` when a
+  per-request bandwidth is given). Payloads are zeros behind a short header naming the file and
+  block, so the consumer checks that every read returns the right bytes.
+- `SimSsd` has the interface of `cachefs.cache.ssd.SsdTier` (`contains`, `read`, `admit`,
+  `has_room`, `drop_file`, `stats`, `close`): in memory, cache-once within a byte budget.
+- Time is trio's virtual clock (`MockClock(autojump_threshold=0)`): whenever every task waits,
+  the clock jumps to the next deadline, so three epochs of thousands of items take well under
+  a second. A real worker thread would let the clock jump while it runs, so during a run the
+  tiered cache's thread calls into the SimSsd run inline after a virtual `ssd_latency_s` (see
+  `_inline_ssd_calls`); nothing else uses threads.
+
+The consumer plays the trainer. For each epoch it publishes an `Order` (current = this
+epoch's permutation, next = the following one) through `prefetcher.set_order`, as the order
+watcher does, then `workers` tasks take positions in order from a shared counter and, per item:
+open (with the identity check `fuse_ops.open` makes: a source round trip unless the prefetcher
+knows the file's identity from the last `metadata_ttl_s`), read the whole file in
+`request_bytes` requests as the kernel would, release, then compute for `consume_s`. A seeded
+random delay of up to `open_jitter_s` between taking a position and opening it makes several
+workers read a little out of order, as DataLoader workers do. An epoch ends when every worker
+is done; its wall time is in virtual seconds.
+
+Per epoch the result carries the mount's own counters (from `Stats`) and what only a simulator
+can see: the origin of every position (to check where RAM hits fall), the RAM blocks kept
+across the epoch boundary and how many of them the SSD also holds, and the largest
+`ram.used_bytes` observed after every reservation, insertion and consumer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import types
+from dataclasses import dataclass, field
+
+import numpy as np
+import trio
+import trio.testing
+
+from cachefs import stats as stats_mod
+from cachefs.cache.ram import RamTier
+from cachefs.cache.tiered import TieredCache, block_length
+from cachefs.config import KIB, MIB
+from cachefs.order import Manifest, Order, permutation
+from cachefs.planner import Planner
+from cachefs.prefetch import Prefetcher
+from cachefs.reader import Reader
+from cachefs.source import BlockData, SourceIdentity
+from cachefs.stats import Stats
+
+log = logging.getLogger(__name__)
+
+ORIGIN_NAMES = {stats_mod.ORIGIN_RAM: "ram", stats_mod.ORIGIN_PREFETCHED: "prefetched",
+                stats_mod.ORIGIN_SSD: "ssd", stats_mod.ORIGIN_MISS: "miss"}
+MTIME_NS = 1_700_000_000 * 10**9  # every simulated file has this mtime; inode = item + 1
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """A trace and the machine it runs on. Sizes in bytes, times in (virtual) seconds."""
+
+    items: int = 5000
+    item_bytes: int = 110_000
+    sizes_bytes: tuple[int, ...] | None = None  # per item; overrides items/item_bytes
+    epochs: int = 3
+    ram_bytes: int = 128 * MIB
+    ssd_bytes: int = 0  # 0: no SSD tier
+    block_bytes: int = 4 * MIB
+    latency_s: float = 0.002  # per source request (stat or block read)
+    parallelism: int = 32  # source requests in flight at once, and --source-threads
+    bandwidth_bytes_s: float = 0.0  # per request; 0: unlimited
+    ssd_latency_s: float = 0.0001  # per SSD read or write
+    consume_s: float = 0.0005  # compute per item, after its file is released
+    open_jitter_s: float = 0.0  # uniform(0, jitter) per item, seeded, before its open
+    workers: int = 1  # concurrent readers
+    lookahead_items: int = 0  # --lookahead; 0: automatic
+    sequential_blocks: int = 4
+    request_bytes: int = 128 * KIB  # one kernel read request
+    metadata_ttl_s: float = 1.0  # MountConfig's default
+    check_identity_at_open: bool = True  # model fuse_ops.open's identity check
+    seed: int = 0
+
+    def sizes(self) -> np.ndarray:
+        if self.sizes_bytes is not None:
+            return np.asarray(self.sizes_bytes, np.int64)
+        return np.full(self.items, self.item_bytes, np.int64)
+
+    def __post_init__(self):
+        if self.epochs < 1 or self.workers < 1 or self.parallelism < 1:
+            raise ValueError("epochs, workers and parallelism must be >= 1")
+        if self.request_bytes < 1 or self.block_bytes < 1:
+            raise ValueError("request_bytes and block_bytes must be positive")
+
+
+@dataclass
+class EpochResult:
+    epoch: int
+    wall_s: float = 0.0
+    reads: int = 0
+    hits_ram: int = 0
+    hits_ssd: int = 0
+    misses: int = 0
+    prefetched: int = 0
+    backend_bytes: int = 0
+    backend_reads: int = 0
+    stall_s: float = 0.0  # the reader's own measure: time spent waiting on the source
+    refetched_blocks: int = 0
+    open_wait_s: float = 0.0  # time opens waited for the identity check at the source
+    boundary_ram_blocks: int = 0  # blocks served last epoch and still in RAM at its start
+    boundary_ram_on_ssd: int = 0  # ... of which the SSD tier holds a copy (should be 0)
+    items: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # the order
+    origins: np.ndarray = field(default_factory=lambda: np.empty(0, np.int8))  # per position
+    stall_by_position: np.ndarray = field(default_factory=lambda: np.empty(0))
+    completion: list[int] = field(default_factory=list)  # positions, in the order released
+
+    @property
+    def ram_hit_positions(self) -> np.ndarray:
+        return np.flatnonzero(self.origins == stats_mod.ORIGIN_RAM)
+
+    def stalled_positions(self) -> np.ndarray:
+        return np.flatnonzero(self.stall_by_position > 0)
+
+    def row(self) -> dict:
+        return {"epoch": self.epoch, "wall_s": round(self.wall_s, 4), "reads": self.reads,
+                "hits_ram": self.hits_ram, "hits_ssd": self.hits_ssd,
+                "prefetched": self.prefetched, "misses": self.misses,
+                "stall_s": round(self.stall_s, 4), "open_wait_s": round(self.open_wait_s, 4),
+                "backend_MB": round(self.backend_bytes / 1e6, 1),
+                "refetched": self.refetched_blocks}
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    epochs: list[EpochResult]
+    max_ram_used_bytes: int
+    ram_budget_bytes: int
+    lookahead_items: int  # the planner's window when the run ended
+    ram_evictions: int
+    ssd_bytes: int  # bytes held by the SSD tier at the end
+    ssd_keys: frozenset  # (relpath, block_index) held by the SSD tier at the end
+    data_errors: int  # reads whose bytes were not those of the file and block asked for
+
+    def table(self) -> str:
+        rows = [e.row() for e in self.epochs]
+        headers = list(rows[0])
+        widths = [max(len(h), *(len(str(r[h])) for r in rows)) for h in headers]
+        lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths))]
+        lines += ["  ".join(str(r[h]).rjust(w) for h, w in zip(headers, widths)) for r in rows]
+        return "\n".join(lines)
+
+
+# -- the fakes ---------------------------------------------------------------------------------
+
+
+def payload(relpath: bytes, block_index: int, length: int) -> bytes:
+    """The bytes of one simulated block: a header naming it, then zeros."""
+    head = b"%s#%d|" % (relpath, block_index)
+    return (head + bytes(max(0, length - len(head))))[:length]
+
+
+class SimSource:
+    """The slow directory, as `cachefs.source.Source` is used by the cache and prefetcher."""
+
+    def __init__(self, manifest: Manifest, sizes: np.ndarray, *, latency_s: float,
+                 parallelism: int, bandwidth_bytes_s: float = 0.0):
+        self.limiter = trio.CapacityLimiter(parallelism)
+        self.latency_s = latency_s
+        self.bandwidth_bytes_s = bandwidth_bytes_s
+        self._sizes = sizes
+        self._index = {manifest.path(i): i for i in range(len(manifest))}
+        self.requests = 0
+
+    def identity(self, relpath: bytes) -> SourceIdentity:
+        item = self._item(relpath)
+        return SourceIdentity(int(self._sizes[item]), MTIME_NS, item + 1)
+
+    def _item(self, relpath: bytes) -> int:
+        try:
+            return self._index[relpath]
+        except KeyError:
+            raise FileNotFoundError(2, "No such file or directory", relpath) from None
+
+    async def _request(self, nbytes: int) -> None:
+        async with self.limiter:
+            self.requests += 1
+            transfer_s = nbytes / self.bandwidth_bytes_s if self.bandwidth_bytes_s else 0.0
+            await trio.sleep(self.latency_s + transfer_s)
+
+    async def lstat(self, relpath: bytes):
+        identity = self.identity(relpath)
+        await self._request(0)
+        return types.SimpleNamespace(st_size=identity.size, st_mtime_ns=identity.mtime_ns,
+                                     st_ino=identity.ino)
+
+    async def check_readable(self, relpath: bytes) -> SourceIdentity:
+        identity = self.identity(relpath)
+        await self._request(0)
+        return identity
+
+    async def read_block(self, relpath: bytes, block_index: int, block_bytes: int) -> BlockData:
+        identity = self.identity(relpath)
+        length = block_length(identity, block_index, block_bytes)
+        await self._request(length)
+        return BlockData(payload(relpath, block_index, length), identity)
+
+
+class SimSsd:
+    """Cache-once block store in memory, with `cachefs.cache.ssd.SsdTier`'s methods."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.entries: dict[tuple[bytes, int], tuple[SourceIdentity, bytes]] = {}
+        self.bytes = 0
+        self.reads = 0
+
+    def contains(self, key, identity: SourceIdentity) -> bool:
+        entry = self.entries.get(key)
+        return entry is not None and entry[0] == identity
+
+    def read(self, key, identity: SourceIdentity) -> bytes | None:
+        entry = self.entries.get(key)
+        if entry is None or entry[0] != identity:
+            return None
+        self.reads += 1
+        return entry[1]
+
+    def admit(self, key, identity: SourceIdentity, data: bytes) -> bool:
+        if key in self.entries or not self.has_room(len(data)):
+            return False  # cache-once: nothing is ever replaced
+        self.entries[key] = (identity, data)
+        self.bytes += len(data)
+        return True
+
+    def has_room(self, size_bytes: int) -> bool:
+        return self.bytes + size_bytes <= self.budget_bytes
+
+    def drop_file(self, relpath: bytes) -> int:
+        keys = [key for key in self.entries if key[0] == relpath]
+        for key in keys:
+            self.bytes -= len(self.entries.pop(key)[1])
+        return len(keys)
+
+    def stats(self) -> dict:
+        return {"bytes": self.bytes, "budget": self.budget_bytes, "entries": len(self.entries)}
+
+    def close(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _inline_ssd_calls(ssd: SimSsd | None, latency_s: float):
+    """Run the tiered cache's worker-thread calls into `ssd` inline, after a virtual delay.
+
+    The SimSsd does no blocking I/O, and under the MockClock a real thread lets virtual time
+    jump ahead while it runs, which would make SSD reads cost an arbitrary time. Every other
+    call still goes to the real `trio.to_thread.run_sync`.
+    """
+    original = trio.to_thread.run_sync
+    if ssd is None:
+        yield
+        return
+
+    async def run_sync(fn, *args, limiter=None, **kwargs):
+        if getattr(fn, "__self__", None) is not ssd:
+            return await original(fn, *args, limiter=limiter, **kwargs)
+        async with limiter if limiter is not None else contextlib.nullcontext():
+            await trio.sleep(latency_s)
+            return fn(*args)
+
+    trio.to_thread.run_sync = run_sync
+    try:
+        yield
+    finally:
+        trio.to_thread.run_sync = original
+
+
+class _ObservedRamTier(RamTier):
+    """The real RAM tier, noting the largest `used_bytes` after every change of it."""
+
+    max_used_bytes = 0
+
+    def observe(self) -> None:
+        used = self.used_bytes
+        if used > self.max_used_bytes:
+            self.max_used_bytes = used
+        if used > self.budget_bytes or self.reserved_bytes < 0:
+            raise AssertionError(f"RAM budget broken: used {used} of {self.budget_bytes}")
+
+    def reserve(self, nbytes, priority):
+        try:
+            return super().reserve(nbytes, priority)
+        finally:
+            self.observe()
+
+    def unreserve(self, nbytes):
+        super().unreserve(nbytes)
+        self.observe()
+
+    def insert(self, key, block, reserved_bytes):
+        try:
+            return super().insert(key, block, reserved_bytes)
+        finally:
+            self.observe()
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+class _Sim:
+    """The mount's objects wired as `cachefs.mount.Mount` wires them, over the fakes."""
+
+    def __init__(self, config: SimConfig):
+        self.config = config
+        self.sizes = config.sizes()
+        n = len(self.sizes)
+        self.manifest = Manifest.from_paths(
+            [b"d%02d/item%07d.bin" % (i % 16, i) for i in range(n)]).prepare()
+        self.paths = [self.manifest.path(i) for i in range(n)]
+        self.stats = Stats()
+        self.source = SimSource(self.manifest, self.sizes, latency_s=config.latency_s,
+                                parallelism=config.parallelism,
+                                bandwidth_bytes_s=config.bandwidth_bytes_s)
+        self.ssd = SimSsd(config.ssd_bytes) if config.ssd_bytes else None
+        self.ram = _ObservedRamTier(config.ram_bytes)
+        self.planner = Planner(config.lookahead_items or 1)
+        self.prefetcher = Prefetcher(
+            self.planner, self.ram, self.source, self.stats, block_bytes=config.block_bytes,
+            source_threads=config.parallelism, lookahead_items=config.lookahead_items,
+            metadata_ttl_s=config.metadata_ttl_s)
+        self.tiered = TieredCache(self.ram, self.source, self.stats, config.block_bytes,
+                                  self.prefetcher.priority_of, ssd=self.ssd)
+        self.prefetcher.attach(self.tiered)
+        self.reader = Reader(self.tiered, self.prefetcher, self.stats,
+                             block_bytes=config.block_bytes,
+                             sequential_blocks=config.sequential_blocks)
+        rng = np.random.default_rng(config.seed)
+        self.jitter_s = rng.uniform(0, config.open_jitter_s, (config.epochs, n))
+        self.data_errors = 0
+
+    def order(self, epoch: int) -> Order:
+        n = len(self.sizes)
+        return Order(epoch=epoch, current=permutation(n, self.config.seed, epoch),
+                     next=permutation(n, self.config.seed, epoch + 1), manifest=self.manifest,
+                     rank=None, world_size=None, total_length=n, file=None)
+
+    async def main(self) -> list[EpochResult]:
+        results = []
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.tiered.run)
+            await nursery.start(self.prefetcher.run)
+            for epoch in range(1, self.config.epochs + 1):
+                results.append(await self._epoch(epoch))
+            nursery.cancel_scope.cancel()
+        return results
+
+    async def _epoch(self, epoch: int) -> EpochResult:
+        order = self.order(epoch)
+        n = len(order.current)
+        result = EpochResult(epoch, items=order.current, origins=np.full(n, -1, np.int8),
+                             stall_by_position=np.zeros(n))
+        result.boundary_ram_blocks, result.boundary_ram_on_ssd = self._retained()
+        started_s = trio.current_time()
+        self.prefetcher.set_order(order)
+        self.ram.observe()
+        positions = iter(range(n))
+        async with trio.open_nursery() as nursery:
+            for _ in range(self.config.workers):
+                nursery.start_soon(self._worker, epoch, order, positions, result)
+        result.wall_s = trio.current_time() - started_s
+        return result
+
+    def _retained(self) -> tuple[int, int]:
+        """RAM blocks already served to a reader (kept from an earlier epoch), and how many of
+        them the SSD tier holds too."""
+        kept = [key for key, block in self.ram.blocks.items() if block.served]
+        on_ssd = sum(1 for key in kept if self.ssd is not None and key in self.ssd.entries)
+        return len(kept), on_ssd
+
+    async def _worker(self, epoch: int, order: Order, positions, result: EpochResult) -> None:
+        config = self.config
+        for position in positions:
+            item = int(order.current[position])
+            if config.open_jitter_s:
+                await trio.sleep(self.jitter_s[epoch - 1, position])
+            handle = await self._open(item, result)
+            size = handle.identity.size
+            offset = 0
+            while offset < size:
+                request = min(config.request_bytes, size - offset)
+                data = await self.reader.read(handle, offset, request)
+                self._check(item, offset, data, request)
+                offset += request
+                self.ram.observe()
+            self.reader.release(handle)
+            result.origins[position] = handle.origin
+            result.completion.append(position)
+            result.stall_by_position[position] = handle.stall_s
+            self.ram.observe()
+            await trio.sleep(config.consume_s)
+
+    async def _open(self, item: int, result: EpochResult):
+        """`fuse_ops.open`: the identity the prefetcher knows, else a round trip."""
+        relpath = self.paths[item]
+        identity = self.prefetcher.known_identity(item)
+        if identity is None:
+            if self.config.check_identity_at_open:
+                started_s = trio.current_time()
+                identity = await self.source.check_readable(relpath)
+                result.open_wait_s += trio.current_time() - started_s
+                self.prefetcher.record_identity(item, identity)
+            else:
+                identity = self.source.identity(relpath)
+        return self.reader.open(item + 2, relpath, identity)
+
+    def _check(self, item: int, offset: int, data: bytes, request: int) -> None:
+        block_bytes = self.config.block_bytes
+        block_index = offset // block_bytes
+        if offset % block_bytes == 0 and len(data) == request:
+            head = payload(self.paths[item], block_index, 64)
+            ok = data[:len(head)] == head[:len(data)]
+        else:
+            ok = len(data) == request
+        if not ok:
+            self.data_errors += 1
+            log.error("item %d offset %d: wrong bytes", item, offset)
+
+    def _take_counters(self, result: EpochResult) -> None:
+        for record in self.stats.epochs:
+            if record.epoch == result.epoch:
+                for name in ("reads", "hits_ram", "hits_ssd", "misses", "prefetched",
+                             "backend_bytes", "backend_reads", "stall_s", "refetched_blocks"):
+                    setattr(result, name, getattr(record, name))
+
+
+def simulate(config: SimConfig) -> SimResult:
+    """Run the trace on virtual time; see the module docstring."""
+    sim = _Sim(config)
+    with _inline_ssd_calls(sim.ssd, config.ssd_latency_s):
+        epochs = trio.run(sim.main, clock=trio.testing.MockClock(autojump_threshold=0))
+    # backend reads of the window's next-epoch items count in the epoch that made them, until
+    # the switch; read the counters once the run is over
+    for result in epochs:
+        sim._take_counters(result)
+    ssd_keys = frozenset(sim.ssd.entries) if sim.ssd is not None else frozenset()
+    return SimResult(config, epochs, sim.ram.max_used_bytes, sim.ram.budget_bytes,
+                     sim.planner.lookahead_items, sim.ram.evictions,
+                     sim.ssd.bytes if sim.ssd is not None else 0, ssd_keys, sim.data_errors)
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def main(argv=None) -> None:
+    import click
+
+    @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+    @click.option("--items", default=5000, show_default=True, help="Files in the data set.")
+    @click.option("--item-kb", default=110.0, show_default=True, help="File size, KB (1000 B).")
+    @click.option("--ram-fraction", default=0.25, show_default=True,
+                  help="RAM budget as a fraction of the data set.")
+    @click.option("--ssd-fraction", default=0.0, show_default=True,
+                  help="SSD budget as a fraction of the data set (0: no SSD tier).")
+    @click.option("--epochs", default=3, show_default=True)
+    @click.option("--latency-ms", default=2.0, show_default=True, help="Per source request.")
+    @click.option("--parallelism", default=32, show_default=True,
+                  help="Source requests in flight (--source-threads).")
+    @click.option("--bandwidth-mbs", default=0.0, show_default=True,
+                  help="Per-request source bandwidth, MB/s (0: unlimited).")
+    @click.option("--consume-ms", default=0.5, show_default=True, help="Compute per item.")
+    @click.option("--jitter-ms", default=0.0, show_default=True, help="Random delay before each open.")
+    @click.option("--workers", default=1, show_default=True, help="Concurrent readers.")
+    @click.option("--lookahead", default=0, show_default=True, help="0: automatic.")
+    @click.option("--block-kib", default=4096, show_default=True)
+    @click.option("--metadata-ttl-s", default=1.0, show_default=True)
+    @click.option("--seed", default=0, show_default=True)
+    def command(items, item_kb, ram_fraction, ssd_fraction, epochs, latency_ms, parallelism,
+                bandwidth_mbs, consume_ms, jitter_ms, workers, lookahead, block_kib,
+                metadata_ttl_s, seed):
+        """Simulate a training run over cachefs on virtual time and print per-epoch figures."""
+        item_bytes = int(item_kb * 1000)
+        data_bytes = items * item_bytes
+        config = SimConfig(
+            items=items, item_bytes=item_bytes, epochs=epochs,
+            ram_bytes=int(data_bytes * ram_fraction), ssd_bytes=int(data_bytes * ssd_fraction),
+            block_bytes=block_kib * KIB, latency_s=latency_ms / 1e3, parallelism=parallelism,
+            bandwidth_bytes_s=bandwidth_mbs * 1e6, consume_s=consume_ms / 1e3,
+            open_jitter_s=jitter_ms / 1e3, workers=workers, lookahead_items=lookahead,
+            metadata_ttl_s=metadata_ttl_s, seed=seed)
+        result = simulate(config)
+        click.echo(result.table())
+        click.echo(f"RAM budget {result.ram_budget_bytes / 1e6:.1f} MB, max used "
+                   f"{result.max_ram_used_bytes / 1e6:.1f} MB, lookahead "
+                   f"{result.lookahead_items} items, data errors {result.data_errors}")
+        for epoch in result.epochs:
+            hits = epoch.ram_hit_positions
+            if len(hits):
+                click.echo(f"epoch {epoch.epoch}: RAM hits at positions {hits.min()}..{hits.max()}"
+                           f" ({len(hits)} of them), retained at start "
+                           f"{epoch.boundary_ram_blocks} blocks "
+                           f"({epoch.boundary_ram_on_ssd} also on SSD)")
+
+    command.main(args=argv, prog_name="python -m cachefs.sim")
+
+
+if __name__ == "__main__":
+    main()

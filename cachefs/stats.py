@@ -1,0 +1,96 @@
+"""Counters a user reads with `cachefs stats`: per epoch, per tier, and stalls.
+
+Every figure is counted where the event happens (the reader classifies each opened file when it
+is released; the fetcher adds backend bytes) and only read here. The JSON snapshot is the
+documented interface (man/cachefs-stats.1); keys are only ever added, never renamed.
+
+How an opened file is classified (one of the four, so they add up to `reads`):
+- `misses`: some block of it had to wait for the source (the reader stalled; `stall_s` adds
+  the wait);
+- `hits_ssd`: otherwise, some block came from the SSD tier for this use;
+- `prefetched`: otherwise, some block was read from the source ahead of the reader in this
+  epoch;
+- `hits_ram`: every block was already in RAM before this epoch needed it (retained across the
+  epoch boundary, or read again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+# Origins of the data a reader got, in order of increasing cost; a file's class is the
+# costliest origin among its blocks.
+ORIGIN_RAM = 0
+ORIGIN_PREFETCHED = 1
+ORIGIN_SSD = 2
+ORIGIN_MISS = 3
+_CLASS_BY_ORIGIN = {ORIGIN_RAM: "hits_ram", ORIGIN_PREFETCHED: "prefetched",
+                    ORIGIN_SSD: "hits_ssd", ORIGIN_MISS: "misses"}
+
+
+@dataclass
+class EpochStats:
+    epoch: int | None  # None: reads before any order was published
+    reads: int = 0
+    hits_ram: int = 0
+    hits_ssd: int = 0
+    misses: int = 0
+    prefetched: int = 0
+    backend_bytes: int = 0  # bytes read from the source
+    backend_reads: int = 0  # blocks read from the source
+    refetched_blocks: int = 0  # blocks read from the source more than once in this epoch
+    ssd_bytes_read: int = 0
+    bytes_served: int = 0
+    stall_s: float = 0.0
+
+
+class Stats:
+    """The counters of one mount. Single-threaded: only the trio thread touches it."""
+
+    def __init__(self):
+        self.epochs: list[EpochStats] = [EpochStats(None)]
+        self.ssd_errors = 0
+        self.read_errors = 0
+        # blocks fetched from the source in the current epoch, to count refetches
+        self._fetched_this_epoch: set = set()
+
+    @property
+    def current(self) -> EpochStats:
+        return self.epochs[-1]
+
+    def start_epoch(self, epoch: int) -> None:
+        if self.current.epoch == epoch:
+            return
+        if self.current.epoch is None and self.current.reads == 0:
+            self.epochs.pop()  # no reads happened before the first order: no empty record
+        self.epochs.append(EpochStats(epoch))
+        self._fetched_this_epoch.clear()
+
+    def file_read(self, origin: int, stall_s: float, bytes_served: int,
+                  record: EpochStats | None = None) -> None:
+        """Count one opened file in `record` (the epoch that consumed it), else the current."""
+        record = record if record is not None else self.current
+        record.reads += 1
+        setattr(record, _CLASS_BY_ORIGIN[origin], getattr(record, _CLASS_BY_ORIGIN[origin]) + 1)
+        record.stall_s += stall_s
+        record.bytes_served += bytes_served
+
+    def source_fetched(self, key, size_bytes: int) -> None:
+        record = self.current
+        record.backend_bytes += size_bytes
+        record.backend_reads += 1
+        if key in self._fetched_this_epoch:
+            record.refetched_blocks += 1
+        else:
+            self._fetched_this_epoch.add(key)
+
+    def ssd_read(self, size_bytes: int) -> None:
+        self.current.ssd_bytes_read += size_bytes
+
+    def snapshot(self) -> list[dict]:
+        out = []
+        for record in self.epochs:
+            item = asdict(record)
+            item["stall_s"] = round(record.stall_s, 6)
+            out.append(item)
+        return out

@@ -1,0 +1,153 @@
+"""Shared fixtures: real mounts in a subprocess, and generated source trees.
+
+`mounter` starts `cachefs mount --foreground` in a subprocess, waits until the kernel lists
+the mount, and always takes it down in a finally: `fusermount3 -u`, then terminate, then kill,
+then a lazy unmount, so no test leaves a stale mount even when it fails. A failed test prints
+the daemon's log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+MOUNT_TIMEOUT_S = 30.0
+
+
+def mounted_paths() -> set[str]:
+    points = set()
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            points.add(line.split(" ")[4].replace("\\040", " "))
+    return points
+
+
+def sha256(path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def cachefs_cmd(*args) -> list[str]:
+    return [sys.executable, "-m", "cachefs", *map(str, args)]
+
+
+def run_cachefs(*args, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(cachefs_cmd(*args), capture_output=True, text=True, timeout=120,
+                          **kwargs)
+
+
+class Mount:
+    """One `cachefs mount --foreground` subprocess."""
+
+    def __init__(self, source: Path, mountpoint: Path, state_dir: Path, log_path: Path,
+                 args, prefix=()):
+        self.source = source
+        self.mountpoint = mountpoint
+        self.state_dir = state_dir
+        self.log_path = log_path
+        self.order_file = state_dir / "order.npz"
+        cmd = [*prefix, *cachefs_cmd("mount", "--foreground", source, mountpoint,
+                                     "--state-dir", state_dir, *args)]
+        self._log = open(log_path, "wb")
+        self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + MOUNT_TIMEOUT_S
+        while str(mountpoint) not in mounted_paths():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"mount did not come up:\n{self.log()}")
+            time.sleep(0.02)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    @property
+    def mounted(self) -> bool:
+        return str(self.mountpoint) in mounted_paths()
+
+    def stats(self) -> dict:
+        import json
+
+        return json.loads(os.getxattr(self.mountpoint, "user.cachefs.stats"))
+
+    def stop(self) -> int | None:
+        """Unmount and wait for the daemon; escalate until both are gone."""
+        try:
+            if self.mounted:
+                subprocess.run(["fusermount3", "-u", str(self.mountpoint)], capture_output=True)
+            try:
+                return self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.send_signal(signal.SIGTERM)
+                try:
+                    return self.process.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    return self.process.wait()
+        finally:
+            if self.mounted:
+                subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)],
+                               capture_output=True)
+            self._log.close()
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, "rep_" + report.when, report)
+
+
+@pytest.fixture
+def mounter(tmp_path, request):
+    """mounter(source, *args) -> Mount; every mount is taken down after the test."""
+    mounts: list[Mount] = []
+
+    def start(source: Path, *args, prefix=()) -> Mount:
+        index = len(mounts)
+        mountpoint = tmp_path / f"mnt{index}"
+        mountpoint.mkdir(exist_ok=True)
+        mount = Mount(Path(source), mountpoint, tmp_path / f"state{index}",
+                      tmp_path / f"daemon{index}.log", args, prefix)
+        mounts.append(mount)
+        return mount
+
+    yield start
+    failed = getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed
+    for mount in mounts:
+        mount.stop()
+        if failed:
+            print(f"--- daemon log of {mount.mountpoint} ---\n{mount.log()}")
+
+
+def write_file(path: Path, size_bytes: int, seed: int = 0) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    import numpy as np
+
+    data = np.random.default_rng(seed).integers(0, 256, size_bytes, dtype=np.uint8).tobytes()
+    path.write_bytes(data)
+    return path
+
+
+def make_flat_dataset(root: Path, count: int, size_bytes: int, vary: bool = True) -> list[str]:
+    """`count` files of about `size_bytes` in a few class directories; returns relpaths."""
+    import numpy as np
+
+    rng = np.random.default_rng(count)
+    relpaths = []
+    for i in range(count):
+        relpath = f"class{i % 7}/sample_{i:06d}.bin"
+        size = int(size_bytes * (0.5 + rng.random())) if vary else size_bytes
+        write_file(root / relpath, size, seed=i)
+        relpaths.append(relpath)
+    return sorted(relpaths, key=os.fsencode)

@@ -1,0 +1,245 @@
+"""The overlay through the kernel: bytes, metadata, errors and the mount's life cycle."""
+
+from __future__ import annotations
+
+import errno
+import glob
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import mounted_paths, run_cachefs, sha256, write_file
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> Path:
+    """Nested dirs, odd names, empty / 1-byte / 20 MiB files, symlinks, a 10k-entry dir."""
+    root = tmp_path_factory.mktemp("src")
+    write_file(root / "a" / "b" / "c" / "deep.bin", 3000, seed=1)
+    write_file(root / "naïve café" / "日本語 ファイル.txt", 5000, seed=2)
+    write_file(root / "with space.bin", 777, seed=3)
+    (root / "empty").write_bytes(b"")
+    (root / "one").write_bytes(b"x")
+    write_file(root / "big.bin", 20 * MIB + 12345, seed=4)
+    os.symlink("with space.bin", root / "link_to_file")
+    os.symlink("a/b", root / "link_to_dir")
+    many = root / "many"
+    many.mkdir()
+    for i in range(10_000):
+        (many / f"f{i:05d}").write_bytes(i.to_bytes(4, "little"))
+    np.save(root / "array.npy", np.arange(100_000, dtype=np.float64))
+    return root
+
+
+def source_files(root: Path) -> dict[str, str]:
+    """relpath -> sha256 of every regular file (not through symlinks)."""
+    out = {}
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            path = Path(dirpath) / name
+            if path.is_file() and not path.is_symlink():
+                out[str(path.relative_to(root))] = sha256(path)
+    return out
+
+
+def hash_all(args) -> dict[str, str]:
+    root, relpaths = args
+    return {rel: sha256(Path(root) / rel) for rel in relpaths}
+
+
+def test_every_file_is_byte_identical(tree, mounter):
+    mount = mounter(tree)
+    expected = source_files(tree)
+    assert source_files(mount.mountpoint) == expected
+
+
+def test_four_concurrent_reader_processes(tree, mounter):
+    mount = mounter(tree)
+    expected = source_files(tree)
+    relpaths = sorted(expected)
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        results = pool.map(hash_all, [(mount.mountpoint, relpaths)] * 4)
+    for result in results:
+        assert result == expected
+
+
+def test_metadata_walk_glob_symlinks(tree, mounter):
+    mount = mounter(tree)
+    mnt = mount.mountpoint
+
+    def walk(root):
+        return sorted((str(Path(d).relative_to(root)), sorted(ds), sorted(fs))
+                      for d, ds, fs in os.walk(root))
+
+    assert walk(mnt) == walk(tree)
+    assert sorted(os.listdir(mnt / "many")) == sorted(os.listdir(tree / "many"))
+    assert len(os.listdir(mnt / "many")) == 10_000
+    assert os.readlink(mnt / "link_to_file") == "with space.bin"
+    assert os.path.islink(mnt / "link_to_dir")
+    assert (mnt / "link_to_dir" / "c" / "deep.bin").read_bytes() == \
+        (tree / "a" / "b" / "c" / "deep.bin").read_bytes()
+    assert sorted(glob.glob(str(mnt / "naïve café" / "*.txt"))) == \
+        [str(mnt / "naïve café" / "日本語 ファイル.txt")]
+    for name in ("big.bin", "empty", "one", "a/b/c/deep.bin"):
+        src, via = os.stat(tree / name), os.stat(mnt / name)
+        assert (via.st_size, via.st_mode, via.st_mtime_ns) == \
+            (src.st_size, src.st_mode, src.st_mtime_ns)
+    assert os.statvfs(mnt).f_blocks == os.statvfs(tree).f_blocks
+
+
+def test_random_offsets_short_reads_and_memmap(tree, mounter):
+    mount = mounter(tree)
+    data = (tree / "big.bin").read_bytes()
+    rng = np.random.default_rng(0)
+    with open(mount.mountpoint / "big.bin", "rb", buffering=0) as f:
+        for _ in range(200):
+            offset = int(rng.integers(0, len(data) + 100))
+            size = int(rng.integers(1, 3 * MIB))
+            assert os.pread(f.fileno(), size, offset) == data[offset:offset + size]
+    array = np.load(mount.mountpoint / "array.npy", mmap_mode="r")
+    assert np.array_equal(array, np.arange(100_000, dtype=np.float64))
+    assert (mount.mountpoint / "empty").read_bytes() == b""
+    assert (mount.mountpoint / "one").read_bytes() == b"x"
+
+
+def test_xattrs_are_passed_through(tmp_path, mounter):
+    src = tmp_path / "src"
+    write_file(src / "tagged", 10)
+    try:
+        os.setxattr(src / "tagged", "user.label", b"cat")
+    except OSError:
+        pytest.skip("the temporary file system has no user xattrs")
+    mount = mounter(src)
+    assert os.getxattr(mount.mountpoint / "tagged", "user.label") == b"cat"
+    assert "user.label" in os.listxattr(mount.mountpoint / "tagged")
+    with pytest.raises(OSError) as info:
+        os.getxattr(mount.mountpoint / "tagged", "user.absent")
+    assert info.value.errno == errno.ENODATA
+
+
+@pytest.mark.parametrize("operation", [
+    lambda m: open(m / "one", "wb"),
+    lambda m: open(m / "one", "ab"),
+    lambda m: open(m / "new_file", "wb"),
+    lambda m: os.mkdir(m / "newdir"),
+    lambda m: os.unlink(m / "one"),
+    lambda m: os.rmdir(m / "a"),
+    lambda m: os.rename(m / "one", m / "two"),
+    lambda m: os.chmod(m / "one", 0o777),
+    lambda m: os.truncate(m / "one", 0),
+    lambda m: os.symlink("one", m / "sym"),
+    lambda m: os.link(m / "one", m / "hard"),
+    lambda m: os.setxattr(m / "one", "user.x", b"1"),
+    lambda m: os.utime(m / "one", (1, 1)),
+], ids=["write", "append", "create", "mkdir", "unlink", "rmdir", "rename", "chmod", "truncate",
+        "symlink", "link", "setxattr", "utime"])
+def test_writes_get_erofs(tree, mounter, operation):
+    mount = mounter(tree)
+    with pytest.raises(OSError) as info:
+        operation(mount.mountpoint)
+    assert info.value.errno == errno.EROFS
+    assert (tree / "one").read_bytes() == b"x"
+
+
+def test_vanished_and_unreadable_files_do_not_take_the_mount_down(tmp_path, mounter):
+    src = tmp_path / "src"
+    write_file(src / "gone", 1000, seed=1)
+    write_file(src / "secret", 1000, seed=2)
+    write_file(src / "fine", 1000, seed=3)
+    os.chmod(src / "secret", 0)
+    # as root the daemon would read a mode-000 file; without the DAC capabilities it cannot
+    mount = mounter(src, "--metadata-ttl", "0", prefix=[
+        "setpriv", "--inh-caps=-dac_override,-dac_read_search",
+        "--bounding-set=-dac_override,-dac_read_search"])
+    mnt = mount.mountpoint
+    assert sorted(os.listdir(mnt)) == ["fine", "gone", "secret"]
+    os.unlink(src / "gone")
+    with pytest.raises(OSError) as info:
+        (mnt / "gone").read_bytes()
+    assert info.value.errno == errno.ENOENT
+    with pytest.raises(OSError) as info:
+        (mnt / "secret").read_bytes()
+    assert info.value.errno in (errno.EACCES, errno.EIO)
+    assert (mnt / "fine").read_bytes() == (src / "fine").read_bytes()
+    assert mount.process.poll() is None
+
+
+def test_changed_source_file_is_served_new(tmp_path, mounter):
+    src = tmp_path / "src"
+    write_file(src / "f", 5000, seed=1)
+    mount = mounter(src, "--metadata-ttl", "0")
+    assert (mount.mountpoint / "f").read_bytes() == (src / "f").read_bytes()
+    write_file(src / "f", 5000, seed=2)  # same size, new bytes
+    os.utime(src / "f", ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert (mount.mountpoint / "f").read_bytes() == (src / "f").read_bytes()
+
+
+def test_sigterm_unmounts_and_exits_zero(tree, mounter):
+    mount = mounter(tree)
+    mount.process.send_signal(signal.SIGTERM)
+    assert mount.process.wait(timeout=15) == 0
+    assert not mount.mounted
+
+
+def test_kill_9_then_umount_recovers_the_mountpoint(tree, mounter):
+    mount = mounter(tree)
+    mount.process.kill()
+    mount.process.wait()
+    assert mount.mounted  # the kernel mount outlives the daemon
+    done = run_cachefs("umount", mount.mountpoint, "--state-dir", mount.state_dir)
+    assert done.returncode == 0, done.stderr
+    assert not mount.mounted
+    assert os.listdir(mount.mountpoint) == []
+
+
+def test_daemon_mode_returns_when_mounted(tree, tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    state = tmp_path / "state"
+    try:
+        done = run_cachefs("mount", tree, mnt, "--state-dir", state)
+        assert done.returncode == 0, done.stderr
+        assert str(mnt) in mounted_paths()
+        assert (mnt / "one").read_bytes() == b"x"
+        done = run_cachefs("umount", mnt, "--state-dir", state)
+        assert done.returncode == 0, done.stderr
+        assert str(mnt) not in mounted_paths()
+        assert not (state / "pid").exists()  # the daemon exited
+    finally:
+        if str(mnt) in mounted_paths():
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)])
+
+
+def test_startup_errors_have_documented_exit_codes(tree, tmp_path, mounter):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    done = run_cachefs("mount", tmp_path / "nope", mnt, "--foreground")
+    assert done.returncode == 3
+    assert "source" in done.stderr and "does not exist" in done.stderr
+    (tmp_path / "file").write_text("x")
+    done = run_cachefs("mount", tmp_path / "file", mnt, "--foreground")
+    assert done.returncode == 3 and "is not a directory" in done.stderr
+    done = run_cachefs("mount", tree, tmp_path / "nomnt", "--foreground")
+    assert done.returncode == 4 and "mount point" in done.stderr
+    mount = mounter(tree)
+    done = run_cachefs("mount", tree, mount.mountpoint, "--foreground")
+    assert done.returncode == 5 and "already a mount point" in done.stderr
+    env = dict(os.environ, PATH=str(tmp_path / "empty-bin"))
+    (tmp_path / "empty-bin").mkdir()
+    done = subprocess.run([sys.executable, "-m", "cachefs", "mount", str(tree), str(mnt),
+                           "--foreground"], capture_output=True, text=True, env=env)
+    assert done.returncode == 6 and "fusermount3" in done.stderr
+    done = run_cachefs("mount", tree, mnt, "--ram-cache", "lots")
+    assert done.returncode == 2 and "not a size" in done.stderr
+    done = run_cachefs("umount", mnt)
+    assert done.returncode == 1 and "not mounted" in done.stderr

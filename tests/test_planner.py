@@ -1,0 +1,275 @@
+"""The policy's pure parts: the planner's next-use rule and window, and the RAM tier's room.
+
+No FUSE, no trio: these are the questions the prefetcher and the reader ask, answered directly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from cachefs.cache.ram import RamBlock, RamTier
+from cachefs.order import Manifest, Order
+from cachefs.planner import NEVER, Planner
+from cachefs.source import SourceIdentity
+
+MANIFEST = Manifest.from_paths([f"f{i}" for i in range(8)])
+IDENTITY = SourceIdentity(100, 1, 1)
+
+
+def order(epoch, current, next_=None, manifest=MANIFEST) -> Order:
+    current = np.asarray(current, np.int64)
+    next_ = None if next_ is None else np.asarray(next_, np.int64)
+    return Order(epoch=epoch, current=current, next=next_, manifest=manifest, rank=None,
+                 world_size=None, total_length=len(current), file=None)
+
+
+def planner_with(current, next_=None, lookahead=100, epoch=1) -> Planner:
+    planner = Planner(lookahead)
+    assert planner.set_order(order(epoch, current, next_))
+    return planner
+
+
+# -- next use ----------------------------------------------------------------------------------
+
+
+def test_next_use_is_position_then_next_order_then_never():
+    planner = planner_with([3, 1, 4, 0], next_=[4, 0, 2, 3])
+    n = 4
+    assert [planner.next_use(i) for i in (3, 1, 4, 0)] == [0, 1, 2, 3]
+    assert planner.next_use(2) == n + 2  # only in the next order
+    assert planner.next_use(5) == NEVER  # in neither
+    planner.consume(3)
+    assert planner.next_use(3) == n + 3
+    planner.consume(1)
+    assert planner.next_use(1) == NEVER  # consumed, absent from the next order
+    assert planner.next_use(-1) == NEVER and planner.next_use(99) == NEVER
+
+
+def test_next_use_without_next_order():
+    planner = planner_with([2, 0])
+    planner.consume(2)
+    assert planner.next_use(2) == NEVER
+    assert planner.next_use(0) == 1
+
+
+# -- cursor and window -------------------------------------------------------------------------
+
+
+def test_cursor_is_lowest_unconsumed_position_under_out_of_order_consumption():
+    planner = planner_with([0, 1, 2, 3, 4])
+    assert not planner.consume(2)
+    assert not planner.consume(1)
+    assert planner.cursor == 0  # position 0 still unconsumed
+    planner.consume(0)
+    assert planner.cursor == 3  # 0, 1, 2 consumed
+    planner.consume(4)
+    assert planner.cursor == 3
+    assert planner.consume(3)  # the last one completes the order
+    assert planner.cursor == 5 and planner.consumed_count == 5
+
+
+def test_consuming_an_item_twice_or_outside_the_order_changes_nothing():
+    planner = planner_with([0, 1, 2])
+    planner.consume(1)
+    assert not planner.consume(1)
+    assert not planner.consume(7)  # in the manifest, not in the order
+    assert planner.consumed_count == 1 and planner.cursor == 0
+
+
+def test_window_skips_consumed_and_next_items_still_unconsumed_in_current():
+    planner = planner_with([0, 1, 2, 3], next_=[3, 1, 0, 2], lookahead=6)
+    planner.consume(1)
+    # window [0, 6): positions 0..3 of current, then next positions 0 and 1 (items 3 and 1).
+    # Item 3 is still unconsumed in current (its next use is there): skipped. Item 1 is
+    # consumed: its next use is next position 1, virtual position 5.
+    assert list(planner.window()) == [(0, 0), (2, 2), (3, 3), (5, 1)]
+
+
+def test_window_slides_with_the_cursor_and_the_scan_mark():
+    planner = planner_with(list(range(8)), lookahead=3)
+    assert [p for p, _ in planner.window()] == [0, 1, 2]
+    planner.scan = 2  # the prefetcher handled 0 and 1
+    assert [p for p, _ in planner.window()] == [2]
+    planner.consume(0)
+    planner.consume(1)
+    assert planner.cursor == 2
+    assert [p for p, _ in planner.window()] == [2, 3, 4]
+
+
+def test_window_stops_at_the_end_of_the_known_orders():
+    planner = planner_with([0, 1], lookahead=10)
+    assert planner.window_end() == 2
+    assert planner.item_at(1) == 1 and planner.item_at(2) == -1
+
+
+# -- epochs ------------------------------------------------------------------------------------
+
+
+def test_switch_to_next_makes_next_current_and_resets_consumption():
+    planner = planner_with([0, 1, 2], next_=[2, 0, 1], epoch=4)
+    serial = planner.epoch_serial
+    for item in (0, 1, 2):
+        planner.consume(item)
+    assert planner.switch_to_next()
+    assert planner.epoch == 5 and planner.epoch_serial == serial + 1
+    assert list(planner.current) == [2, 0, 1] and planner.next is None
+    assert planner.cursor == 0 and planner.consumed_count == 0
+    assert [planner.next_use(i) for i in (2, 0, 1)] == [0, 1, 2]
+    assert not planner.switch_to_next()  # no next order known
+    assert planner.epoch == 5
+
+
+def test_set_order_with_the_same_epoch_keeps_consumption_and_adds_next():
+    planner = planner_with([0, 1, 2, 3], epoch=2)
+    planner.consume(0)
+    planner.consume(1)
+    assert not planner.set_order(order(2, [0, 1, 2, 3], next_=[1, 0, 3, 2]))
+    assert planner.consumed_count == 2 and planner.cursor == 2
+    assert planner.next_use(0) == 4 + 1  # consumed: its place in the new next order
+    assert planner.next_use(2) == 2
+
+
+def test_set_order_with_a_new_epoch_or_other_current_restarts():
+    planner = planner_with([0, 1, 2, 3], epoch=2)
+    planner.consume(0)
+    assert planner.set_order(order(3, [3, 2, 1, 0]))
+    assert planner.consumed_count == 0 and planner.next_use(0) == 3
+    planner.consume(3)
+    assert planner.set_order(order(3, [0, 1, 2, 3]))  # same epoch, another permutation
+    assert planner.consumed_count == 0
+
+
+def test_rank_padding_duplicates_are_consumed_once_per_occurrence():
+    # DistributedSampler pads by repeating the start: item 5 occurs at positions 0 and 3
+    planner = planner_with([5, 6, 7, 5], next_=[7, 5, 6])
+    assert planner.next_use(5) == 0
+    assert not planner.consume(5)
+    assert planner.next_use(5) == 3  # its second occurrence is still to come
+    assert planner.cursor == 1
+    planner.consume(6)
+    planner.consume(7)
+    assert planner.consume(5)  # the second occurrence completes the order
+    assert planner.next_use(5) == 4 + 1
+    assert not planner.consume(5)
+
+
+def test_window_lists_a_padded_item_once_per_occurrence():
+    planner = planner_with([5, 6, 5], lookahead=3)
+    assert list(planner.window()) == [(0, 5), (1, 6), (2, 5)]
+
+
+# -- the RAM tier ------------------------------------------------------------------------------
+
+
+def block(nbytes, item=0) -> RamBlock:
+    return RamBlock(bytes(nbytes), IDENTITY, item, 0)
+
+
+def fill(ram: RamTier, priorities, nbytes=100) -> list:
+    keys = []
+    for i, priority in enumerate(priorities):
+        key = (b"f%d" % i, 0)
+        assert ram.reserve(nbytes, priority)
+        b = block(nbytes, i)
+        b.priority = priority
+        assert ram.insert(key, b, nbytes)
+        keys.append(key)
+    return keys
+
+
+def test_ram_evicts_farthest_first_and_only_strictly_farther():
+    ram = RamTier(500)
+    keys = fill(ram, [3.0, 1.0, 5.0, 2.0, 4.0])
+    assert ram.used_bytes == 500
+    assert not ram.reserve(100, 5.0)  # equal priority: not strictly farther
+    assert len(ram.blocks) == 5 and ram.used_bytes == 500
+    assert ram.reserve(200, 2.5)  # evicts 5.0 then 4.0
+    assert set(ram.blocks) == {keys[0], keys[1], keys[3]}
+    assert ram.used_bytes == 500 and ram.reserved_bytes == 200
+    assert not ram.reserve(100, 3.0)  # only 3.0 and nearer left
+    assert ram.evictions == 2
+
+
+def test_ram_reservation_counts_until_released():
+    ram = RamTier(300)
+    assert ram.reserve(200, 1.0)
+    assert not ram.reserve(200, 0.0)  # reservations cannot be evicted
+    ram.unreserve(200)
+    assert ram.used_bytes == 0
+    assert not ram.reserve(301, 0.0)  # larger than the whole budget
+
+
+def test_ram_lru_among_blocks_without_known_future():
+    ram = RamTier(300)
+    a, b, c = fill(ram, [math.inf, math.inf, math.inf])
+    ram.touch(a, ram.get(a))  # a becomes the most recently used
+    assert ram.reserve(100, math.inf)
+    assert b not in ram and a in ram and c in ram
+    assert ram.reserve(0, math.inf)
+
+
+def test_ram_infinite_priority_never_displaces_known_future():
+    ram = RamTier(200)
+    fill(ram, [7.0, 8.0])
+    assert not ram.reserve(100, math.inf)
+    assert ram.reserve(100, 6.0)
+
+
+def test_ram_set_priority_reorders_eviction():
+    ram = RamTier(300)
+    a, b, c = fill(ram, [1.0, 2.0, 3.0])
+    ram.set_priority(a, 10.0)  # consumed: now used last
+    assert ram.reserve(100, 5.0)
+    assert a not in ram and b in ram and c in ram
+
+
+def test_ram_rebuild_sets_new_priorities_and_drops_none():
+    ram = RamTier(300)
+    a, b, c = fill(ram, [1.0, 2.0, 3.0])
+    new = {a: None, b: 9.0, c: 0.5}
+    ram.rebuild(lambda key, blk: new[key])
+    assert a not in ram and ram.resident_bytes == 200
+    assert ram.get(b).priority == 9.0
+    assert ram.reserve(200, 1.0)  # room left by a, then b (9.0) evicted; c (0.5) stays
+    assert c in ram and b not in ram
+
+
+def test_ram_insert_that_no_longer_fits_keeps_nothing():
+    ram = RamTier(200)
+    assert ram.reserve(100, 5.0)
+    fill(ram, [1.0])  # the other 100 bytes, nearer
+    big = block(200)
+    big.priority = 5.0
+    assert not ram.insert((b"big", 0), big, 100)  # arrived larger than reserved
+    assert (b"big", 0) not in ram and ram.used_bytes == 100 and ram.reserved_bytes == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_ram_budget_never_exceeded_under_random_traffic(seed):
+    rng = np.random.default_rng(seed)
+    ram = RamTier(10_000)
+    reserved = []
+    for step in range(2000):
+        action = rng.integers(4)
+        if action == 0:
+            nbytes, priority = int(rng.integers(1, 3000)), float(rng.integers(0, 50))
+            if rng.random() < 0.2:
+                priority = math.inf
+            if ram.reserve(nbytes, priority):
+                reserved.append((nbytes, priority))
+        elif action == 1 and reserved:
+            nbytes, priority = reserved.pop(int(rng.integers(len(reserved))))
+            b = block(int(rng.integers(1, nbytes + 1)))
+            b.priority = priority
+            ram.insert((b"k%d" % rng.integers(100), 0), b, nbytes)
+        elif action == 2 and ram.blocks:
+            key = list(ram.blocks)[int(rng.integers(len(ram.blocks)))]
+            ram.set_priority(key, float(rng.integers(0, 50)))
+        elif action == 3 and ram.blocks:
+            ram.drop(list(ram.blocks)[int(rng.integers(len(ram.blocks)))])
+        assert ram.used_bytes <= ram.budget_bytes
+        assert ram.resident_bytes == sum(len(b.data) for b in ram.blocks.values())
+        assert ram.reserved_bytes == sum(n for n, _ in reserved)

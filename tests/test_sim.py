@@ -1,0 +1,172 @@
+"""Policy claims of issue 4, checked with the simulator (the mount's code on virtual time).
+
+Each test runs a trace through `cachefs.sim.simulate` (real planner, RAM tier, prefetcher,
+tiered cache, reader and stats; a fake slow source; trio's MockClock) and checks what a user
+would read in `cachefs stats` and what only a simulator can see (where the hits fall, the
+largest RAM use at any step).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cachefs import stats as stats_mod
+from cachefs.config import KIB
+from cachefs.sim import SimConfig, simulate
+
+ITEM_BYTES = 110_000
+N = 1000
+RAM_BYTES = N * ITEM_BYTES // 4  # 25% of the data set
+
+
+def classes_add_up(epoch) -> bool:
+    return epoch.hits_ram + epoch.hits_ssd + epoch.prefetched + epoch.misses == epoch.reads
+
+
+@pytest.fixture(scope="module")
+def fast_source():
+    """The issue's benchmark shape, scaled down: the source keeps up with the consumer."""
+    return simulate(SimConfig(items=N, item_bytes=ITEM_BYTES, ram_bytes=RAM_BYTES, epochs=3,
+                              latency_s=0.002, parallelism=32, consume_s=0.0005))
+
+
+def test_every_read_is_counted_once_in_its_epoch(fast_source):
+    for epoch in fast_source.epochs:
+        assert epoch.reads == N
+        assert classes_add_up(epoch)
+        assert (epoch.origins >= 0).all()
+        assert sorted(epoch.completion) == list(range(N))
+    assert fast_source.data_errors == 0
+
+
+def test_ram_budget_holds_at_every_step(fast_source):
+    # _ObservedRamTier raises inside the run if any step exceeds the budget; the maximum
+    # shows the budget was actually used, not merely respected
+    assert fast_source.max_ram_used_bytes <= fast_source.ram_budget_bytes
+    assert fast_source.max_ram_used_bytes >= 0.95 * fast_source.ram_budget_bytes
+
+
+def test_fast_source_stalls_only_on_the_first_window(fast_source):
+    first, *later = fast_source.epochs
+    assert first.misses <= 5
+    assert (first.stalled_positions() < 5).all()
+    assert first.stall_s < 5 * 2 * 0.002  # a few round trips, at the very start
+    for epoch in later:
+        assert epoch.misses == 0 and epoch.stall_s == 0
+        assert epoch.open_wait_s == 0  # opens of prefetched and retained files: no round trip
+    # consumer-bound: an epoch takes the consumer's compute time, give or take a window
+    for epoch in fast_source.epochs:
+        assert epoch.wall_s < N * 0.0005 + 0.02
+
+
+def test_head_of_later_epochs_is_served_from_ram(fast_source):
+    capacity_items = RAM_BYTES // ITEM_BYTES
+    window = fast_source.lookahead_items
+    for epoch in fast_source.epochs[1:]:
+        head = epoch.origins[:capacity_items - window]
+        assert (head == stats_mod.ORIGIN_RAM).all()
+        hits = epoch.ram_hit_positions
+        assert len(hits) >= 0.24 * N
+        # the few exceptions (at most a window) are the last items consumed in the previous
+        # epoch, kept because nothing needed their room afterwards
+        assert np.sum(hits >= capacity_items) <= window
+    assert fast_source.epochs[0].hits_ram == 0
+
+
+def test_no_block_is_fetched_twice_in_an_epoch(fast_source):
+    for epoch in fast_source.epochs:
+        assert epoch.refetched_blocks == 0
+        non_ram = epoch.reads - epoch.hits_ram
+        assert epoch.backend_reads == non_ram  # one block per file, each read once
+        assert epoch.backend_bytes == non_ram * ITEM_BYTES
+
+
+def test_retained_blocks_are_not_read_again():
+    # epoch 2 reads from the source exactly the files that were not kept in RAM
+    result = simulate(SimConfig(items=400, ram_bytes=400 * ITEM_BYTES // 2, epochs=2))
+    second = result.epochs[1]
+    assert second.hits_ram >= 0.4 * 400
+    assert second.backend_bytes == (400 - second.hits_ram) * ITEM_BYTES
+
+
+def test_ram_budget_of_a_few_blocks_still_completes_with_correct_accounting():
+    result = simulate(SimConfig(items=200, item_bytes=ITEM_BYTES, ram_bytes=3 * ITEM_BYTES,
+                                epochs=3))
+    assert result.max_ram_used_bytes <= 3 * ITEM_BYTES
+    assert result.data_errors == 0
+    for epoch in result.epochs:
+        assert epoch.reads == 200 and classes_add_up(epoch)
+        assert epoch.refetched_blocks == 0
+        assert epoch.backend_bytes == (200 - epoch.hits_ram - epoch.hits_ssd) * ITEM_BYTES
+        assert epoch.hits_ram <= 3
+
+
+def test_four_workers_out_of_order_get_no_refetches():
+    result = simulate(SimConfig(items=N, item_bytes=ITEM_BYTES, ram_bytes=RAM_BYTES, epochs=3,
+                                workers=4, consume_s=0.002, open_jitter_s=0.001))
+    for epoch in result.epochs:
+        assert epoch.completion != sorted(epoch.completion)  # really out of order
+        assert epoch.reads == N and classes_add_up(epoch)
+        assert epoch.refetched_blocks == 0
+    for epoch in result.epochs[1:]:
+        assert epoch.misses == 0 and epoch.stall_s == 0
+        assert epoch.hits_ram >= 0.2 * N
+    assert result.max_ram_used_bytes <= RAM_BYTES
+    assert result.data_errors == 0
+
+
+def test_large_files_are_not_read_twice():
+    # ten blocks per file: a window sized for one block per file would overfill RAM and make
+    # prefetched blocks evict each other
+    block = 64 * KIB
+    result = simulate(SimConfig(items=40, item_bytes=10 * block, block_bytes=block,
+                                ram_bytes=40 * 10 * block // 4, epochs=2, consume_s=0.002,
+                                bandwidth_bytes_s=50e6))
+    for epoch in result.epochs:
+        assert epoch.reads == 40
+        assert epoch.refetched_blocks == 0
+    assert result.max_ram_used_bytes <= result.ram_budget_bytes
+    assert result.data_errors == 0
+
+
+def test_stale_identities_of_retained_files_are_refreshed_before_the_open():
+    # epochs longer than the metadata TTL: the RAM-kept head of epoch 2 has identities from
+    # epoch 1; the prefetcher re-stats them off the reader's path
+    result = simulate(SimConfig(items=600, ram_bytes=600 * ITEM_BYTES // 4, epochs=3,
+                                metadata_ttl_s=0.1))
+    for epoch in result.epochs[1:]:
+        assert epoch.hits_ram >= 0.2 * 600
+        assert epoch.open_wait_s == 0
+
+
+def test_ssd_and_ram_hold_disjoint_items_and_add_up():
+    n = 2000
+    data_bytes = n * ITEM_BYTES
+    result = simulate(SimConfig(items=n, item_bytes=ITEM_BYTES, ram_bytes=data_bytes // 10,
+                                ssd_bytes=data_bytes // 2, epochs=3))
+    assert result.ssd_bytes <= data_bytes // 2
+    assert len(result.ssd_keys) == n // 2  # cache-once filled it in epoch 1
+    assert result.epochs[0].hits_ssd == 0
+    for epoch in result.epochs[1:]:
+        assert (epoch.hits_ram + epoch.hits_ssd) / epoch.reads >= 0.59
+        assert epoch.boundary_ram_on_ssd == 0 and epoch.boundary_ram_blocks > 0
+        ram_hit_keys = {(b"d%02d/item%07d.bin" % (item % 16, item), 0)
+                        for item in epoch.items[epoch.ram_hit_positions]}
+        assert not ram_hit_keys & result.ssd_keys
+        assert epoch.misses == 0 and epoch.refetched_blocks == 0
+        assert classes_add_up(epoch)
+
+
+def test_tiers_stay_disjoint_when_readers_miss():
+    # a source too slow for the consumer: files are consumed as soon as they arrive, before
+    # their SSD admission finishes; they must not also stay in RAM for the next epoch
+    n = 1000
+    data_bytes = n * ITEM_BYTES
+    result = simulate(SimConfig(items=n, item_bytes=ITEM_BYTES, ram_bytes=data_bytes // 10,
+                                ssd_bytes=data_bytes // 2, epochs=2, latency_s=0.02,
+                                ssd_latency_s=0.005))
+    assert result.epochs[0].misses > n // 2
+    second = result.epochs[1]
+    assert second.boundary_ram_blocks > 0 and second.boundary_ram_on_ssd == 0
+    assert second.refetched_blocks == 0 and classes_add_up(second)
