@@ -212,7 +212,7 @@ def _wait_for_exit(pid: int, timeout_s: float) -> None:
               help="The epoch that --current describes.")
 @click.option("--current", type=click.Path(dir_okay=False, path_type=Path),
               help="This epoch's order: .npy or text, one index per line.")
-@click.option("--next", "next_", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--next", "next", type=click.Path(dir_okay=False, path_type=Path),
               help="The next epoch's order, same format.")
 @click.option("--files", type=click.Path(dir_okay=False, path_type=Path),
               help="Manifest: text file of relative paths, one per line.")
@@ -222,11 +222,11 @@ def _wait_for_exit(pid: int, timeout_s: float) -> None:
 @click.option("--world-size", type=click.IntRange(min=1), help="Number of ranks.")
 @click.option("--timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
               help="Seconds to wait for the daemon to accept the order.")
-def publish(mountpoint, epoch, current, next_, files, seed, rank, world_size, timeout):
+def publish(mountpoint, epoch, current, next, files, seed, rank, world_size, timeout):  # noqa: A002
     """Publish the read order of MOUNTPOINT and wait until the daemon accepts it."""
     from cachefs import order
 
-    if seed is not None and (current or next_):
+    if seed is not None and (current or next):
         raise click.UsageError("--seed draws the orders itself: do not give --current or --next")
     if seed is None and current is None:
         raise click.UsageError("give --current (and optionally --next), or --seed")
@@ -238,7 +238,7 @@ def publish(mountpoint, epoch, current, next_, files, seed, rank, world_size, ti
             next_order = order.permutation(n, seed, epoch + 1)
         else:
             current_order = order.read_index_file(current)
-            next_order = order.read_index_file(next_) if next_ else None
+            next_order = order.read_index_file(next) if next else None
         status = order.publish(mountpoint, epoch, current_order, next=next_order,
                                files=manifest, rank=rank, world_size=world_size,
                                timeout_s=timeout)
