@@ -1,0 +1,134 @@
+"""Publishing orders to a real mount: the CLI, the Python API, rejection, and stats."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cachefs import order
+from cachefs.errors import OrderError
+from conftest import make_flat_dataset, run_cachefs
+
+N_FILES = 60
+
+
+@pytest.fixture
+def dataset(tmp_path) -> tuple[Path, list[str]]:
+    src = tmp_path / "src"
+    return src, make_flat_dataset(src, N_FILES, 2000)
+
+
+def wait_for(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+def test_publish_with_seed_is_accepted_and_reported(dataset, mounter):
+    src, relpaths = dataset
+    mount = mounter(src)
+    done = run_cachefs("publish", mount.mountpoint, "--epoch", 2, "--seed", 7)
+    assert done.returncode == 0, done.stderr
+    assert f"epoch 2: {N_FILES} of {N_FILES} items accepted" in done.stdout
+    stats = mount.stats()
+    assert stats["order"]["epoch"] == 2
+    assert stats["order"]["length"] == N_FILES
+    assert stats["order"]["has_next"] is True
+    assert stats["order"]["consumed"] == 0 and stats["order"]["cursor"] == 0
+    assert stats["manifest"]["files"] == N_FILES
+    assert stats["last_rejection"] is None
+    text = run_cachefs("stats", mount.mountpoint)
+    assert text.returncode == 0 and "order: epoch 2, 0/60 consumed" in text.stdout
+    # reading in the published order consumes it
+    for index in order.permutation(N_FILES, 7, 2)[:10]:
+        assert (mount.mountpoint / relpaths[index]).read_bytes() == \
+            (src / relpaths[index]).read_bytes()
+    assert wait_for(lambda: mount.stats()["order"]["consumed"] == 10)
+
+
+def test_publish_from_files_and_rank_slice(dataset, mounter, tmp_path):
+    src, relpaths = dataset
+    mount = mounter(src)
+    current = tmp_path / "cur.txt"
+    current.write_text("\n".join(map(str, range(N_FILES - 1, -1, -1))) + "\n")
+    np.save(tmp_path / "next.npy", np.arange(N_FILES))
+    listing = tmp_path / "files.txt"
+    listing.write_text("\n".join(relpaths) + "\n")
+    done = run_cachefs("publish", mount.mountpoint, "--epoch", 0, "--current", current,
+                       "--next", tmp_path / "next.npy", "--files", listing,
+                       "--rank", 1, "--world-size", 4)
+    assert done.returncode == 0, done.stderr
+    status = mount.stats()["order"]
+    assert (status["rank"], status["world_size"]) == (1, 4)
+    assert status["length"] == N_FILES // 4 and status["total_length"] == N_FILES
+
+
+def test_bad_order_file_is_rejected_and_previous_stays(dataset, mounter):
+    src, relpaths = dataset
+    mount = mounter(src)
+    order.publish(mount.mountpoint, 1, order.permutation(N_FILES, 0, 1))
+    # a trainer writing garbage directly (no validation on its side)
+    tmp = mount.order_file.with_name(".garbage.tmp")
+    tmp.write_bytes(b"this is not an npz archive")
+    os.replace(tmp, mount.order_file)
+    rejection = wait_for(lambda: mount.stats()["last_rejection"])
+    assert "npz" in rejection["reason"] or "zip" in rejection["reason"]
+    stats = mount.stats()
+    assert stats["order"]["epoch"] == 1 and stats["order"]["length"] == N_FILES
+    assert (mount.mountpoint / relpaths[0]).read_bytes() == (src / relpaths[0]).read_bytes()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--current", "{bad_index}"], "out of range"),
+    (["--current", "{dup_index}"], "duplicate"),
+    (["--current", "{good}", "--next", "{short}"], "length"),
+    (["--current", "{good}", "--files", "{missing_file}"], "does not exist under the source"),
+    (["--current", "{good}", "--files", "{escaping_file}"], ".."),
+    (["--current", "{good}", "--rank", "3", "--world-size", "2"], "rank"),
+])
+def test_cli_rejects_bad_orders_with_reason(dataset, mounter, tmp_path, args, message):
+    src, relpaths = dataset
+    mount = mounter(src)
+    order.publish(mount.mountpoint, 5, order.permutation(N_FILES, 0, 5))
+    paths = {
+        "bad_index": [N_FILES + 3, *range(N_FILES - 1)],
+        "dup_index": [0, 0, *range(2, N_FILES)],
+        "good": list(range(N_FILES)),
+        "short": list(range(N_FILES - 1)),
+    }
+    for name, values in paths.items():
+        (tmp_path / f"{name}.txt").write_text("\n".join(map(str, values)) + "\n")
+    (tmp_path / "missing_file.txt").write_text("\n".join(relpaths[:-1] + ["no/such.bin"]))
+    (tmp_path / "escaping_file.txt").write_text("\n".join(relpaths[:-1] + ["../x.bin"]))
+    argv = [a.format(**{k: tmp_path / f"{k}.txt" for k in (*paths, "missing_file",
+                                                           "escaping_file")}) for a in args]
+    done = run_cachefs("publish", mount.mountpoint, "--epoch", 6, *argv)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert message in done.stderr
+    assert mount.stats()["order"]["epoch"] == 5  # the previous order stays in force
+    assert (mount.mountpoint / relpaths[1]).read_bytes() == (src / relpaths[1]).read_bytes()
+
+
+def test_python_publish_raises_the_daemon_reason(dataset, mounter):
+    src, relpaths = dataset
+    mount = mounter(src)
+    files = relpaths[:-1] + ["class0/absent.bin"]
+    with pytest.raises(OrderError, match="absent.bin"):
+        order.publish(mount.mountpoint, 0, np.arange(N_FILES), files=files)
+    assert mount.stats()["last_rejection"] is not None
+    assert mount.stats()["order"] is None
+
+
+def test_publish_to_a_directory_that_is_not_a_mount(tmp_path):
+    done = run_cachefs("publish", tmp_path, "--epoch", 0, "--seed", 1)
+    assert done.returncode == 1 and "not a cachefs mount" in done.stderr
+    done = run_cachefs("publish", tmp_path, "--epoch", 0, "--seed", 1, "--current", "x")
+    assert done.returncode == 2
