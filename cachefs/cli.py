@@ -304,6 +304,130 @@ def format_stats(snapshot: dict) -> str:
     return "\n".join(lines)
 
 
+# -- warm --------------------------------------------------------------------------------------
+
+@cli.command()
+@click.argument("mountpoint", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--files", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Warm these files (relative paths, one per line), in this order.")
+@click.option("--order", is_flag=True, help="Warm the published order's files, in its order.")
+@click.option("--progress/--no-progress", default=None,
+              help="Show a progress line [default: when stderr is a terminal].")
+def warm(mountpoint, files, order, progress):
+    """Fill the SSD tier of MOUNTPOINT ahead of training; resumable, stops at the budget."""
+    import uuid
+
+    from cachefs.ctrl import WARM
+
+    if files and order:
+        raise click.UsageError("give --files or --order, not both")
+    mode = "files" if files else "order" if order else "all"
+    request = {"mode": mode, "id": uuid.uuid4().hex}
+    if files:
+        request["files_path"] = str(files.absolute())
+    try:
+        os.setxattr(mountpoint, WARM, json.dumps(request).encode())
+    except OSError as exc:
+        status = read_stats(mountpoint).get("warm") or {}
+        if status.get("request_id") == request["id"]:
+            _fail(f"warm refused: {status['error']}")
+        if exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EROFS):
+            _fail(f"{mountpoint} is not a cachefs mount")
+        _fail(f"warm refused: {exc.strerror}")
+    show = sys.stderr.isatty() if progress is None else progress
+    status = _follow_warm(mountpoint, request["id"], show)
+    click.echo(_warm_summary(status))
+    if status["state"] == "failed" or status.get("errors"):
+        sys.exit(errors.EXIT_ERROR)
+
+
+def _follow_warm(mountpoint: Path, request_id: str, show: bool) -> dict:
+    """Poll the daemon's warm status until it ends; draw a progress line on stderr."""
+    while True:
+        status = read_stats(mountpoint)["warm"]
+        if status.get("request_id") != request_id:
+            _fail("another warm request replaced this one")
+        if show and status["state"] == "running":
+            click.echo("\r" + _warm_progress(status), nl=False, err=True)
+        if status["state"] not in ("starting", "running"):
+            if show:
+                click.echo("", err=True)
+            return status
+        time.sleep(0.2)
+
+
+def _warm_progress(status: dict) -> str:
+    done, total = status["files_done"], status["files_total"]
+    elapsed_s = max(status.get("elapsed_s", 0.0), 1e-6)
+    rate = done / elapsed_s
+    eta = f"{(total - done) / rate:.0f} s" if rate > 0 else "?"
+    return (f"warm: {done}/{total} files, {status['bytes_admitted'] / 1e6:.1f} MB written, "
+            f"{rate:.0f} files/s, ETA {eta}   ")
+
+
+def _warm_summary(status: dict) -> str:
+    endings = {"done": "done", "full": "stopped: the SSD tier is full (its budget is reached)",
+               "disabled": "stopped: SSD admission is disabled (disk full or I/O error; see log)",
+               "failed": f"failed: {status.get('error')}"}
+    text = endings.get(status["state"], status["state"])
+    if "files_total" in status:
+        text += (f"; {status['files_done']}/{status['files_total']} files, "
+                 f"{status['bytes_admitted'] / 1e6:.1f} MB written, "
+                 f"{status['bytes_present'] / 1e6:.1f} MB already cached, "
+                 f"{status.get('errors', 0)} unreadable, {status.get('elapsed_s', 0):.1f} s")
+    return "warm " + text
+
+
+# -- demo --------------------------------------------------------------------------------------
+
+@cli.command()
+@click.option("--files", type=click.IntRange(min=1), default=2000, show_default=True,
+              help="Files in the generated data set.")
+@click.option("--file-kb", type=click.FloatRange(min=0, min_open=True), default=100.0,
+              show_default=True, help="Mean file size in KiB (sizes vary from 0.5x to 1.5x).")
+@click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Epochs read each way.")
+@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Reader threads, like a DataLoader's workers.")
+@click.option("--ram-fraction", type=click.FloatRange(min=0, min_open=True), default=0.5,
+              show_default=True, help="RAM budget as a fraction of the data set's bytes.")
+@click.option("--ssd-fraction", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="SSD tier budget as a fraction of the data set; 0 = no SSD tier.")
+@click.option("--delay-ms", type=click.FloatRange(min=0), default=2.0, show_default=True,
+              help="Latency of the slow source per open and per read.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the data set and of the epochs' orders.")
+@click.option("--output", type=click.Path(file_okay=False, path_type=Path), default=".",
+              show_default=True, help="Directory for cachefs-demo.json and cachefs-demo.png.")
+@click.option("--keep", is_flag=True, help="Keep the generated data set.")
+def demo(files, file_kb, epochs, workers, ram_fraction, ssd_fraction, delay_ms, seed, output,
+         keep):
+    """Read a generated slow data set for a few epochs, with and without cachefs."""
+    from cachefs import demo as demo_mod
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = demo_mod.DemoConfig(files=files, file_kb=file_kb, epochs=epochs,
+                                     workers=workers, ram_fraction=ram_fraction,
+                                     ssd_fraction=ssd_fraction, delay_ms=delay_ms, seed=seed,
+                                     output=output, keep=keep)
+    except ValueError as exc:
+        raise click.UsageError(str(exc))
+    try:
+        result = demo_mod.run(config, progress=lambda message: click.echo(message, err=True))
+    except errors.CachefsError as exc:
+        _fail(f"demo failed: {exc}")
+    click.echo(demo_mod.format_table(result))
+    click.echo(f"wrote {demo_mod.write_json(result, output / demo_mod.JSON_NAME)}")
+    try:
+        click.echo(f"wrote {demo_mod.plot(result, output / demo_mod.PNG_NAME)}")
+    except ImportError:
+        click.echo("no plot: matplotlib is not installed (pip install 'cachefs[demo]')",
+                   err=True)
+    if result.kept_dataset:
+        click.echo(f"data set kept in {result.kept_dataset}")
+
+
 def main():
     cli(auto_envvar_prefix="CACHEFS")
 

@@ -9,6 +9,12 @@ order goes through the order file, which any framework can write without our cod
 | user.cachefs.stats        | JSON snapshot of the mount's state (man/cachefs-stats.1)   |
 | user.cachefs.order_file   | path of the order file this mount watches                 |
 | user.cachefs.version      | cachefs version                                            |
+
+One attribute can be set, on the root only: `user.cachefs.warm`, whose value is a JSON request
+(see warm.py) that starts filling the SSD tier; its progress is `warm` in the stats snapshot.
+Setting any other attribute gets EROFS like every write. This is why the mount is not made
+with the kernel's `ro` flag, which would refuse the setxattr before it reaches us; every
+write-like request is answered EROFS by `fuse_ops` instead.
 """
 
 from __future__ import annotations
@@ -22,16 +28,26 @@ from cachefs import __version__
 STATS = b"user.cachefs.stats"
 ORDER_FILE = b"user.cachefs.order_file"
 VERSION = b"user.cachefs.version"
-NAMES = (STATS, ORDER_FILE, VERSION)
+WARM = b"user.cachefs.warm"
 
 # os.getxattr gives up above the kernel's XATTR_SIZE_MAX; keep the snapshot below it
 XATTR_SIZE_MAX = 64 * 1024
 
 
 class Control:
-    def __init__(self, snapshot: Callable[[], dict], order_file: os.PathLike):
+    def __init__(self, snapshot: Callable[[], dict], order_file: os.PathLike,
+                 commands: dict[bytes, Callable[[bytes], None]]):
         self._snapshot = snapshot
         self._order_file = os.fsencode(order_file)
+        self._commands = commands  # settable names -> handler(value); raise CachefsError
+
+    def set(self, name: bytes, value: bytes) -> bool:
+        """Run a control command; False if `name` is not one (the caller answers EROFS)."""
+        command = self._commands.get(name)
+        if command is None:
+            return False
+        command(value)
+        return True
 
     def get(self, name: bytes) -> bytes | None:
         """The value of a control attribute, or None if `name` is not one."""

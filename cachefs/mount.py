@@ -28,6 +28,7 @@ from cachefs import __version__, errors
 from cachefs.cache.ram import RamTier
 from cachefs.cache.tiered import TieredCache
 from cachefs.config import MountConfig
+from cachefs import ctrl
 from cachefs.ctrl import Control
 from cachefs.fuse_ops import Operations
 from cachefs.order import Manifest, load_order, scan_source
@@ -37,6 +38,7 @@ from cachefs.prefetch import Prefetcher
 from cachefs.reader import Reader
 from cachefs.source import Source
 from cachefs.stats import Stats
+from cachefs.warm import Warmer
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +132,22 @@ class Mount:
         self.source_manifest = SourceManifest(config.source)
         self.watcher = OrderWatcher(config.order_file, self._load_order,
                                     self.prefetcher.set_order)
-        self.control = Control(self.snapshot, config.order_file)
+        self.warmer = Warmer(self.source, self.ssd, block_bytes=cache.block_bytes,
+                             threads=config.prefetch.source_threads,
+                             order_paths=self._order_paths,
+                             all_paths=lambda: list(self.source_manifest.get().paths))
+        self.control = Control(self.snapshot, config.order_file,
+                               commands={ctrl.WARM: self.warmer.request})
         self.ops = Operations(self.source, self.reader, self.control,
                               kernel_timeout_s=config.kernel_timeout_s,
                               metadata_ttl_s=config.metadata_ttl_s)
+
+    def _order_paths(self) -> list[bytes] | None:
+        """The current order's files from the cursor on, for `cachefs warm --order`."""
+        if not self.planner.active:
+            return None
+        manifest = self.planner.order.manifest
+        return [manifest.path(int(item)) for item in self.planner.current[self.planner.cursor:]]
 
     def _load_order(self, path: Path):
         return load_order(path, self.source_manifest.get)
@@ -163,11 +177,14 @@ class Mount:
             "ram": self.ram.stats(),
             "ssd": ssd,
             "prefetch": self.prefetcher.status(),
+            "warm": self.warmer.status(),
         }
 
     async def serve(self) -> None:
         options = set(pyfuse3.default_options)
-        options |= {"fsname=cachefs", "subtype=cachefs", "ro"}
+        # no "ro": the kernel would refuse the control setxattr (ctrl.py); fuse_ops answers
+        # EROFS to every write itself
+        options |= {"fsname=cachefs", "subtype=cachefs"}
         if self.config.allow_other:
             options.add("allow_other")
         pyfuse3.init(self.ops, str(self.config.mountpoint), options)
@@ -179,6 +196,7 @@ class Mount:
                 await nursery.start(self.tiered.run)
                 await nursery.start(self.prefetcher.run)
                 await nursery.start(self.watcher.run)
+                await nursery.start(self.warmer.run)
                 nursery.start_soon(trio.to_thread.run_sync, self.source_manifest.get)
                 nursery.start_soon(_terminate_on_signal)
                 await pyfuse3.main(min_tasks=1, max_tasks=self.config.fuse_tasks)

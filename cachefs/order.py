@@ -438,7 +438,7 @@ def _check_indices(key: str, indices: np.ndarray, manifest_len: int | None) -> n
     return indices
 
 
-def _check_path_syntax(files: np.ndarray) -> None:
+def check_relpaths(files: np.ndarray) -> None:
     """Relative, non-empty, no '..' component, no duplicates; all vectorised."""
     def first(mask: np.ndarray) -> int | None:
         return int(np.argmax(mask)) if mask.any() else None
@@ -514,7 +514,7 @@ def _validate(epoch, current, next=None, files=None, rank=None, world_size=None,
                              f"0..{world_size - 1}")
     if files is not None:
         files = Manifest(_paths_to_bytes_array(files))
-        _check_path_syntax(files.paths)
+        check_relpaths(files.paths)
         if not unique_paths_checked:
             _check_unique_paths(files)
         manifest_len = len(files)

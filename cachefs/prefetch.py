@@ -197,6 +197,13 @@ class Prefetcher:
         if item >= 0 and self._manifest is not None:
             self.meta.record(item, identity)
 
+    def _record_checked(self, item: int, identity: SourceIdentity) -> None:
+        """Record a fresh stat; if the file changed since we last saw it, drop its copies."""
+        known = self.meta.identity(item, math.inf)
+        self.meta.record(item, identity)
+        if known is not None and known != identity:
+            self.tiered.source_changed(self._manifest.path(item), identity)
+
     def consumed(self, item: int) -> None:
         if not self.planner.active or item < 0:
             return
@@ -277,7 +284,7 @@ class Prefetcher:
             identity = self.meta.identity(item, self._refresh_age_s())
             if identity is None:
                 identity = SourceIdentity.from_stat(await self.source.lstat(relpath))
-                self.meta.record(item, identity)
+                self._record_checked(item, identity)
                 self.poke()  # a size is known: the automatic window may change
             for block_index in range(block_count(identity.size, self.block_bytes)):
                 key = (relpath, block_index)

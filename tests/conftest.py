@@ -151,3 +151,33 @@ def make_flat_dataset(root: Path, count: int, size_bytes: int, vary: bool = True
         write_file(root / relpath, size, seed=i)
         relpaths.append(relpath)
     return sorted(relpaths, key=os.fsencode)
+
+
+def read_epoch(mount: Mount, relpaths: list[str], epoch: int, seed: int = 0,
+               publish: bool = True) -> dict:
+    """Publish epoch `epoch` (next = epoch + 1) and read every file in that order, checking
+    each against the source; returns the mount's record of that epoch."""
+    from cachefs import order
+
+    n = len(relpaths)
+    current = order.permutation(n, seed, epoch)
+    if publish:
+        order.publish(mount.mountpoint, epoch, current, next=order.permutation(n, seed, epoch + 1))
+    for index in current:
+        relpath = relpaths[index]
+        assert (mount.mountpoint / relpath).read_bytes() == (mount.source / relpath).read_bytes(), \
+            relpath
+    return epoch_record(mount, epoch, reads=n)
+
+
+def epoch_record(mount: Mount, epoch: int, reads: int | None = None) -> dict:
+    """The stats record of `epoch`; with `reads`, once that many releases were counted
+    (the kernel sends RELEASE after close() has returned)."""
+    deadline = time.monotonic() + 10
+    while True:
+        records = [r for r in mount.stats()["epochs"] if r["epoch"] == epoch]
+        if records and (reads is None or records[0]["reads"] >= reads):
+            return records[0]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"epoch {epoch} record not complete: {records}")
+        time.sleep(0.01)

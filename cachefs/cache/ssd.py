@@ -307,6 +307,16 @@ class SsdTier:
             row = self._find(k)
             return row is not None and self._same_identity(row, identity)
 
+    def holds_other_version(self, key: tuple[bytes, int], identity: SourceIdentity) -> bool:
+        """True if an entry for `key` exists for another identity (stale). In memory only;
+        `read` with the current identity drops such an entry and counts it."""
+        k = _Key(*key)
+        with self._lock:
+            if self._closed:
+                return False
+            row = self._find(k)
+            return row is not None and row != -1 and not self._same_identity(row, identity)
+
     def read(self, key: tuple[bytes, int], identity: SourceIdentity) -> bytes | None:
         k = _Key(*key)
         with self._lock:
@@ -381,7 +391,9 @@ class SsdTier:
             return (not self._closed and self._disabled is None
                     and self._bytes + self._reserved_bytes + size_bytes <= self._budget)
 
-    def drop_file(self, relpath: bytes) -> int:
+    def drop_file(self, relpath: bytes, keep: SourceIdentity | None = None) -> int:
+        """Drop every block of a file whose source changed, except those of identity `keep`
+        (the current version, possibly admitted already); returns how many were dropped."""
         path_lo = xxhash.xxh3_128_intdigest(relpath) & _MASK64
         keys = []
         with self._lock:
@@ -391,7 +403,10 @@ class SsdTier:
             rows = np.nonzero(self._live[:used] & (self._path_lo[:used] == np.uint64(path_lo)))[0]
             for row in rows.tolist():
                 k = _Key(relpath, int(self._block[row]))
-                if self._find(k) == row:  # not merely a path-hash collision
+                if self._find(k) == row and not (keep is not None
+                                                  and self._same_identity(row, keep)):
+                    # the same path (not merely a path-hash collision), another version
+                    self._dropped_stale += 1
                     self._kill_row(row)
                     self._busy.add(k.lo)
                     keys.append(k)

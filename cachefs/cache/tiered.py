@@ -161,7 +161,14 @@ class TieredCache:
                 self.ram.unreserve(reserved)
 
     async def _read_ssd(self, key: BlockKey, identity: SourceIdentity) -> Fetched | None:
-        if self.ssd is None or not self.ssd.contains(key, identity):
+        if self.ssd is None:
+            return None
+        if not self.ssd.contains(key, identity):
+            if self.ssd.holds_other_version(key, identity):
+                # stale (the file changed, perhaps while unmounted): free its budget so the
+                # new version can be admitted; `read` drops and counts it
+                await trio.to_thread.run_sync(self.ssd.read, key, identity,
+                                              limiter=self.ssd_limiter)
             return None
         try:
             data = await trio.to_thread.run_sync(self.ssd.read, key, identity,
@@ -196,13 +203,14 @@ class TieredCache:
         for key in stale:
             self.ram.drop(key)
         if self.ssd is not None and self._nursery is not None:
-            self._nursery.start_soon(self._drop_ssd_file, relpath)
+            self._nursery.start_soon(self._drop_ssd_file, relpath, identity)
         for callback in self.on_source_changed:
             callback(relpath, identity)
 
-    async def _drop_ssd_file(self, relpath: bytes) -> None:
+    async def _drop_ssd_file(self, relpath: bytes, keep: SourceIdentity) -> None:
         try:
-            await trio.to_thread.run_sync(self.ssd.drop_file, relpath, limiter=self.ssd_limiter)
+            await trio.to_thread.run_sync(self.ssd.drop_file, relpath, keep,
+                                          limiter=self.ssd_limiter)
         except Exception:
             log.warning("SSD tier: could not drop entries of %r", relpath, exc_info=True)
 

@@ -1,0 +1,158 @@
+"""`cachefs warm`: fill the SSD tier ahead of training, inside the daemon.
+
+Warming runs in the daemon because the SSD tier belongs to it (one process holds its lock and
+index) and because reads through the mount would count as the trainer's reads and consume the
+published order. A request names what to warm, in that order: the files of a list, the
+current order (its first epoch's order, from the cursor on), or every file of the source.
+
+`source_threads` workers take files in turn; for each block they skip what the tier already
+holds for the file's current identity (so a warm that was interrupted resumes where it
+stopped, at the cost of one stat per file already done), read the rest from the source and
+admit it directly, bypassing RAM. Warming stops when the tier is full (cache-once: nothing
+would be admitted any more), when admission is disabled (disk full), or when it is done.
+Progress is a status dict the CLI polls through the stats snapshot.
+
+Bytes read by warming are counted here, not in the per-epoch records, which describe what
+readers saw.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import trio
+
+from cachefs.cache.tiered import block_count, block_length
+from cachefs.errors import CachefsError, OrderError
+from cachefs.order import check_relpaths
+from cachefs.source import Source, SourceIdentity
+
+log = logging.getLogger(__name__)
+
+
+class WarmError(CachefsError):
+    errno_value = errno.EINVAL
+
+
+class Warmer:
+    def __init__(self, source: Source, ssd, *, block_bytes: int, threads: int,
+                 order_paths, all_paths):
+        self.source = source
+        self.ssd = ssd
+        self.block_bytes = block_bytes
+        self.threads = threads
+        self._order_paths = order_paths  # () -> list[bytes] | None: current order from cursor
+        self._all_paths = all_paths  # () -> list[bytes]: the source manifest (in a thread)
+        self._status: dict = {"state": "idle"}
+        self._requests_send, self._requests_recv = trio.open_memory_channel(1)
+
+    def status(self) -> dict:
+        status = dict(self._status)
+        if status["state"] == "running":
+            status["elapsed_s"] = round(time.monotonic() - self._started_s, 3)
+        return status
+
+    def request(self, value: bytes) -> None:
+        """Start a warm; called from the control setxattr. Raises WarmError on a bad request."""
+        try:
+            request = json.loads(value)
+            mode = request["mode"]
+        except (ValueError, KeyError, TypeError):
+            raise WarmError(f"bad warm request: {value[:100]!r}") from None
+        try:
+            if self.ssd is None:
+                raise WarmError("this mount has no SSD tier (mount it with --ssd-cache and "
+                                "--ssd-size)")
+            if self._status["state"] in ("starting", "running"):
+                raise WarmError("a warm is already running")
+            if mode not in ("files", "order", "all"):
+                raise WarmError(f"bad warm mode: {mode!r}")
+            if mode == "files" and not isinstance(request.get("files_path"), str):
+                raise WarmError("a files warm needs files_path")
+        except WarmError as exc:
+            # setxattr can only carry an errno: the reason goes where the CLI reads it
+            self._status = {"state": "rejected", "error": str(exc), "request_id": request.get("id")}
+            raise
+        self._status = {"state": "starting", "mode": mode, "request_id": request.get("id")}
+        self._requests_send.send_nowait(request)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
+        task_status.started()
+        async for request in self._requests_recv:
+            try:
+                await self._warm(request)
+            except Exception as exc:  # noqa: BLE001 - a failed warm must not end the mount
+                log.exception("warm failed")
+                self._status.update(state="failed", error=str(exc))
+
+    async def _paths(self, request: dict) -> list[bytes]:
+        mode = request["mode"]
+        if mode == "files":
+            return await trio.to_thread.run_sync(_read_list, Path(request["files_path"]))
+        if mode == "order":
+            paths = self._order_paths()
+            if paths is not None:
+                return paths
+            log.info("warm --order: no order published; warming every file")
+        return await trio.to_thread.run_sync(self._all_paths)
+
+    async def _warm(self, request: dict) -> None:
+        self._started_s = time.monotonic()
+        paths = await self._paths(request)
+        self._status.update(state="running", files_total=len(paths), files_done=0,
+                            bytes_admitted=0, bytes_present=0, blocks_admitted=0, errors=0)
+        queue = iter(paths)
+        async with trio.open_nursery() as nursery:
+            for _ in range(min(self.threads, max(1, len(paths)))):
+                nursery.start_soon(self._worker, queue, nursery.cancel_scope)
+        if self._status["state"] == "running":
+            self._status["state"] = "done"
+        self._status["elapsed_s"] = round(time.monotonic() - self._started_s, 3)
+        log.info("warm %s: %s", self._status["state"], self._status)
+
+    async def _worker(self, queue, cancel_scope: trio.CancelScope) -> None:
+        for relpath in queue:
+            try:
+                if not await self._warm_file(relpath):
+                    self._status["state"] = "full" if not self.ssd.stats()[
+                        "admission_disabled"] else "disabled"
+                    cancel_scope.cancel()
+                    return
+            except OSError as exc:
+                self._status["errors"] += 1
+                log.warning("warm: cannot read %r: %s", relpath, exc)
+            self._status["files_done"] += 1
+
+    async def _warm_file(self, relpath: bytes) -> bool:
+        """Admit every block of one file; False once the tier takes nothing more."""
+        identity = SourceIdentity.from_stat(await self.source.lstat(relpath))
+        for block_index in range(block_count(identity.size, self.block_bytes)):
+            key = (relpath, block_index)
+            length = block_length(identity, block_index, self.block_bytes)
+            if self.ssd.contains(key, identity):
+                self._status["bytes_present"] += length
+                continue
+            if not self.ssd.has_room(length):
+                return False
+            block = await self.source.read_block(relpath, block_index, self.block_bytes)
+            if await trio.to_thread.run_sync(self.ssd.admit, key, block.identity, block.data):
+                self._status["bytes_admitted"] += len(block.data)
+                self._status["blocks_admitted"] += 1
+        return True
+
+
+def _read_list(path: Path) -> list[bytes]:
+    """Relative paths, one per line; the same path rules as an order's manifest."""
+    with open(path, "rb") as f:
+        paths = [line.strip(b"\r\n") for line in f if line.strip()]
+    if paths:
+        try:
+            check_relpaths(np.array(paths, dtype=bytes))
+        except OrderError as exc:
+            raise WarmError(f"{path}: {exc}") from None
+    return paths

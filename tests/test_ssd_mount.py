@@ -1,0 +1,173 @@
+"""The SSD tier through real mounts: cache-once hit rate, persistence, staleness, corruption,
+crashes, a full disk, and `cachefs warm`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import (epoch_record, make_flat_dataset, read_epoch, run_cachefs, sha256,
+                      write_file)
+
+N_FILES = 200
+FILE_BYTES = 20_000
+DATA_BYTES = N_FILES * FILE_BYTES
+SSD_BYTES = DATA_BYTES // 2
+RAM_BYTES = 64 * 1024  # a few files: the window only, so the SSD tier's share is what shows
+BOUND = (SSD_BYTES + RAM_BYTES) / DATA_BYTES
+
+
+@pytest.fixture
+def dataset(tmp_path) -> tuple[Path, list[str]]:
+    src = tmp_path / "src"
+    return src, make_flat_dataset(src, N_FILES, FILE_BYTES, vary=False)
+
+
+def ssd_args(ssd_dir: Path, *extra) -> list:
+    return ["--ssd-cache", ssd_dir, "--ssd-size", SSD_BYTES, "--ram-cache", RAM_BYTES,
+            "--source-threads", 4, *extra]
+
+
+def wait_ssd_full(mount, timeout_s=20.0) -> dict:
+    """Admission runs behind the readers: wait until epoch 1's blocks are on the SSD."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ssd = mount.stats()["ssd"]
+        if ssd["bytes"] + FILE_BYTES > SSD_BYTES or time.monotonic() > deadline:
+            return ssd
+        time.sleep(0.05)
+
+
+def hit_rate(record: dict) -> float:
+    return (record["hits_ssd"] + record["hits_ram"]) / record["reads"]
+
+
+def test_cache_once_hits_the_capacity_bound_and_survives_restart(dataset, mounter, tmp_path):
+    src, relpaths = dataset
+    ssd_dir = tmp_path / "ssd"
+    mount = mounter(src, *ssd_args(ssd_dir))
+    first = read_epoch(mount, relpaths, 0)
+    assert first["misses"] + first["prefetched"] == N_FILES and first["hits_ssd"] == 0
+    ssd = wait_ssd_full(mount)
+    assert ssd["entries"] == SSD_BYTES // FILE_BYTES
+    for epoch in (1, 2, 3):
+        record = read_epoch(mount, relpaths, epoch)
+        assert hit_rate(record) >= BOUND - 0.01, record
+        assert record["refetched_blocks"] == 0
+        # the source is read only for what neither tier holds
+        assert record["backend_bytes"] <= DATA_BYTES - SSD_BYTES
+    assert mount.stats()["ssd"]["entries"] == SSD_BYTES // FILE_BYTES  # never churned
+    mount.stop()
+
+    again = mounter(src, *ssd_args(ssd_dir))
+    record = read_epoch(again, relpaths, 7)
+    assert record["hits_ssd"] / N_FILES >= SSD_BYTES / DATA_BYTES - 0.01
+    assert again.stats()["ssd"]["rejected_checksum"] == 0
+
+
+def test_changed_source_files_are_served_new_and_dropped(dataset, mounter, tmp_path):
+    src, relpaths = dataset
+    mount = mounter(src, *ssd_args(tmp_path / "ssd", "--metadata-ttl", 0))
+    read_epoch(mount, relpaths, 0)
+    entries = wait_ssd_full(mount)["entries"]
+    for i, relpath in enumerate(relpaths):  # same sizes, new bytes, new mtimes
+        write_file(src / relpath, FILE_BYTES, seed=10_000 + i)
+    read_epoch(mount, relpaths, 1)  # compares every file with the source's new bytes
+    assert mount.stats()["ssd"]["dropped_stale"] == entries
+
+
+def test_corrupt_entry_is_detected_and_read_from_source(dataset, mounter, tmp_path):
+    src, relpaths = dataset
+    ssd_dir = tmp_path / "ssd"
+    mount = mounter(src, *ssd_args(ssd_dir))
+    read_epoch(mount, relpaths, 0)
+    wait_ssd_full(mount)
+    mount.stop()
+    entries = sorted(p for p in (ssd_dir / "entries").rglob("*") if p.is_file())
+    victim = entries[len(entries) // 2]
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0xFF  # one bit flip in the payload
+    victim.write_bytes(bytes(data))
+    again = mounter(src, *ssd_args(ssd_dir))
+    read_epoch(again, relpaths, 1)  # every file byte-identical to the source
+    assert again.stats()["ssd"]["rejected_checksum"] == 1
+
+
+def test_kill_9_mid_fill_then_remount_serves_identical_bytes(dataset, mounter, tmp_path):
+    src, relpaths = dataset
+    ssd_dir = tmp_path / "ssd"
+    mount = mounter(src, *ssd_args(ssd_dir))
+    for relpath in relpaths[: N_FILES // 3]:
+        (mount.mountpoint / relpath).read_bytes()
+    mount.process.kill()
+    mount.process.wait()
+    assert run_cachefs("umount", mount.mountpoint).returncode == 0
+    again = mounter(src, *ssd_args(ssd_dir))
+    for relpath in relpaths:
+        assert sha256(again.mountpoint / relpath) == sha256(src / relpath)
+    assert again.stats()["ssd"]["rejected_checksum"] == 0
+
+
+def test_full_ssd_disk_stops_admission_and_reads_go_on(dataset, mounter, tmp_path):
+    src, relpaths = dataset
+    ssd_dir = tmp_path / "tiny"
+    ssd_dir.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(ssd_dir)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        mount = mounter(src, "--ssd-cache", ssd_dir, "--ssd-size", DATA_BYTES,
+                        "--ram-cache", RAM_BYTES)
+        read_epoch(mount, relpaths, 0)
+        deadline = time.monotonic() + 10
+        while mount.stats()["ssd"]["admission_disabled"] is None:
+            assert time.monotonic() < deadline, mount.stats()["ssd"]
+            time.sleep(0.05)
+        read_epoch(mount, relpaths, 1)
+        assert mount.process.poll() is None
+        assert mount.log().count("admission") >= 1
+        mount.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(ssd_dir)])
+
+
+def test_warm_fills_the_tier_in_order_and_resumes(dataset, mounter, tmp_path):
+    src, relpaths = dataset
+    mount = mounter(src, *ssd_args(tmp_path / "ssd"))
+    from cachefs import order
+
+    current = order.permutation(N_FILES, 3, 0)
+    order.publish(mount.mountpoint, 0, current, next=order.permutation(N_FILES, 3, 1))
+    done = run_cachefs("warm", mount.mountpoint, "--order")
+    assert done.returncode == 0, done.stderr
+    assert "the SSD tier is full" in done.stdout
+    assert mount.stats()["ssd"]["bytes"] == SSD_BYTES
+    assert mount.stats()["order"]["consumed"] == 0  # warming is not reading
+    record = read_epoch(mount, relpaths, 0, seed=3, publish=False)
+    # the order's first half came from the SSD tier, in order
+    assert record["hits_ssd"] >= SSD_BYTES // FILE_BYTES - 1
+    again = run_cachefs("warm", mount.mountpoint, "--order")
+    assert again.returncode == 0 and "0.0 MB written" in again.stdout
+
+
+def test_warm_from_a_list_and_refusals(dataset, mounter, tmp_path):
+    src, relpaths = dataset
+    plain = mounter(src)
+    done = run_cachefs("warm", plain.mountpoint)
+    assert done.returncode == 1 and "no SSD tier" in done.stderr
+    mount = mounter(src, *ssd_args(tmp_path / "ssd"))
+    listing = tmp_path / "some.txt"
+    listing.write_text("\n".join(relpaths[:10]) + "\n")
+    done = run_cachefs("warm", mount.mountpoint, "--files", listing)
+    assert done.returncode == 0, done.stderr
+    assert "warm done; 10/10 files" in done.stdout
+    assert mount.stats()["ssd"]["entries"] == 10
+    listing.write_text("../outside\n")
+    done = run_cachefs("warm", mount.mountpoint, "--files", listing)
+    assert done.returncode == 1 and "'..'" in done.stdout + done.stderr
+    assert os.listdir(tmp_path / "ssd")  # the tier is still there and usable
+    assert epoch_record(mount, None)["reads"] == 0
