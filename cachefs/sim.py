@@ -14,8 +14,9 @@ them. Only the edges are fakes:
   `trio.CapacityLimiter(parallelism)` and sleeps `latency_s` (plus `size / bandwidth` when a
   per-request bandwidth is given). Payloads are zeros behind a short header naming the file and
   block, so the consumer checks that every read returns the right bytes.
-- `SimSsd` has the interface of `cachefs.cache.ssd.SsdTier` (`contains`, `read`, `admit`,
-  `has_room`, `drop_file`, `stats`, `close`): in memory, cache-once within a byte budget.
+- `SimSsd` has the interface of `cachefs.cache.ssd.SsdTier` (`contains`,
+  `holds_other_version`, `read`, `admit`, `has_room`, `drop_file`, `stats`, `close`): in
+  memory, cache-once within a byte budget.
 - Time is trio's virtual clock (`MockClock(autojump_threshold=0)`): whenever every task waits,
   the clock jumps to the next deadline, so three epochs of thousands of items take well under
   a second. A real worker thread would let the clock jump while it runs, so during a run the
@@ -230,9 +231,16 @@ class SimSsd:
         entry = self.entries.get(key)
         return entry is not None and entry[0] == identity
 
+    def holds_other_version(self, key, identity: SourceIdentity) -> bool:
+        entry = self.entries.get(key)
+        return entry is not None and entry[0] != identity
+
     def read(self, key, identity: SourceIdentity) -> bytes | None:
         entry = self.entries.get(key)
-        if entry is None or entry[0] != identity:
+        if entry is not None and entry[0] != identity:
+            self.bytes -= len(self.entries.pop(key)[1])  # stale: dropped, as SsdTier does
+            return None
+        if entry is None:
             return None
         self.reads += 1
         return entry[1]
@@ -247,8 +255,9 @@ class SimSsd:
     def has_room(self, size_bytes: int) -> bool:
         return self.bytes + size_bytes <= self.budget_bytes
 
-    def drop_file(self, relpath: bytes) -> int:
-        keys = [key for key in self.entries if key[0] == relpath]
+    def drop_file(self, relpath: bytes, keep: SourceIdentity | None = None) -> int:
+        keys = [key for key, (identity, _) in self.entries.items()
+                if key[0] == relpath and identity != keep]
         for key in keys:
             self.bytes -= len(self.entries.pop(key)[1])
         return len(keys)
@@ -480,7 +489,8 @@ def main(argv=None) -> None:
     @click.option("--bandwidth-mbs", default=0.0, show_default=True,
                   help="Per-request source bandwidth, MB/s (0: unlimited).")
     @click.option("--consume-ms", default=0.5, show_default=True, help="Compute per item.")
-    @click.option("--jitter-ms", default=0.0, show_default=True, help="Random delay before each open.")
+    @click.option("--jitter-ms", default=0.0, show_default=True,
+                  help="Random delay before each open.")
     @click.option("--workers", default=1, show_default=True, help="Concurrent readers.")
     @click.option("--lookahead", default=0, show_default=True, help="0: automatic.")
     @click.option("--block-kib", default=4096, show_default=True)
