@@ -1,0 +1,355 @@
+"""Side-by-side epochs: direct reads of a source vs. cachefs with and without the order.
+
+Issue 6's suite. A data set (generated, or any directory given with `--source`) is read for
+`--epochs` epochs, each in a new permutation (`cachefs.order.permutation(N, seed, epoch)`), by
+every contender in the same run:
+
+- `direct-1`, `direct-N`: N reader processes on the source, worker i taking every N-th file
+  of the epoch's order, as a DataLoader's workers do;
+- `direct-Tthreads`: one process with T threads (default 32) on the source: the storage's own
+  ceiling for parallel reads;
+- `cachefs-plain@F`: a cachefs mount with a RAM tier of F x the data set (and an SSD tier of
+  `--ssd-fraction` x the data set if asked) and no order: its plain caching, LRU in RAM, which
+  is also the LRU baseline;
+- `cachefs-order@F`: the same mount with the order published at the start of each epoch
+  (current and next), as a trainer's sampler does.
+
+`--source-delay-ms D` makes the source slow: cachefs mounts get `--source-delay-ms D`, and the
+direct readers sleep D before every open and before every read request that returns data.
+
+Fairness rules:
+- The direct contenders keep no state across epochs, so their epochs are interleaved, in a
+  rotated order each epoch. A cachefs mount keeps state, so its epochs run back to back, as a
+  trainer's do; each mount starts empty (a fresh daemon, its SSD directory emptied).
+- Unless `--no-drop-caches`, the page cache is dropped (`sync; echo 3 > drop_caches`, root)
+  before every timed epoch of every contender, so no one reads the source from RAM the others
+  paid for. The time this takes between a mount's epochs is recorded as `gap_s`: an ordered
+  mount reads ahead during it, as it would during a trainer's epoch-end work.
+- Per epoch: wall time, files/s, MB/s; for cachefs also the deltas of its stats (hits_ram,
+  hits_ssd, prefetched, misses, backend_bytes, stall_s) and the hit rate
+  (hits_ram + hits_ssd) / reads, against the capacity bound C/N (no policy can do better from
+  one epoch to the next with a new random permutation).
+
+Output: JSON with every figure, a Markdown table (printed and written), PNG plots of the epoch
+time and hit rate per contender (skipped with a message without matplotlib).
+
+Usage:
+    python scripts/bench.py [--dataset small|mixed|shards] [--files N] [--file-kb KB]
+        [--source DIR] [--source-delay-ms D] [--cache-fractions 0.25 0.5 1.0]
+        [--ssd-fraction F] [--epochs 3] [--readers 4] [--threads 32] [--out DIR]
+        [--no-drop-caches] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import benchlib  # noqa: E402
+from benchlib import KIB, BenchError, DatasetSpec, Manifest, ReaderPool, ReadTask  # noqa: E402
+
+from cachefs.errors import OrderError  # noqa: E402
+from cachefs.order import permutation, publish  # noqa: E402
+
+log = logging.getLogger("bench")
+
+DATASET_DEFAULTS = {"small": (5000, 110), "mixed": (3000, 110), "shards": (64, 64 * 1024)}
+CONTENDER_KINDS = ("direct-1", "direct-n", "direct-threads", "cachefs-plain", "cachefs-order")
+MIN_RAM_BYTES = 64 * KIB
+SMOKE = {"files": 40, "file_kb": 64, "epochs": 3, "readers": 2, "threads": 4,
+         "cache_fractions": [0.5], "no_drop_caches": True}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", choices=sorted(DATASET_DEFAULTS), default="small",
+                        help="kind of generated data set")
+    parser.add_argument("--files", type=int, help="files to generate [small 5000, mixed 3000, "
+                                                  "shards 64]")
+    parser.add_argument("--file-kb", type=int, help="file size, KB (mixed: the median) "
+                                                    "[110; shards 65536]")
+    parser.add_argument("--source", type=Path, help="read this directory instead of generating")
+    parser.add_argument("--source-delay-ms", type=float, default=0.0,
+                        help="latency added to every source open and read, both ways")
+    parser.add_argument("--cache-fractions", type=float, nargs="+", default=[0.25, 0.5, 1.0],
+                        help="RAM tier budgets as fractions of the data set")
+    parser.add_argument("--ssd-fraction", type=float, default=0.0,
+                        help="add an SSD tier of this fraction of the data set")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--readers", type=int, default=4, help="N: reader processes")
+    parser.add_argument("--threads", type=int, default=32, help="threads of the ceiling reader")
+    parser.add_argument("--contenders", nargs="+", choices=CONTENDER_KINDS,
+                        default=list(CONTENDER_KINDS))
+    parser.add_argument("--seed", type=int, default=0, help="seed of the epoch permutations")
+    parser.add_argument("--read-kb", type=int, default=1024, help="read request size, KiB")
+    parser.add_argument("--mount-args", default="", help="extra arguments for cachefs mount")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/cachefs-bench"),
+                        help="generated data sets, mount point, state, SSD tier")
+    parser.add_argument("--out", type=Path, help="results directory [WORKDIR/results]")
+    parser.add_argument("--no-drop-caches", action="store_true",
+                        help="do not drop the page cache before each epoch (not root, or a "
+                             "remote source)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes: checks that the script works, in seconds")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
+        args.source_delay_ms = args.source_delay_ms or 1.0
+    files, file_kb = DATASET_DEFAULTS[args.dataset]
+    args.files = args.files or files
+    args.file_kb = args.file_kb or file_kb
+    if args.epochs < 1 or args.readers < 1 or args.threads < 1:
+        parser.error("--epochs, --readers and --threads must be at least 1")
+    if any(not 0 < f for f in args.cache_fractions):
+        parser.error("--cache-fractions must be positive")
+    args.out = args.out or args.workdir / "results"
+    return args
+
+
+class Run:
+    """One benchmark run: the source, its orders, the reader pool and every epoch's figures."""
+
+    def __init__(self, args, source: Path, manifest: Manifest, pool: ReaderPool):
+        self.args = args
+        self.source = source
+        self.manifest = manifest
+        self.pool = pool
+        self.orders = [permutation(len(manifest), args.seed, epoch)
+                       for epoch in range(args.epochs + 1)]
+        self.delay_s = args.source_delay_ms / 1000.0
+        self.records: list[dict] = []
+
+    def _drop(self) -> float:
+        if self.args.no_drop_caches:
+            return 0.0
+        started_s = time.perf_counter()
+        benchlib.drop_page_cache()
+        return time.perf_counter() - started_s
+
+    def _record(self, contender: str, fraction, epoch: int, result, **extra) -> dict:
+        record = {"contender": contender, "cache_fraction": fraction, "epoch": epoch,
+                  **result.to_json(), **extra}
+        self.records.append(record)
+        log.info("%-22s epoch %d: %7.2f s, %8.0f files/s%s", contender, epoch, result.wall_s,
+                 result.files_per_s, f", hit rate {extra['hit_rate']:.2f}"
+                 if extra.get("hit_rate") is not None else "")
+        return record
+
+    # -- direct --------------------------------------------------------------------------------
+
+    def direct_contenders(self) -> list[tuple[str, dict]]:
+        n, threads = self.args.readers, self.args.threads
+        wanted = self.args.contenders
+        contenders = []
+        if "direct-1" in wanted:
+            contenders.append(("direct-1", {"workers": 1}))
+        if "direct-n" in wanted and n > 1:
+            contenders.append((f"direct-{n}", {"workers": n}))
+        if "direct-threads" in wanted:
+            contenders.append((f"direct-{threads}threads", {"threads": threads}))
+        return contenders
+
+    def run_direct(self) -> None:
+        contenders = self.direct_contenders()
+        root = os.fsencode(self.source)
+        for epoch in range(self.args.epochs):
+            shift = epoch % max(1, len(contenders))
+            for name, shape in contenders[shift:] + contenders[:shift]:
+                gap_s = self._drop()
+                result = self.pool.run(ReadTask(root, self.orders[epoch], delay_s=self.delay_s,
+                                                read_bytes=self.args.read_kb * KIB, **shape))
+                self._record(name, None, epoch, result, gap_s=round(gap_s, 3))
+
+    # -- cachefs -------------------------------------------------------------------------------
+
+    def run_cachefs(self, fraction: float, ordered: bool) -> None:
+        args = self.args
+        name = f"cachefs-{'order' if ordered else 'plain'}@{fraction:g}"
+        total = self.manifest.total_bytes
+        ssd_dir = args.workdir / "ssd" if args.ssd_fraction > 0 else None
+        if ssd_dir is not None:
+            shutil.rmtree(ssd_dir, ignore_errors=True)
+            ssd_dir.mkdir(parents=True)
+        mountpoint = args.workdir / "mnt"
+        self._drop()
+        with benchlib.cachefs_mount(
+                self.source, mountpoint, args.workdir / "state",
+                ram_bytes=self.ram_bytes(fraction), ssd_dir=ssd_dir,
+                ssd_bytes=int(args.ssd_fraction * total), source_delay_ms=args.source_delay_ms,
+                extra_args=args.mount_args.split()) as mount:
+            files = benchlib.wait_for_manifest(mount)
+            if files != len(self.manifest):
+                raise BenchError(f"the daemon sees {files} files, the benchmark "
+                                 f"{len(self.manifest)}: is the source changing?")
+            for epoch in range(args.epochs):
+                gap_s = self._drop() if epoch else 0.0
+                if ordered:
+                    try:
+                        publish(mountpoint, epoch, self.orders[epoch],
+                                next=self.orders[epoch + 1])
+                    except OrderError as exc:
+                        raise BenchError(f"{name}: publish failed: {exc}") from None
+                before = mount.totals()
+                result = self.pool.run(ReadTask(os.fsencode(mountpoint), self.orders[epoch],
+                                                workers=args.readers,
+                                                read_bytes=args.read_kb * KIB))
+                delta = benchlib.stats_delta(before, mount.totals())
+                hits = delta["hits_ram"] + delta["hits_ssd"]
+                self._record(name, fraction, epoch, result, gap_s=round(gap_s, 3),
+                             stats=delta, hit_rate=hits / delta["reads"] if delta["reads"]
+                             else None)
+
+    def run_all(self) -> None:
+        self.run_direct()
+        kinds = [k for k in (False, True)
+                 if ("cachefs-order" if k else "cachefs-plain") in self.args.contenders]
+        for index, fraction in enumerate(self.args.cache_fractions):
+            for ordered in (kinds if index % 2 == 0 else kinds[::-1]):
+                self.run_cachefs(fraction, ordered)
+
+    def ram_bytes(self, fraction: float) -> int:
+        return max(int(fraction * self.manifest.total_bytes), MIN_RAM_BYTES)
+
+    def capacity_bound(self, fraction) -> float | None:
+        """C/N of a cachefs contender: what its tiers hold, as a fraction of the data set."""
+        if fraction is None:
+            return None
+        return min(1.0, self.ram_bytes(fraction) / self.manifest.total_bytes
+                   + self.args.ssd_fraction)
+
+
+# -- output ----------------------------------------------------------------------------------------
+
+def markdown_report(run: Run) -> str:
+    rows = []
+    for r in run.records:
+        stats = r.get("stats") or {}
+        rows.append([r["contender"], r["epoch"], r["wall_s"], r["files_per_s"], r["mb_per_s"],
+                     stats.get("hits_ram"), stats.get("hits_ssd"), stats.get("prefetched"),
+                     stats.get("misses"),
+                     stats["backend_bytes"] / 1e6 if stats else None,
+                     stats.get("stall_s"),
+                     f"{r['hit_rate']:.3f}" if r.get("hit_rate") is not None else None,
+                     run.capacity_bound(r["cache_fraction"])])
+    return benchlib.markdown_table(
+        ["contender", "epoch", "time s", "files/s", "MB/s", "hits_ram", "hits_ssd",
+         "prefetched", "misses", "backend MB", "stall s", "hit rate", "C/N"], rows)
+
+
+def summary_table(run: Run) -> str:
+    """Mean epoch time per contender over the epochs after the first, and the speedup."""
+    by_name: dict[str, list[float]] = {}
+    for r in run.records:
+        by_name.setdefault(r["contender"], []).append(r["wall_s"])
+    baseline_name = next((name for name in by_name if name.startswith("direct-")
+                          and not name.endswith("threads") and name != "direct-1"),
+                         next(iter(by_name), None))
+    later = {name: (times[1:] or times) for name, times in by_name.items()}
+    baseline = sum(later[baseline_name]) / len(later[baseline_name]) if baseline_name else None
+    rows = []
+    for name, times in later.items():
+        mean_s = sum(times) / len(times)
+        rows.append([name, by_name[name][0], mean_s,
+                     f"{baseline / mean_s:.2f}x" if baseline and mean_s else None])
+    return (f"Speedup against {baseline_name} (mean of epochs after the first):\n\n"
+            + benchlib.markdown_table(["contender", "epoch 0 s", "later epochs s (mean)",
+                                       "speedup"], rows))
+
+
+def plot(run: Run, path: Path) -> str:
+    plt = benchlib.pyplot()
+    if plt is None:
+        return "PNG skipped: matplotlib is not installed (pip install matplotlib)"
+    figure, (time_axes, hit_axes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = list(dict.fromkeys(r["contender"] for r in run.records))
+    for name in names:
+        records = [r for r in run.records if r["contender"] == name]
+        epochs = [r["epoch"] for r in records]
+        style = "--" if name.startswith("direct") else "-"
+        line, = time_axes.plot(epochs, [r["wall_s"] for r in records], style, marker="o",
+                               label=name)
+        if not name.startswith("direct"):
+            hit_axes.plot(epochs, [r["hit_rate"] or 0.0 for r in records], style, marker="o",
+                          color=line.get_color(), label=name)
+    for fraction in run.args.cache_fractions:
+        bound = run.capacity_bound(fraction)
+        hit_axes.axhline(bound, color="grey", linestyle=":", linewidth=1)
+        hit_axes.annotate(f"C/N = {bound:g}", (0, bound), xytext=(2, 2),
+                          textcoords="offset points", fontsize=8, color="grey")
+    time_axes.set(xlabel="epoch", ylabel="epoch time (s)", title="Epoch time")
+    hit_axes.set(xlabel="epoch", ylabel="(hits_ram + hits_ssd) / reads", ylim=(0, 1.05),
+                 title="Hit rate (dotted: capacity bound C/N)")
+    for axes in (time_axes, hit_axes):
+        axes.set_xticks(range(run.args.epochs))
+        axes.grid(alpha=0.3)
+    time_axes.legend(fontsize=7)
+    hit_axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return f"PNG: {path}"
+
+
+def describe(run: Run, source_label: str) -> str:
+    args = run.args
+    drop = ("page cache dropped before every timed epoch" if not args.no_drop_caches
+            else "page cache NOT dropped (--no-drop-caches): direct reads may come from RAM")
+    delay = (f", source delay {args.source_delay_ms:g} ms per open and read"
+             if args.source_delay_ms else "")
+    return (f"{source_label}: {len(run.manifest)} files, {run.manifest.total_bytes / 1e6:.1f} MB"
+            f"{delay}; {args.epochs} epochs, {args.readers} readers, {args.read_kb} KiB reads; "
+            f"{drop}")
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    if args.source is not None:
+        source = args.source.absolute()
+        if not source.is_dir():
+            print(f"bench: {source} is not a directory", file=sys.stderr)
+            return 2
+        label = f"source {source}"
+    else:
+        source = args.workdir / f"data-{args.dataset}"
+        benchlib.generate_dataset(source, DatasetSpec(args.dataset, args.files,
+                                                      args.file_kb * 1000))
+        label = f"generated {args.dataset} data set ({args.files} x {args.file_kb} KB)"
+    manifest = Manifest.scan(source)
+    if len(manifest) == 0:
+        print(f"bench: no regular files under {source}", file=sys.stderr)
+        return 2
+    try:
+        with ReaderPool(manifest, args.readers) as pool:
+            run = Run(args, source, manifest, pool)
+            run.run_all()
+    except BenchError as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 1
+    header = describe(run, label)
+    report = f"{header}\n\n{markdown_report(run)}\n\n{summary_table(run)}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    png_message = plot(run, args.out / "bench-epochs.png")
+    print(f"{report}\n\n{png_message}")
+    (args.out / "bench.md").write_text(report + "\n")
+    benchlib.write_json(args.out / "bench.json", {
+        "benchmark": "bench", "machine": benchlib.machine_info(), "description": header,
+        "args": vars(args), "source": str(source),
+        "dataset": {"files": len(manifest), "total_bytes": manifest.total_bytes},
+        "page_cache_dropped": not args.no_drop_caches,
+        "capacity_bounds": {f"{f:g}": run.capacity_bound(f) for f in args.cache_fractions},
+        "records": run.records})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,487 @@
+"""Shared pieces of the benchmark scripts (bench.py, bench_fuse.py): one copy of each helper.
+
+What is measured and how (the machine facts behind these choices are in
+shared/notes/fuse-hot-path.md):
+
+- Data sets are generated once under a directory and reused when a marker file says they have
+  the same shape. File contents are slices of one random pool, so writing gigabytes costs no
+  random-number time. The manifest is `cachefs.order.scan_source` of the directory (every
+  regular file, sorted by path bytes), so an index means the same file to a reader and to the
+  daemon.
+- Readers are persistent worker processes (fork), created before anything is timed. A pass
+  sends each worker its share of an order (worker i of n takes positions i, i+n, ..., as a
+  DataLoader's workers do) and is timed from sending the task to the last worker's answer.
+  One worker can instead run a thread pool (the "32-thread reader", the storage's ceiling).
+- Every read goes into a page-aligned buffer (an anonymous mmap): reads into a buffer a few
+  bytes past a page boundary copy at a fraction of the speed on these CPUs.
+- A delayed direct reader (`delay_s`) sleeps before every open and before every read request
+  that still has data to return, as cachefs's `--source-delay-ms` does for its source.
+- `cachefs_mount` mounts with the real CLI (daemonized) and always unmounts, lazily if it must,
+  even when the benchmark fails or is interrupted.
+
+Nothing here prints; the scripts do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import mmap
+import multiprocessing
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+
+from cachefs.order import XATTR_STATS, scan_source  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+KIB = 1024
+MIB = 1024 * KIB
+GIB = 1024 * MIB
+POOL_BYTES = 64 * MIB  # random bytes that file contents are sliced from
+DEFAULT_READ_BYTES = 1 * MIB  # one read request of a reader
+MARKER_SUFFIX = ".bench-dataset.json"  # beside the data root, so not in its manifest
+MOUNT_TIMEOUT_S = 120.0
+STATS_KEYS = ("reads", "hits_ram", "hits_ssd", "prefetched", "misses", "backend_bytes",
+              "stall_s")
+
+
+class BenchError(Exception):
+    """A benchmark could not run (mount failed, a reader failed); the script exits non-zero."""
+
+
+# -- data sets -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """The shape of a generated data set; equal specs mean the same files."""
+
+    kind: str  # "small", "mixed", "shards" or "big"
+    files: int
+    file_bytes: int  # each file's size ("mixed": the median size)
+    seed: int = 0
+
+    def sizes(self) -> np.ndarray:
+        if self.kind == "mixed":
+            # log-normal around the median, from 1 KiB to 32x the median: a few large files
+            # carry much of the bytes, as in real mixed data sets
+            rng = np.random.default_rng(self.seed)
+            sizes = self.file_bytes * np.exp(rng.normal(0.0, 1.0, self.files))
+            return np.clip(sizes, KIB, 32 * self.file_bytes).astype(np.int64)
+        return np.full(self.files, self.file_bytes, dtype=np.int64)
+
+    def relpath(self, index: int) -> str:
+        if self.kind == "shards":
+            return f"shards/shard-{index:05d}.tar"
+        if self.kind == "big":
+            return f"big/file-{index:03d}.bin"
+        # ImageNet-like: a thousand files per class directory
+        return f"{self.kind}/class{index // 1000:04d}/sample_{index:07d}.bin"
+
+
+def _random_pool(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, POOL_BYTES, dtype=np.uint8)
+
+
+def _write_file(path: Path, size_bytes: int, pool: np.ndarray, offset: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        written = 0
+        while written < size_bytes:
+            start = (offset + written) % POOL_BYTES
+            chunk = pool[start:start + min(size_bytes - written, POOL_BYTES - start)]
+            written += os.write(fd, memoryview(chunk))
+    finally:
+        os.close(fd)
+
+
+def generate_dataset(root: Path, spec: DatasetSpec) -> bool:
+    """Create spec's files under root unless they are already there; True if it wrote any.
+
+    A marker per kind (in root, named after the kind) records the spec; a different spec of the
+    same kind removes that kind's directory first, so a data set is never a mix of two runs.
+    Several kinds can share one root (bench_fuse puts small files and a big file side by side).
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    marker = root.parent / f"{root.name}.{spec.kind}{MARKER_SUFFIX}"
+    wanted = asdict(spec)
+    try:
+        if json.loads(marker.read_text()) == wanted:
+            return False
+    except (OSError, ValueError):
+        pass
+    top = root / spec.relpath(0).split("/")[0]
+    shutil.rmtree(top, ignore_errors=True)
+    pool = _random_pool(spec.seed)
+    rng = np.random.default_rng(spec.seed + 1)
+    for index, size in enumerate(spec.sizes().tolist()):
+        offset = int(rng.integers(0, POOL_BYTES)) & ~4095
+        _write_file(root / spec.relpath(index), size, pool, offset)
+    os.sync()
+    marker.write_text(json.dumps(wanted))
+    log.info("generated %d %s files under %s", spec.files, spec.kind, root)
+    return True
+
+
+@dataclass
+class Manifest:
+    """The source's regular files as cachefs indexes them, and their sizes."""
+
+    relpaths: list[bytes]
+    sizes: np.ndarray
+
+    @classmethod
+    def scan(cls, root: Path) -> "Manifest":
+        relpaths = [bytes(p) for p in scan_source(root).paths]
+        root_bytes = os.fsencode(root)
+        sizes = np.array([os.stat(root_bytes + b"/" + p).st_size for p in relpaths],
+                         dtype=np.int64)
+        return cls(relpaths, sizes)
+
+    def __len__(self) -> int:
+        return len(self.relpaths)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.sizes.sum())
+
+    def indices_under(self, prefix: str) -> np.ndarray:
+        wanted = os.fsencode(prefix)
+        return np.array([i for i, p in enumerate(self.relpaths) if p.startswith(wanted)],
+                        dtype=np.int64)
+
+
+# -- page cache ----------------------------------------------------------------------------------
+
+def drop_page_cache() -> None:
+    """Write dirty pages and drop the clean page cache, dentries and inodes (needs root)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError as exc:
+        raise BenchError(f"cannot drop the page cache ({exc.strerror}); run as root or pass "
+                         f"--no-drop-caches") from None
+
+
+# -- readers -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ReadTask:
+    """One pass: read `order` (manifest indices) under `root` with `workers` processes.
+
+    Worker i takes positions i, i + workers, ... With `threads` > 1 a single worker reads the
+    whole order with that many threads instead.
+    """
+
+    root: bytes
+    order: np.ndarray
+    workers: int = 1
+    threads: int = 1
+    delay_s: float = 0.0
+    read_bytes: int = DEFAULT_READ_BYTES
+
+
+@dataclass
+class PassResult:
+    wall_s: float
+    files: int
+    bytes: int
+
+    @property
+    def files_per_s(self) -> float:
+        return self.files / self.wall_s if self.wall_s > 0 else math.inf
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / 1e6 / self.wall_s if self.wall_s > 0 else math.inf
+
+    def to_json(self) -> dict:
+        return {"wall_s": round(self.wall_s, 6), "files": self.files, "bytes": self.bytes,
+                "files_per_s": round(self.files_per_s, 1), "mb_per_s": round(self.mb_per_s, 1)}
+
+
+def _aligned_buffer(size_bytes: int) -> memoryview:
+    return memoryview(mmap.mmap(-1, max(size_bytes, mmap.PAGESIZE)))  # page-aligned
+
+
+def read_whole_file(path: bytes, buffer: memoryview, delay_s: float = 0.0) -> int:
+    """Read a file to its end in buffer-sized requests; returns the bytes read."""
+    if delay_s:
+        time.sleep(delay_s)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size if delay_s else -1
+        total = 0
+        while True:
+            if delay_s and total < size:
+                time.sleep(delay_s)  # a request that returns data; the EOF probe is free
+            count = os.readv(fd, [buffer])
+            if count == 0:
+                return total
+            total += count
+    finally:
+        os.close(fd)
+
+
+def _read_share(task: ReadTask, relpaths: list[bytes], share: np.ndarray) -> tuple[int, int]:
+    buffer = _aligned_buffer(task.read_bytes)
+    root = task.root + b"/"
+    total = 0
+    for index in share.tolist():
+        total += read_whole_file(root + relpaths[index], buffer, task.delay_s)
+    return len(share), total
+
+
+def _read_threaded(task: ReadTask, relpaths: list[bytes]) -> tuple[int, int]:
+    root = task.root + b"/"
+    local = threading.local()
+
+    def one(index: int) -> int:
+        if not hasattr(local, "buffer"):
+            local.buffer = _aligned_buffer(task.read_bytes)
+        return read_whole_file(root + relpaths[index], local.buffer, task.delay_s)
+
+    with ThreadPoolExecutor(task.threads) as pool:
+        total = sum(pool.map(one, task.order.tolist(), chunksize=16))
+    return len(task.order), total
+
+
+def _worker_main(connection, relpaths: list[bytes], worker_index: int) -> None:
+    while True:
+        task = connection.recv()
+        if task is None:
+            return
+        try:
+            if task.threads > 1:
+                result = _read_threaded(task, relpaths)
+            else:
+                result = _read_share(task, relpaths, task.order[worker_index::task.workers])
+            connection.send(("ok", result))
+        except BaseException:  # noqa: BLE001 - reported to the parent, which fails the run
+            connection.send(("error", traceback.format_exc()))
+
+
+class ReaderPool:
+    """`size` persistent reader processes that know the manifest (inherited through fork)."""
+
+    def __init__(self, manifest: Manifest, size: int):
+        context = multiprocessing.get_context("fork")
+        self._workers = []
+        for index in range(size):
+            parent_end, child_end = context.Pipe()
+            process = context.Process(target=_worker_main,
+                                      args=(child_end, manifest.relpaths, index), daemon=True)
+            process.start()
+            child_end.close()
+            self._workers.append((process, parent_end))
+
+    def run(self, task: ReadTask) -> PassResult:
+        used = 1 if task.threads > 1 else task.workers
+        if used > len(self._workers):
+            raise BenchError(f"{used} readers asked of a pool of {len(self._workers)}")
+        started_s = time.perf_counter()
+        for _, connection in self._workers[:used]:
+            connection.send(task)
+        files = total = 0
+        errors = []
+        for _, connection in self._workers[:used]:
+            status, value = connection.recv()
+            if status == "ok":
+                files += value[0]
+                total += value[1]
+            else:
+                errors.append(value)
+        wall_s = time.perf_counter() - started_s
+        if errors:
+            raise BenchError("a reader failed:\n" + errors[0])
+        return PassResult(wall_s, files, total)
+
+    def close(self) -> None:
+        for process, connection in self._workers:
+            with contextlib.suppress(OSError):
+                connection.send(None)
+        for process, _ in self._workers:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+
+    def __enter__(self) -> "ReaderPool":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def walk_entries(root: Path) -> int:
+    """Entries (directories and files) seen by one os.walk of root."""
+    count = 0
+    for _, dirnames, filenames in os.walk(root):
+        count += len(dirnames) + len(filenames)
+    return count
+
+
+def median(values) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+# -- cachefs mounts ------------------------------------------------------------------------------
+
+def mounted_paths() -> set[str]:
+    with open("/proc/self/mountinfo") as f:
+        return {line.split(" ")[4].replace("\\040", " ") for line in f}
+
+
+def cachefs_command(*args) -> list[str]:
+    return [sys.executable, "-m", "cachefs", *map(str, args)]
+
+
+@dataclass
+class CachefsMount:
+    source: Path
+    mountpoint: Path
+    state_dir: Path
+
+    def stats(self) -> dict:
+        return json.loads(os.getxattr(self.mountpoint, XATTR_STATS))
+
+    def totals(self) -> dict:
+        """The epoch records' counters summed (an epoch switch mid-pass splits a pass)."""
+        return stats_totals(self.stats())
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = (self.state_dir / "daemon.log").read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def stats_totals(snapshot: dict) -> dict:
+    totals = dict.fromkeys(STATS_KEYS, 0)
+    for record in snapshot["epochs"]:
+        for key in STATS_KEYS:
+            totals[key] += record.get(key, 0)
+    return totals
+
+
+def stats_delta(before: dict, after: dict) -> dict:
+    delta = {key: after[key] - before[key] for key in STATS_KEYS}
+    delta["stall_s"] = round(delta["stall_s"], 6)
+    return delta
+
+
+def _unmount(mountpoint: Path, state_dir: Path) -> None:
+    path = os.path.abspath(mountpoint)
+    if path not in mounted_paths():
+        return
+    done = subprocess.run(cachefs_command("umount", path, "--state-dir", state_dir),
+                          capture_output=True, text=True, timeout=60)
+    if path in mounted_paths():
+        log.warning("cachefs umount %s failed (%s); detaching lazily", path,
+                    (done.stderr or done.stdout).strip())
+        subprocess.run(["fusermount3", "-u", "-z", path], capture_output=True)
+
+
+@contextlib.contextmanager
+def cachefs_mount(source: Path, mountpoint: Path, state_dir: Path, *, ram_bytes: int,
+                  ssd_dir: Path | None = None, ssd_bytes: int = 0,
+                  source_delay_ms: float = 0.0, extra_args=()):
+    """Mount with `cachefs mount` (daemonized); always unmounted on the way out."""
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / "order.npz").unlink(missing_ok=True)  # no order left over from a last run
+    _unmount(mountpoint, state_dir)  # a stale mount of an interrupted run
+    args = ["mount", source, mountpoint, "--state-dir", state_dir, "--ram-cache", ram_bytes]
+    if ssd_dir is not None:
+        args += ["--ssd-cache", ssd_dir, "--ssd-size", ssd_bytes]
+    if source_delay_ms:
+        args += ["--source-delay-ms", source_delay_ms]
+    args += list(extra_args)
+    mount = CachefsMount(source, mountpoint, state_dir)
+    try:
+        done = subprocess.run(cachefs_command(*args), capture_output=True, text=True,
+                              timeout=MOUNT_TIMEOUT_S)
+        if done.returncode != 0:
+            raise BenchError(f"cachefs mount failed ({done.returncode}): "
+                             f"{(done.stderr or done.stdout).strip()}")
+        yield mount
+    finally:
+        _unmount(mountpoint, state_dir)
+
+
+def wait_for_manifest(mount: CachefsMount, timeout_s: float = 300.0) -> int:
+    """Files in the daemon's manifest, once it has scanned the source."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        files = (mount.stats().get("manifest") or {}).get("files")
+        if files is not None:
+            return int(files)
+        time.sleep(0.05)
+    raise BenchError(f"the daemon of {mount.mountpoint} did not scan its source in "
+                     f"{timeout_s:g} s")
+
+
+# -- output --------------------------------------------------------------------------------------
+
+def write_json(path: Path, document: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2, default=_json_default) + "\n")
+
+
+def _json_default(value):
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating,)):
+        return float(value)
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    def cell(value) -> str:
+        if isinstance(value, float):
+            if math.isnan(value):
+                return "-"
+            return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+        return "-" if value is None else str(value)
+
+    lines = ["| " + " | ".join(headers) + " |",
+             "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def pyplot():
+    """matplotlib.pyplot with the Agg backend, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def machine_info() -> dict:
+    return {"cpus": os.cpu_count(), "kernel": os.uname().release,
+            "python": sys.version.split()[0],
+            "mem_total_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}

@@ -1,0 +1,148 @@
+"""The benchmark scripts keep working: each runs in its tiny --smoke mode (real mounts, seconds).
+
+A benchmark is never a timed test: these check exit codes, that the JSON has every figure a
+reader of the report looks for, that the counts add up, and that no mount is left behind;
+never how fast anything was.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import mounted_paths
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import benchlib  # noqa: E402
+
+
+def run_script(name: str, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPTS / name), *map(str, args)],
+                          capture_output=True, text=True, timeout=240)
+
+
+def assert_no_mount_under(path: Path) -> None:
+    assert not [p for p in mounted_paths() if p.startswith(str(path))]
+
+
+@pytest.mark.timeout(240)
+def test_bench_fuse_smoke(tmp_path):
+    out = tmp_path / "fuse.json"
+    done = run_script("bench_fuse.py", "--smoke", "--workdir", tmp_path / "work", "--json", out,
+                      "--markdown", tmp_path / "fuse.md")
+    assert done.returncode == 0, done.stderr
+    assert "| mount | case | direct | cachefs | cachefs/direct |" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["dataset"]["files"] == 60
+    assert result["ram_cache_bytes"] > result["dataset"]["total_bytes"]
+    assert [c["name"] for c in result["configs"]] == ["fuse-tasks=1", "fuse-tasks=16"]
+    for config in result["configs"]:
+        assert set(config["cases"]) == {"files/s, 1 reader", "files/s, 2 readers",
+                                        "big file MB/s", "os.walk entries/s"}
+        for figures in config["cases"].values():
+            assert len(figures["direct"]) == len(figures["mount"]) == 1
+            assert figures["direct_median"] > 0 and figures["mount_median"] > 0
+            assert figures["ratio"] == pytest.approx(
+                figures["mount_median"] / figures["direct_median"])
+        # one timed pass: 60 small files with 1 reader, 60 with 2, the big file once; warm,
+        # so every one of them was a RAM hit
+        delta = config["stats_delta_timed"]
+        assert delta["reads"] == 60 + 60 + 1
+        assert delta["hits_ram"] == delta["reads"] and delta["misses"] == 0
+        assert delta["backend_bytes"] == 0
+    assert (tmp_path / "fuse.md").read_text().startswith("FUSE hot path:")
+    assert_no_mount_under(tmp_path)
+
+
+@pytest.mark.timeout(240)
+def test_bench_smoke(tmp_path):
+    out = tmp_path / "results"
+    done = run_script("bench.py", "--smoke", "--workdir", tmp_path / "work", "--out", out)
+    assert done.returncode == 0, done.stderr
+    result = json.loads((out / "bench.json").read_text())
+    files = result["dataset"]["files"]
+    assert files == 40
+    names = {r["contender"] for r in result["records"]}
+    assert names == {"direct-1", "direct-2", "direct-4threads", "cachefs-plain@0.5",
+                     "cachefs-order@0.5"}
+    for name in names:
+        records = [r for r in result["records"] if r["contender"] == name]
+        assert sorted(r["epoch"] for r in records) == [0, 1, 2]
+        for r in records:
+            assert r["files"] == files
+            assert r["bytes"] == result["dataset"]["total_bytes"]
+            assert r["wall_s"] > 0 and r["files_per_s"] > 0 and r["mb_per_s"] > 0
+            if name.startswith("cachefs"):
+                stats = r["stats"]
+                assert stats["reads"] == files
+                assert (stats["hits_ram"] + stats["hits_ssd"] + stats["prefetched"]
+                        + stats["misses"]) == files
+                assert 0.0 <= r["hit_rate"] <= 1.0
+            else:
+                assert "stats" not in r
+    # the first epoch of a fresh mount has nothing cached: all of it came from the source
+    first = [r for r in result["records"] if r["contender"].startswith("cachefs")
+             and r["epoch"] == 0]
+    for r in first:
+        assert r["hit_rate"] == 0.0
+        assert r["stats"]["backend_bytes"] >= result["dataset"]["total_bytes"]
+    assert result["capacity_bounds"]["0.5"] == pytest.approx(0.5, abs=0.01)
+    assert result["page_cache_dropped"] is False
+    assert "NOT dropped" in done.stdout
+    table = (out / "bench.md").read_text()
+    assert "| contender | epoch | time s |" in table and "cachefs-order@0.5" in table
+    png = out / "bench-epochs.png"
+    if benchlib.pyplot() is not None:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "PNG skipped" in done.stdout
+    assert_no_mount_under(tmp_path)
+
+
+def test_bench_rejects_a_missing_source(tmp_path):
+    done = run_script("bench.py", "--source", tmp_path / "nope", "--workdir", tmp_path)
+    assert done.returncode == 2
+    assert "is not a directory" in done.stderr
+
+
+def test_dataset_is_generated_once_and_listed_in_manifest_order(tmp_path):
+    spec = benchlib.DatasetSpec("mixed", 30, 5000, seed=3)
+    assert benchlib.generate_dataset(tmp_path / "d", spec) is True
+    assert benchlib.generate_dataset(tmp_path / "d", spec) is False  # reused
+    manifest = benchlib.Manifest.scan(tmp_path / "d")
+    assert len(manifest) == 30
+    assert manifest.relpaths == sorted(manifest.relpaths)
+    assert manifest.total_bytes == int(spec.sizes().sum())
+    # another shape of the same kind replaces the files, never mixes them
+    assert benchlib.generate_dataset(tmp_path / "d", benchlib.DatasetSpec("mixed", 5, 5000))
+    assert len(benchlib.Manifest.scan(tmp_path / "d")) == 5
+
+
+def test_delayed_reader_sleeps_before_open_and_each_data_read(tmp_path, monkeypatch):
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 10_000)
+    sleeps = []
+    monkeypatch.setattr(benchlib.time, "sleep", sleeps.append)
+    buffer = memoryview(mmap.mmap(-1, 4096))
+    assert benchlib.read_whole_file(bytes(path), buffer, delay_s=0.002) == 10_000
+    assert sleeps == [0.002] * (1 + 3)  # the open, then reads of 4096, 4096 and 1808 bytes
+
+
+def test_reader_pool_splits_an_order_between_workers(tmp_path):
+    benchlib.generate_dataset(tmp_path / "d", benchlib.DatasetSpec("small", 9, 1000))
+    manifest = benchlib.Manifest.scan(tmp_path / "d")
+    order = np.arange(9)[::-1]
+    with benchlib.ReaderPool(manifest, 3) as pool:
+        for shape in ({"workers": 1}, {"workers": 3}, {"threads": 4}):
+            result = pool.run(benchlib.ReadTask(bytes(tmp_path / "d"), order, **shape))
+            assert (result.files, result.bytes) == (9, 9000)
+        with pytest.raises(benchlib.BenchError, match="reader failed"):
+            pool.run(benchlib.ReadTask(bytes(tmp_path / "gone"), order, workers=2))
