@@ -9,5 +9,15 @@ if ! command -v fusermount3 >/dev/null || ! pkg-config --exists fuse3 2>/dev/nul
   apt-get install -y -q --no-install-recommends fuse3 libfuse3-dev pkg-config >/dev/null
 fi
 extras=${1:-}
-python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore \
-  -e ".${extras:+[$extras]}"
+pip_install() { python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore "$@"; }
+pip_install -e ".${extras:+[$extras]}"
+if [[ ",$extras," == *",test,"* ]]; then
+  # The PyTorch tests need torch's CPU build, which these machines keep as a local wheel.
+  # Install it only from there (--no-index): PyPI's torch would pull gigabytes of CUDA.
+  # Without it the PyTorch tests skip.
+  if pip_install --no-index --no-deps "torch==2.13.0" 2>/dev/null; then
+    pip_install "torch==2.13.0" pillow
+  else
+    echo "setup: no local CPU wheel of torch 2.13.0; the PyTorch tests will be skipped" >&2
+  fi
+fi
