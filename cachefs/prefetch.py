@@ -283,7 +283,8 @@ class Prefetcher:
         try:
             identity = self.meta.identity(item, self._refresh_age_s())
             if identity is None:
-                identity = SourceIdentity.from_stat(await self.source.lstat(relpath))
+                identity = SourceIdentity.from_stat(
+                    await self.source.lstat(relpath, background=True))
                 self._record_checked(item, identity)
                 self.poke()  # a size is known: the automatic window may change
             for block_index in range(block_count(identity.size, self.block_bytes)):

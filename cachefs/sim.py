@@ -200,7 +200,7 @@ class SimSource:
             transfer_s = nbytes / self.bandwidth_bytes_s if self.bandwidth_bytes_s else 0.0
             await trio.sleep(self.latency_s + transfer_s)
 
-    async def lstat(self, relpath: bytes):
+    async def lstat(self, relpath: bytes, *, background: bool = False):
         identity = self.identity(relpath)
         await self._request(0)
         return types.SimpleNamespace(st_size=identity.size, st_mtime_ns=identity.mtime_ns,
@@ -211,7 +211,8 @@ class SimSource:
         await self._request(0)
         return identity
 
-    async def read_block(self, relpath: bytes, block_index: int, block_bytes: int) -> BlockData:
+    async def read_block(self, relpath: bytes, block_index: int, block_bytes: int, *,
+                         background: bool = False) -> BlockData:
         identity = self.identity(relpath)
         length = block_length(identity, block_index, block_bytes)
         await self._request(length)

@@ -1,9 +1,12 @@
 """The slow source directory: every access to it, and nothing else.
 
 The source may be NFS, Lustre, sshfs or a spinning disk, where one call can take milliseconds.
-So every call runs in a worker thread (`trio.to_thread.run_sync`) under one
+So every call runs in a worker thread (`trio.to_thread.run_sync`) under a
 `trio.CapacityLimiter`: the limiter's size is how many source requests are in flight at once,
-which is what hides the source's latency. Paths are relative and bytes (`b""` is the root),
+which is what hides the source's latency. There are two: read-ahead and warming
+(`background=True`) share `threads` slots, and what a reader is waiting for right now (a
+lookup, an open, a demand read) has `DEMAND_THREADS` slots of its own, so a reader's request
+never queues behind a full read-ahead window. Paths are relative and bytes (`b""` is the root),
 exactly as FUSE hands names to us, so no name is ever decoded.
 
 A block read opens, fstats, preads and closes in one thread call: the identity returned with
@@ -27,6 +30,9 @@ from typing import NamedTuple
 import trio
 
 log = logging.getLogger(__name__)
+
+
+DEMAND_THREADS = 8
 
 
 class SourceIdentity(NamedTuple):
@@ -55,21 +61,23 @@ class Source:
     def __init__(self, root: Path, *, threads: int, delay_s: float = 0.0):
         self.root = os.fsencode(os.path.realpath(root))
         self.limiter = trio.CapacityLimiter(threads)
+        self.demand_limiter = trio.CapacityLimiter(DEMAND_THREADS)
         self.delay_s = delay_s
 
     def full_path(self, relpath: bytes) -> bytes:
         return self.root + b"/" + relpath if relpath else self.root
 
-    async def _run(self, fn, *args):
-        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+    async def _run(self, fn, *args, background: bool = False):
+        limiter = self.limiter if background else self.demand_limiter
+        return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
 
     # -- metadata --------------------------------------------------------------------------
 
     def lstat_sync(self, relpath: bytes) -> os.stat_result:
         return os.lstat(self.full_path(relpath))
 
-    async def lstat(self, relpath: bytes) -> os.stat_result:
-        return await self._run(self.lstat_sync, relpath)
+    async def lstat(self, relpath: bytes, *, background: bool = False) -> os.stat_result:
+        return await self._run(self.lstat_sync, relpath, background=background)
 
     def _scandir(self, relpath: bytes) -> list[tuple[bytes, os.stat_result]]:
         entries = []
@@ -130,8 +138,10 @@ class Source:
             os.close(fd)
         return BlockData(data, identity)
 
-    async def read_block(self, relpath: bytes, block_index: int, block_bytes: int) -> BlockData:
-        return await self._run(self.read_block_sync, relpath, block_index, block_bytes)
+    async def read_block(self, relpath: bytes, block_index: int, block_bytes: int, *,
+                         background: bool = False) -> BlockData:
+        return await self._run(self.read_block_sync, relpath, block_index, block_bytes,
+                               background=background)
 
 
 def _pread_full(fd: int, size: int, offset: int) -> bytes:

@@ -130,7 +130,7 @@ class Warmer:
 
     async def _warm_file(self, relpath: bytes) -> bool:
         """Admit every block of one file; False once the tier takes nothing more."""
-        identity = SourceIdentity.from_stat(await self.source.lstat(relpath))
+        identity = SourceIdentity.from_stat(await self.source.lstat(relpath, background=True))
         for block_index in range(block_count(identity.size, self.block_bytes)):
             key = (relpath, block_index)
             length = block_length(identity, block_index, self.block_bytes)
@@ -139,7 +139,8 @@ class Warmer:
                 continue
             if not self.ssd.has_room(length):
                 return False
-            block = await self.source.read_block(relpath, block_index, self.block_bytes)
+            block = await self.source.read_block(relpath, block_index, self.block_bytes,
+                                                 background=True)
             if await trio.to_thread.run_sync(self.ssd.admit, key, block.identity, block.data):
                 self._status["bytes_admitted"] += len(block.data)
                 self._status["blocks_admitted"] += 1

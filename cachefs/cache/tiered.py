@@ -185,7 +185,8 @@ class TieredCache:
     async def _read_source(self, key: BlockKey, identity: SourceIdentity | None,
                            demand: bool) -> Fetched:
         relpath, block_index = key
-        block = await self.source.read_block(relpath, block_index, self.block_bytes)
+        block = await self.source.read_block(relpath, block_index, self.block_bytes,
+                                             background=not demand)
         self.stats.source_fetched(key, len(block.data))
         if identity is not None and block.identity != identity:
             log.info("source file changed: %r", relpath)
