@@ -393,7 +393,7 @@ def _warm_summary(status: dict) -> str:
               show_default=True, help="RAM budget as a fraction of the data set's bytes.")
 @click.option("--ssd-fraction", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="SSD tier budget as a fraction of the data set; 0 = no SSD tier.")
-@click.option("--delay-ms", type=click.FloatRange(min=0), default=2.0, show_default=True,
+@click.option("--delay-ms", type=click.FloatRange(min=0), default=10.0, show_default=True,
               help="Latency of the slow source per open and per read.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of the data set and of the epochs' orders.")

@@ -1,0 +1,174 @@
+"""`cachefs demo` end to end: what a user sees, and that it leaves nothing behind.
+
+Each test runs `python -m cachefs demo` in a subprocess with TMPDIR pointing at a fresh
+directory, so that "the temporary directory is removed" and "nothing is left mounted" can be
+checked exactly: that directory must be empty afterwards, no mount point under it may be in
+/proc/mounts, and no process may still run with it on its command line (the mount daemon).
+The settings are tiny (a few hundred small files, 1 ms source latency): seconds, not a
+benchmark; the figures are checked for consistency, never for speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+FILES = 300
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+try:
+    import matplotlib  # noqa: F401
+
+    HAVE_MATPLOTLIB = True
+except ImportError:
+    HAVE_MATPLOTLIB = False
+
+
+def demo_cmd(*args) -> list[str]:
+    return [sys.executable, "-m", "cachefs", "demo", *map(str, args)]
+
+
+def demo_env(tmpdir: Path) -> dict:
+    tmpdir.mkdir(exist_ok=True)
+    env = {key: value for key, value in os.environ.items() if not key.startswith("CACHEFS_")}
+    env["TMPDIR"] = str(tmpdir)
+    return env
+
+
+def mounts_under(directory: Path) -> list[str]:
+    with open("/proc/mounts") as f:
+        points = [line.split()[1].replace("\\040", " ") for line in f]
+    return [point for point in points if point.startswith(str(directory))]
+
+
+def processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue  # exited meanwhile
+        if text.encode() in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def assert_left_nothing(tmpdir: Path) -> None:
+    assert mounts_under(tmpdir) == [], "the demo left a mount behind"
+    assert list(tmpdir.iterdir()) == [], "the demo left files in its temporary directory"
+    assert processes_mentioning(str(tmpdir)) == [], "a process of the demo is still running"
+
+
+@pytest.mark.timeout(90)
+def test_demo_prints_the_table_writes_json_and_png_and_cleans_up(tmp_path):
+    tmpdir, output = tmp_path / "tmp", tmp_path / "out"
+    done = subprocess.run(
+        demo_cmd("--files", FILES, "--file-kb", 8, "--epochs", 2, "--workers", 4,
+                 "--delay-ms", 1, "--ram-fraction", 0.5, "--ssd-fraction", 0.25,
+                 "--output", output),
+        env=demo_env(tmpdir), capture_output=True, text=True, timeout=80)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    lines = done.stdout.splitlines()
+    for epoch in ("0", "1", "all"):
+        for way in ("direct", "cachefs"):
+            assert any(re.match(rf"\s*{epoch}\s+{way}\s", line) for line in lines), (
+                f"no {epoch}/{way} row in:\n{done.stdout}")
+    overall = next(line for line in lines if re.match(r"\s*all\s+cachefs\s", line))
+    assert re.search(r"\d+\.\d\dx$", overall), overall
+
+    if HAVE_MATPLOTLIB:
+        png = output / "cachefs-demo.png"
+        assert png.read_bytes().startswith(PNG_MAGIC)
+    else:
+        assert "matplotlib is not installed" in done.stderr
+        assert not (output / "cachefs-demo.png").exists()
+
+    report = json.loads((output / "cachefs-demo.json").read_text())
+    assert report["dataset"]["files"] == FILES
+    assert report["capacity_fraction"] == pytest.approx(0.75, abs=0.01)
+    assert [e["epoch"] for e in report["epochs"]] == [0, 1]
+    for epoch in report["epochs"]:
+        direct, cached = epoch["direct"], epoch["cachefs"]
+        for way in (direct, cached):
+            assert way["reads"] == way["files"] == FILES
+            assert way["hits_ram"] + way["hits_ssd"] + way["prefetched"] + way["misses"] == FILES
+            assert way["bytes"] == report["dataset"]["bytes"]  # every file read whole
+        assert direct["misses"] == FILES
+        assert epoch["speedup"] == pytest.approx(direct["time_s"] / cached["time_s"], rel=0.01)
+    # the first epoch has nothing cached yet; the second finds what the first kept
+    first, second = (e["cachefs"] for e in report["epochs"])
+    assert first["hits_ram"] + first["hits_ssd"] == 0
+    assert second["hits_ram"] + second["hits_ssd"] > 0
+    assert_left_nothing(tmpdir)
+
+
+def test_demo_keep_leaves_the_data_set_and_says_where(tmp_path):
+    tmpdir = tmp_path / "tmp"
+    done = subprocess.run(
+        demo_cmd("--files", 40, "--file-kb", 4, "--epochs", 1, "--delay-ms", 0,
+                 "--output", tmp_path / "out", "--keep"),
+        env=demo_env(tmpdir), capture_output=True, text=True, timeout=80)
+    assert done.returncode == 0, done.stdout + done.stderr
+    kept = Path(re.search(r"data set kept in (\S+)", done.stdout).group(1))
+    assert kept.parent.parent == tmpdir
+    assert sum(1 for path in kept.rglob("*") if path.is_file()) == 40
+    assert [p.name for p in kept.parent.iterdir()] == ["data"]  # mount point and state gone
+    assert mounts_under(tmpdir) == []
+
+
+def test_demo_rejects_bad_settings_before_doing_anything(tmp_path):
+    tmpdir = tmp_path / "tmp"
+    done = subprocess.run(demo_cmd("--ram-fraction", 0), env=demo_env(tmpdir),
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2
+    assert "--ram-fraction" in done.stderr
+    assert list(tmpdir.iterdir()) == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("interrupt_after", [
+    "direct  epoch 0",   # reading the slow source; nothing mounted yet
+    "mounting cachefs",  # while the mount comes up
+    "cachefs epoch 0",   # reading through the mount
+])
+def test_ctrl_c_unmounts_and_removes_everything(tmp_path, interrupt_after):
+    tmpdir = tmp_path / "tmp"
+    process = subprocess.Popen(
+        demo_cmd("--files", FILES, "--file-kb", 8, "--epochs", 8, "--delay-ms", 1,
+                 "--output", tmp_path / "out"),
+        env=demo_env(tmpdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        for line in process.stderr:
+            seen.append(line)
+            if line.startswith(interrupt_after):
+                break
+        else:
+            pytest.fail("the demo ended before " + repr(interrupt_after) + ":\n" + "".join(seen))
+        if interrupt_after == "cachefs epoch 0":
+            assert mounts_under(tmpdir), "the mount should be up now"
+        process.send_signal(signal.SIGINT)
+        _, rest = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode != 0
+    assert "Aborted" in rest
+    # the daemon exits on its own after the unmount; give it a moment to go
+    deadline = time.monotonic() + 10
+    while processes_mentioning(str(tmpdir)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not (tmp_path / "out" / "cachefs-demo.json").exists()
+    assert_left_nothing(tmpdir)
