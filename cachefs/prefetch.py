@@ -157,6 +157,7 @@ class Prefetcher:
         if order.manifest is not self._manifest:
             self._manifest = order.manifest
             self.meta = ItemMeta(len(order.manifest))
+            self.stats.track_items(len(order.manifest))
             self._relabel_ram()
         self._member = np.zeros(len(order.manifest), bool)
         self._member[order.current] = True

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 # Origins of the data a reader got, in order of increasing cost; a file's class is the
 # costliest origin among its blocks.
 ORIGIN_RAM = 0
@@ -51,8 +53,11 @@ class Stats:
         self.epochs: list[EpochStats] = [EpochStats(None)]
         self.ssd_errors = 0
         self.read_errors = 0
-        # blocks fetched from the source in the current epoch, to count refetches
-        self._fetched_this_epoch: set = set()
+        # Blocks fetched from the source in the current epoch, to count refetches: block 0 of
+        # manifest items in a bitmap (no per-item Python objects at ImageNet scale), other
+        # blocks (large files, files outside the manifest) in a set.
+        self._fetched_first_blocks = np.zeros(0, bool)
+        self._fetched_other_blocks: set = set()
 
     @property
     def current(self) -> EpochStats:
@@ -64,7 +69,13 @@ class Stats:
         if self.current.epoch is None and self.current.reads == 0:
             self.epochs.pop()  # no reads happened before the first order: no empty record
         self.epochs.append(EpochStats(epoch))
-        self._fetched_this_epoch.clear()
+        self._fetched_first_blocks[:] = False
+        self._fetched_other_blocks.clear()
+
+    def track_items(self, manifest_len: int) -> None:
+        """A new manifest: item numbers change, so refetch tracking starts over."""
+        self._fetched_first_blocks = np.zeros(manifest_len, bool)
+        self._fetched_other_blocks.clear()
 
     def file_read(self, origin: int, stall_s: float, bytes_served: int,
                   record: EpochStats | None = None) -> None:
@@ -75,14 +86,18 @@ class Stats:
         record.stall_s += stall_s
         record.bytes_served += bytes_served
 
-    def source_fetched(self, key, size_bytes: int) -> None:
+    def source_fetched(self, item: int, key, size_bytes: int) -> None:
         record = self.current
         record.backend_bytes += size_bytes
         record.backend_reads += 1
-        if key in self._fetched_this_epoch:
-            record.refetched_blocks += 1
+        if key[1] == 0 and 0 <= item < len(self._fetched_first_blocks):
+            again = self._fetched_first_blocks[item]
+            self._fetched_first_blocks[item] = True
         else:
-            self._fetched_this_epoch.add(key)
+            again = key in self._fetched_other_blocks
+            self._fetched_other_blocks.add(key)
+        if again:
+            record.refetched_blocks += 1
 
     def ssd_read(self, size_bytes: int) -> None:
         self.current.ssd_bytes_read += size_bytes

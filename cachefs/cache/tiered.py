@@ -149,7 +149,7 @@ class TieredCache:
         try:
             fetched = await self._read_ssd(key, identity) if identity else None
             if fetched is None:
-                fetched = await self._read_source(key, identity, demand)
+                fetched = await self._read_source(key, identity, item, demand)
             block = RamBlock(fetched.data, fetched.identity, item, fetched.origin)
             block.priority = self.priority_of(item, block_index, fetched.identity)
             if reserved and block.priority is not None:
@@ -182,12 +182,12 @@ class TieredCache:
         self.stats.ssd_read(len(data))
         return Fetched(data, identity, stats_mod.ORIGIN_SSD, False)
 
-    async def _read_source(self, key: BlockKey, identity: SourceIdentity | None,
+    async def _read_source(self, key: BlockKey, identity: SourceIdentity | None, item: int,
                            demand: bool) -> Fetched:
         relpath, block_index = key
         block = await self.source.read_block(relpath, block_index, self.block_bytes,
                                              background=not demand)
-        self.stats.source_fetched(key, len(block.data))
+        self.stats.source_fetched(item, key, len(block.data))
         if identity is not None and block.identity != identity:
             log.info("source file changed: %r", relpath)
             self.source_changed(relpath, block.identity)
