@@ -567,7 +567,9 @@ def plot(result: DemoResult, path: Path) -> Path:
     ax_time.set_ylabel("epoch time (s)")
     ax_time.set_title(f"Epoch time, {result.dataset_files} files, "
                       f"{result.config.workers} readers")
-    ax_time.legend()
+    top_s = max(f.time_s for f in result.direct + result.cachefs)
+    ax_time.set_ylim(0, top_s * 1.3)  # room for the legend above the bars
+    ax_time.legend(loc="upper center", ncol=2)
 
     def share(key: str) -> np.ndarray:
         return np.array([getattr(f, key) / max(1, f.reads) for f in result.cachefs])
