@@ -25,6 +25,7 @@ from cachefs.config import (CacheConfig, MountConfig, PrefetchConfig, default_st
                             parse_size)
 
 MOUNT_WAIT_S = 60.0
+XATTR_NAME_MAX = 255  # the kernel's limit on an extended attribute's name
 UMOUNT_WAIT_S = 20.0
 
 
@@ -317,7 +318,7 @@ def warm(mountpoint, files, order, progress):
     """Fill the SSD tier of MOUNTPOINT ahead of training; resumable, stops at the budget."""
     import uuid
 
-    from cachefs.ctrl import WARM
+    from cachefs.ctrl import WARM_START
 
     if files and order:
         raise click.UsageError("give --files or --order, not both")
@@ -325,15 +326,18 @@ def warm(mountpoint, files, order, progress):
     request = {"mode": mode, "id": uuid.uuid4().hex}
     if files:
         request["files_path"] = str(files.absolute())
+    name = WARM_START + json.dumps(request, separators=(",", ":")).encode()
+    if len(name) > XATTR_NAME_MAX:
+        _fail(f"the path of --files is too long to pass to the daemon; move {files} to a "
+              f"shorter path")
     try:
-        os.setxattr(mountpoint, WARM, json.dumps(request).encode())
+        status = json.loads(os.getxattr(mountpoint, name))
     except OSError as exc:
-        status = read_stats(mountpoint).get("warm") or {}
-        if status.get("request_id") == request["id"]:
-            _fail(f"warm refused: {status['error']}")
-        if exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EROFS):
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
             _fail(f"{mountpoint} is not a cachefs mount")
         _fail(f"warm refused: {exc.strerror}")
+    if status["state"] == "rejected":
+        _fail(f"warm refused: {status['error']}")
     show = sys.stderr.isatty() if progress is None else progress
     status = _follow_warm(mountpoint, request["id"], show)
     click.echo(_warm_summary(status))

@@ -10,11 +10,12 @@ order goes through the order file, which any framework can write without our cod
 | user.cachefs.order_file   | path of the order file this mount watches                 |
 | user.cachefs.version      | cachefs version                                            |
 
-One attribute can be set, on the root only: `user.cachefs.warm`, whose value is a JSON request
-(see warm.py) that starts filling the SSD tier; its progress is `warm` in the stats snapshot.
-Setting any other attribute gets EROFS like every write. This is why the mount is not made
-with the kernel's `ro` flag, which would refuse the setxattr before it reaches us; every
-write-like request is answered EROFS by `fuse_ops` instead.
+Commands are getxattr calls too, with the request in the attribute's name, because the mount
+carries the kernel's `ro` flag (which refuses every setxattr before it reaches us, and saves a
+GETATTR per file that atime updates would otherwise cost): reading
+`user.cachefs.warm.start.<JSON request>` starts filling the SSD tier (warm.py) and returns the
+warm's status as JSON. A command must be idempotent, since the kernel may ask twice for one
+read (first with a buffer too small for the answer).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from cachefs import __version__
 STATS = b"user.cachefs.stats"
 ORDER_FILE = b"user.cachefs.order_file"
 VERSION = b"user.cachefs.version"
-WARM = b"user.cachefs.warm"
+WARM_START = b"user.cachefs.warm.start."
 
 # os.getxattr gives up above the kernel's XATTR_SIZE_MAX; keep the snapshot below it
 XATTR_SIZE_MAX = 64 * 1024
@@ -36,18 +37,10 @@ XATTR_SIZE_MAX = 64 * 1024
 
 class Control:
     def __init__(self, snapshot: Callable[[], dict], order_file: os.PathLike,
-                 commands: dict[bytes, Callable[[bytes], None]]):
+                 warm_start: Callable[[bytes], dict]):
         self._snapshot = snapshot
         self._order_file = os.fsencode(order_file)
-        self._commands = commands  # settable names -> handler(value); raise CachefsError
-
-    def set(self, name: bytes, value: bytes) -> bool:
-        """Run a control command; False if `name` is not one (the caller answers EROFS)."""
-        command = self._commands.get(name)
-        if command is None:
-            return False
-        command(value)
-        return True
+        self._warm_start = warm_start
 
     def get(self, name: bytes) -> bytes | None:
         """The value of a control attribute, or None if `name` is not one."""
@@ -57,6 +50,8 @@ class Control:
             return self._order_file
         if name == VERSION:
             return __version__.encode()
+        if name.startswith(WARM_START):
+            return json.dumps(self._warm_start(name[len(WARM_START):])).encode()
         return None
 
     def stats_json(self) -> bytes:

@@ -4,8 +4,8 @@ Every handler is wrapped once (`_guarded`) so that whatever goes wrong becomes a
 pyfuse3 ends the whole mount on any other exception (an ExceptionGroup from a nursery
 included), and one bad file must never take the mount down. The errno map (STYLE.md):
 source OSError -> its errno; cachefs errors -> their errno; anything unexpected -> logged with
-its traceback, EIO. Write-like operations answer EROFS; the one exception is setting a control
-attribute on the root (ctrl.py), which is why the mount is not made with the kernel's `ro`.
+its traceback, EIO. Write-like operations answer EROFS (the mount is also made with `ro`, so
+the kernel usually answers them itself).
 
 Attributes and entries are cached by the kernel for `kernel_timeout_s` (the data set is
 read-only while mounted), so a walk over 100k files reaches the daemon once per file. Data is
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 _WRITE_OPS = ("setattr", "mknod", "mkdir", "unlink", "rmdir", "symlink", "rename", "link",
-              "write", "create", "removexattr", "fsync", "fsyncdir")
+              "write", "create", "setxattr", "removexattr", "fsync", "fsyncdir")
 
 
 def _guarded(handler):
@@ -243,12 +243,6 @@ class Operations(pyfuse3.Operations):
             if exc.errno == errno.ENODATA:
                 raise pyfuse3.FUSEError(pyfuse3.ENOATTR) from None
             raise
-
-    @_guarded
-    async def setxattr(self, inode, name, value, ctx):
-        if inode == ROOT_INODE and self.control.set(name, value):
-            return
-        raise pyfuse3.FUSEError(errno.EROFS)
 
     @_guarded
     async def listxattr(self, inode, ctx):

@@ -28,7 +28,6 @@ from cachefs import __version__, errors
 from cachefs.cache.ram import RamTier
 from cachefs.cache.tiered import TieredCache
 from cachefs.config import MountConfig
-from cachefs import ctrl
 from cachefs.ctrl import Control
 from cachefs.fuse_ops import Operations
 from cachefs.order import Manifest, load_order, scan_source
@@ -136,8 +135,7 @@ class Mount:
                              threads=config.prefetch.source_threads,
                              order_paths=self._order_paths,
                              all_paths=lambda: list(self.source_manifest.get().paths))
-        self.control = Control(self.snapshot, config.order_file,
-                               commands={ctrl.WARM: self.warmer.request})
+        self.control = Control(self.snapshot, config.order_file, self.warmer.request)
         self.ops = Operations(self.source, self.reader, self.control,
                               kernel_timeout_s=config.kernel_timeout_s,
                               metadata_ttl_s=config.metadata_ttl_s)
@@ -182,9 +180,9 @@ class Mount:
 
     async def serve(self) -> None:
         options = set(pyfuse3.default_options)
-        # no "ro": the kernel would refuse the control setxattr (ctrl.py); fuse_ops answers
-        # EROFS to every write itself
-        options |= {"fsname=cachefs", "subtype=cachefs"}
+        # "ro" also spares a GETATTR per file: on a writable mount the kernel invalidates
+        # a file's atime after every read and asks for its attributes again
+        options |= {"fsname=cachefs", "subtype=cachefs", "ro"}
         if self.config.allow_other:
             options.add("allow_other")
         pyfuse3.init(self.ops, str(self.config.mountpoint), options)

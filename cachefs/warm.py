@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 
 class WarmError(CachefsError):
+    """A warm request that cannot be carried out (a bad list of files)."""
+
     errno_value = errno.EINVAL
 
 
@@ -57,29 +59,36 @@ class Warmer:
             status["elapsed_s"] = round(time.monotonic() - self._started_s, 3)
         return status
 
-    def request(self, value: bytes) -> None:
-        """Start a warm; called from the control setxattr. Raises WarmError on a bad request."""
+    def request(self, value: bytes) -> dict:
+        """Start a warm described by a JSON request; returns the status to show the caller.
+
+        Idempotent by the request's `id`: the control getxattr that carries the request may
+        reach us twice (the kernel asks again with a larger buffer), and the second time must
+        report on the first, not start again.
+        """
         try:
             request = json.loads(value)
             mode = request["mode"]
+            request_id = request["id"]
         except (ValueError, KeyError, TypeError):
-            raise WarmError(f"bad warm request: {value[:100]!r}") from None
-        try:
-            if self.ssd is None:
-                raise WarmError("this mount has no SSD tier (mount it with --ssd-cache and "
-                                "--ssd-size)")
-            if self._status["state"] in ("starting", "running"):
-                raise WarmError("a warm is already running")
-            if mode not in ("files", "order", "all"):
-                raise WarmError(f"bad warm mode: {mode!r}")
-            if mode == "files" and not isinstance(request.get("files_path"), str):
-                raise WarmError("a files warm needs files_path")
-        except WarmError as exc:
-            # setxattr can only carry an errno: the reason goes where the CLI reads it
-            self._status = {"state": "rejected", "error": str(exc), "request_id": request.get("id")}
-            raise
-        self._status = {"state": "starting", "mode": mode, "request_id": request.get("id")}
-        self._requests_send.send_nowait(request)
+            return {"state": "rejected", "error": f"bad warm request: {value[:100]!r}"}
+        if self._status.get("request_id") == request_id:
+            return self.status()
+        error = None
+        if self.ssd is None:
+            error = "this mount has no SSD tier (mount it with --ssd-cache and --ssd-size)"
+        elif self._status["state"] in ("starting", "running"):
+            error = "a warm is already running"
+        elif mode not in ("files", "order", "all"):
+            error = f"bad warm mode: {mode!r}"
+        elif mode == "files" and not isinstance(request.get("files_path"), str):
+            error = "a files warm needs files_path"
+        if error is not None:
+            self._status = {"state": "rejected", "error": error, "request_id": request_id}
+        else:
+            self._status = {"state": "starting", "mode": mode, "request_id": request_id}
+            self._requests_send.send_nowait(request)
+        return self.status()
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
         task_status.started()
