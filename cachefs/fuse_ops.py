@@ -186,14 +186,22 @@ class Operations(pyfuse3.Operations):
         if not stat.S_ISREG(entry.stat.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(entry.stat.st_mode)
                                     else errno.EINVAL)
-        identity = await self._current_identity(inode, entry)
+        item = self._item_of(entry)
+        identity = await self._current_identity(inode, entry, item)
         fh = self._new_fh()
-        self._files[fh] = self.reader.open(inode, entry.relpath, identity)
+        self._files[fh] = self.reader.open(inode, entry.relpath, identity, item)
         return pyfuse3.FileInfo(fh=fh, keep_cache=False)
 
-    async def _current_identity(self, inode: int, entry) -> SourceIdentity:
+    def _item_of(self, entry) -> int:
+        """The file's index in the order's manifest, searched once per manifest."""
+        prefetcher = self.reader.prefetcher
+        if entry.manifest is not prefetcher.manifest:
+            entry.manifest = prefetcher.manifest
+            entry.manifest_index = prefetcher.item_of(entry.relpath)
+        return entry.manifest_index
+
+    async def _current_identity(self, inode: int, entry, item: int) -> SourceIdentity:
         """The source identity of a file, re-checked if what we know is too old."""
-        item = self.reader.prefetcher.item_of(entry.relpath)
         identity = self.reader.prefetcher.known_identity(item)
         if identity is None and time.monotonic() - entry.stat_time_s <= self.metadata_ttl_s:
             identity = SourceIdentity.from_stat(entry.stat)

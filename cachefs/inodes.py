@@ -25,7 +25,10 @@ class InodeEntry:
     stat: os.stat_result
     stat_time_s: float  # time.monotonic() when `stat` was taken
     lookups: int = 0
-    manifest_index: int = -1  # -2: not looked up yet
+    # The file's index in `manifest` (the order's, when it was asked), cached so that an open
+    # does not search the manifest again; a new manifest object means ask again.
+    manifest: object = None
+    manifest_index: int = -1
 
 
 class InodeTable:
@@ -56,7 +59,7 @@ class InodeTable:
         if inode is None:
             inode = self._next_inode
             self._next_inode += 1
-            self._entries[inode] = InodeEntry(relpath, st, now, manifest_index=-2)
+            self._entries[inode] = InodeEntry(relpath, st, now)
             self._inode_by_path[relpath] = inode
         else:
             entry = self._entries[inode]

@@ -186,6 +186,10 @@ class Prefetcher:
         by_ram = self.ram.budget_bytes // 4 // max(1, self.meta.mean_size(self.block_bytes))
         return max(1, min(self.max_inflight, by_ram))
 
+    @property
+    def manifest(self):
+        return self._manifest
+
     def item_of(self, relpath: bytes) -> int:
         return self._manifest.index_of(relpath) if self._manifest is not None else -1
 

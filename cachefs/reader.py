@@ -54,8 +54,12 @@ class Reader:
         self.block_bytes = block_bytes
         self.sequential_blocks = sequential_blocks
 
-    def open(self, inode: int, relpath: bytes, identity: SourceIdentity) -> OpenFile:
-        return OpenFile(inode, relpath, identity, self.prefetcher.item_of(relpath))
+    def open(self, inode: int, relpath: bytes, identity: SourceIdentity,
+             item: int | None = None) -> OpenFile:
+        """A handle on one file; `item` is its manifest index if the caller knows it."""
+        if item is None:
+            item = self.prefetcher.item_of(relpath)
+        return OpenFile(inode, relpath, identity, item)
 
     async def read(self, handle: OpenFile, offset: int, size: int) -> bytes:
         handle.read_called = True
