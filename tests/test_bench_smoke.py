@@ -109,7 +109,7 @@ def test_bench_smoke(tmp_path):
 
 def test_bench_rejects_a_missing_source(tmp_path):
     done = run_script("bench.py", "--source", tmp_path / "nope", "--workdir", tmp_path)
-    assert done.returncode == 2
+    assert done.returncode == 2, done.stderr
     assert "is not a directory" in done.stderr
 
 
