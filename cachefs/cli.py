@@ -9,7 +9,6 @@ CACHEFS_MOUNT_RAM_CACHE=8GiB.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -252,14 +251,12 @@ def publish(mountpoint, epoch, current, next, files, seed, rank, world_size, tim
 # -- stats -------------------------------------------------------------------------------------
 
 def read_stats(mountpoint: Path) -> dict:
-    from cachefs.ctrl import STATS
+    from cachefs import ctrl
 
     try:
-        return json.loads(os.getxattr(mountpoint, STATS))
-    except OSError as exc:
-        if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
-            _fail(f"{mountpoint} is not a cachefs mount")
-        _fail(f"cannot read stats of {mountpoint}: {exc.strerror}")
+        return ctrl.read_stats(mountpoint)
+    except errors.CachefsError as exc:
+        _fail(str(exc))
 
 
 @cli.command()
@@ -318,6 +315,7 @@ def warm(mountpoint, files, order, progress):
     """Fill the SSD tier of MOUNTPOINT ahead of training; resumable, stops at the budget."""
     import uuid
 
+    from cachefs import ctrl
     from cachefs.ctrl import WARM_START
 
     if files and order:
@@ -331,11 +329,9 @@ def warm(mountpoint, files, order, progress):
         _fail(f"the path of --files is too long to pass to the daemon; move {files} to a "
               f"shorter path")
     try:
-        status = json.loads(os.getxattr(mountpoint, name))
-    except OSError as exc:
-        if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
-            _fail(f"{mountpoint} is not a cachefs mount")
-        _fail(f"warm refused: {exc.strerror}")
+        status = json.loads(ctrl.read_attr(mountpoint, name))
+    except errors.CachefsError as exc:
+        _fail(str(exc))
     if status["state"] == "rejected":
         _fail(f"warm refused: {status['error']}")
     show = sys.stderr.isatty() if progress is None else progress

@@ -20,11 +20,13 @@ read (first with a buffer too small for the answer).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from typing import Callable
 
 from cachefs import __version__
+from cachefs.errors import CachefsError
 
 STATS = b"user.cachefs.stats"
 ORDER_FILE = b"user.cachefs.order_file"
@@ -63,3 +65,28 @@ class Control:
             snapshot["epochs_truncated"] = True
             data = json.dumps(snapshot, separators=(",", ":")).encode()
         return data
+
+
+# -- the client side: what the CLI, `cachefs.order.publish` and the tools read ----------------
+
+def read_attr(mount: os.PathLike, name: bytes, error: type[CachefsError] = CachefsError) -> bytes:
+    """A control attribute of a mount; `error` (with a message that says why) if there is none."""
+    text_name = os.fsdecode(name)
+    try:
+        return os.getxattr(mount, text_name)
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise error(f"{mount} is not a cachefs mount (no {text_name} attribute)") from None
+        if exc.errno == errno.ENOTCONN:
+            raise error(f"{mount}: the cachefs daemon is not running (transport endpoint is "
+                        f"not connected)") from None
+        raise error(f"{mount}: {exc.strerror}") from None
+
+
+def read_stats(mount: os.PathLike, error: type[CachefsError] = CachefsError) -> dict:
+    """The JSON snapshot of `cachefs stats` (man/cachefs-stats.1)."""
+    raw = read_attr(mount, STATS, error)
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise error(f"{mount}: unreadable {os.fsdecode(STATS)} attribute: {exc}") from None

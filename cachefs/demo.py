@@ -54,9 +54,9 @@ from typing import Callable
 
 import numpy as np
 
-from cachefs import __version__
+from cachefs import __version__, ctrl
 from cachefs.errors import CachefsError
-from cachefs.order import XATTR_STATS, permutation, publish, scan_source
+from cachefs.order import permutation, publish, scan_source
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +272,8 @@ def read_epoch(paths: list[bytes], workers: int, delay_s: float,
     except BaseException:
         stop.set()  # each worker finishes the file it is reading, then returns
         for thread in threads:
-            thread.join()
+            if thread.ident is not None:  # an interrupt may come before every thread started
+                thread.join()
         raise
     elapsed_s = time.perf_counter() - started
     if failures:
@@ -326,7 +327,7 @@ class _DemoMount:
         return str(self.mountpoint) in _mounted_paths()
 
     def stats(self) -> dict:
-        return json.loads(os.getxattr(self.mountpoint, XATTR_STATS))
+        return ctrl.read_stats(self.mountpoint)
 
     def stop(self) -> None:
         """Unmount with `cachefs umount` (waits for the daemon); lazily if that fails."""

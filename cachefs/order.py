@@ -35,8 +35,6 @@ This module imports neither pyfuse3 nor torch: trainers import it.
 
 from __future__ import annotations
 
-import errno
-import json
 import logging
 import os
 import sys
@@ -49,14 +47,13 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from cachefs import ctrl
 from cachefs.errors import OrderError
 
 log = logging.getLogger(__name__)
 
 ORDER_VERSION = 1
 
-XATTR_ORDER_FILE = "user.cachefs.order_file"
-XATTR_STATS = "user.cachefs.stats"
 
 _KNOWN_KEYS = frozenset({"version", "epoch", "current", "next", "files", "rank", "world_size"})
 _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip with members / an empty zip
@@ -754,26 +751,6 @@ def read_files_list(path: Path) -> list[str]:
     return [os.fsdecode(name) for name in names]
 
 
-def _getxattr_text(mount: Path, name: str) -> bytes:
-    try:
-        return os.getxattr(mount, name)
-    except OSError as err:
-        if err.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
-            raise OrderError(f"{mount} is not a cachefs mount (no {name} attribute)") from None
-        if err.errno == errno.ENOTCONN:
-            raise OrderError(f"{mount}: the cachefs daemon is not running (transport "
-                             f"endpoint is not connected)") from None
-        raise OrderError(f"{mount}: {err.strerror}") from None
-
-
-def _read_stats(mount: Path) -> dict:
-    raw = _getxattr_text(mount, XATTR_STATS)
-    try:
-        return json.loads(raw)
-    except ValueError as err:
-        raise OrderError(f"{mount}: unreadable {XATTR_STATS} attribute: {err}") from None
-
-
 def publish(mount: Path, epoch: int, current, next=None, files=None, rank=None,
             world_size=None, timeout_s: float = 10.0) -> dict:
     """Publish an order to a mount and wait until the daemon accepts it.
@@ -783,11 +760,11 @@ def publish(mount: Path, epoch: int, current, next=None, files=None, rank=None,
     """
     checked = _validate(epoch, current, next, files, rank, world_size)
     mount = Path(mount)
-    order_path = Path(os.fsdecode(_getxattr_text(mount, XATTR_ORDER_FILE)))
+    order_path = Path(os.fsdecode(ctrl.read_attr(mount, ctrl.ORDER_FILE, OrderError)))
     if checked.files is None:
         # The daemon knows the source's size once it has scanned it: check the upper bound
         # now, so that a bad index fails before anything is written.
-        known = (_read_stats(mount).get("manifest") or {}).get("files")
+        known = (ctrl.read_stats(mount, OrderError).get("manifest") or {}).get("files")
         if known is not None:
             for key, indices in (("current", checked.current), ("next", checked.next)):
                 if indices is not None:
@@ -796,7 +773,7 @@ def publish(mount: Path, epoch: int, current, next=None, files=None, rank=None,
     log.debug("wrote %s, waiting for the daemon of %s", order_path, mount)
     deadline = time.monotonic() + timeout_s
     while True:
-        stats = _read_stats(mount)
+        stats = ctrl.read_stats(mount, OrderError)
         accepted = stats.get("order") or {}
         if accepted.get("file") == identity:
             return accepted
@@ -814,7 +791,7 @@ def source_file_count(mount: Path, timeout_s: float = 60.0) -> int:
     mount = Path(mount)
     deadline = time.monotonic() + timeout_s
     while True:
-        count = (_read_stats(mount).get("manifest") or {}).get("files")
+        count = (ctrl.read_stats(mount, OrderError).get("manifest") or {}).get("files")
         if count is not None:
             return int(count)
         if time.monotonic() >= deadline:

@@ -46,7 +46,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from cachefs.order import XATTR_STATS, scan_source  # noqa: E402
+from cachefs import ctrl  # noqa: E402
+from cachefs.order import scan_source  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -359,7 +360,7 @@ class CachefsMount:
     state_dir: Path
 
     def stats(self) -> dict:
-        return json.loads(os.getxattr(self.mountpoint, XATTR_STATS))
+        return ctrl.read_stats(self.mountpoint)
 
     def totals(self) -> dict:
         """The epoch records' counters summed (an epoch switch mid-pass splits a pass)."""

@@ -76,9 +76,9 @@ class Mount:
         return str(self.mountpoint) in mounted_paths()
 
     def stats(self) -> dict:
-        import json
+        from cachefs import ctrl
 
-        return json.loads(os.getxattr(self.mountpoint, "user.cachefs.stats"))
+        return ctrl.read_stats(self.mountpoint)
 
     def stop(self) -> int | None:
         """Unmount and wait for the daemon; escalate until both are gone."""

@@ -6,7 +6,6 @@ import errno
 import glob
 import multiprocessing
 import os
-import shutil
 import signal
 import subprocess
 import sys
