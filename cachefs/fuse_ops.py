@@ -204,11 +204,11 @@ class Operations(pyfuse3.Operations):
         """The source identity of a file, re-checked if what we know is too old."""
         identity = self.reader.prefetcher.known_identity(item)
         if identity is None and time.monotonic() - entry.stat_time_s <= self.metadata_ttl_s:
-            identity = SourceIdentity.from_stat(entry.stat)
+            identity = self.source.identity_of(entry.stat)
         if identity is None:
             identity = await self.source.check_readable(entry.relpath)
             self.reader.prefetcher.record_identity(item, identity)
-        if identity != SourceIdentity.from_stat(entry.stat):
+        if identity != self.source.identity_of(entry.stat):
             if entry.stat.st_ino and entry.stat.st_mtime_ns:
                 self.reader.tiered.source_changed(entry.relpath, identity)
             self.inodes.update_stat(inode, await self.source.lstat(entry.relpath))

@@ -288,7 +288,7 @@ class Prefetcher:
         try:
             identity = self.meta.identity(item, self._refresh_age_s())
             if identity is None:
-                identity = SourceIdentity.from_stat(
+                identity = self.source.identity_of(
                     await self.source.lstat(relpath, background=True))
                 self._record_checked(item, identity)
                 self.poke()  # a size is known: the automatic window may change

@@ -200,6 +200,9 @@ class SimSource:
             transfer_s = nbytes / self.bandwidth_bytes_s if self.bandwidth_bytes_s else 0.0
             await trio.sleep(self.latency_s + transfer_s)
 
+    def identity_of(self, st) -> SourceIdentity:
+        return SourceIdentity(st.st_size, st.st_mtime_ns, st.st_ino)
+
     async def lstat(self, relpath: bytes, *, background: bool = False):
         identity = self.identity(relpath)
         await self._request(0)

@@ -12,6 +12,9 @@ exactly as FUSE hands names to us, so no name is ever decoded.
 A block read opens, fstats, preads and closes in one thread call: the identity returned with
 the data comes from the same open file, so data and identity always belong together (a cached
 block is served only while the source still has that identity; see `SourceIdentity`).
+Identities are made only by `identity_of`, which leaves the inode number out on FUSE sources
+(sshfs, rclone, s3fs...): those number inodes per mount and renumber them whenever the kernel
+forgets one (after `drop_caches`, or a remount), which would make every cached copy look stale.
 
 `delay_s` is a testing aid (`--source-delay-ms`): it sleeps before every open and every read,
 in the worker thread, to turn a fast local directory into a slow one.
@@ -40,11 +43,7 @@ class SourceIdentity(NamedTuple):
 
     size: int
     mtime_ns: int
-    ino: int
-
-    @classmethod
-    def from_stat(cls, st: os.stat_result) -> "SourceIdentity":
-        return cls(st.st_size, st.st_mtime_ns, st.st_ino)
+    ino: int  # 0 where the source's inode numbers are not stable (Source.identity_of)
 
 
 @dataclass(frozen=True)
@@ -60,9 +59,13 @@ class Source:
 
     def __init__(self, root: Path, *, threads: int, delay_s: float = 0.0):
         self.root = os.fsencode(os.path.realpath(root))
+        self.stable_inodes = not filesystem_type(self.root).startswith(b"fuse")
         self.limiter = trio.CapacityLimiter(threads)
         self.demand_limiter = trio.CapacityLimiter(DEMAND_THREADS)
         self.delay_s = delay_s
+
+    def identity_of(self, st: os.stat_result) -> SourceIdentity:
+        return SourceIdentity(st.st_size, st.st_mtime_ns, st.st_ino if self.stable_inodes else 0)
 
     def full_path(self, relpath: bytes) -> bytes:
         return self.root + b"/" + relpath if relpath else self.root
@@ -114,7 +117,7 @@ class Source:
     def _open_identity(self, relpath: bytes) -> SourceIdentity:
         fd = self._open(relpath)
         try:
-            return SourceIdentity.from_stat(os.fstat(fd))
+            return self.identity_of(os.fstat(fd))
         finally:
             os.close(fd)
 
@@ -128,7 +131,7 @@ class Source:
     def read_block_sync(self, relpath: bytes, block_index: int, block_bytes: int) -> BlockData:
         fd = self._open(relpath)
         try:
-            identity = SourceIdentity.from_stat(os.fstat(fd))
+            identity = self.identity_of(os.fstat(fd))
             offset = block_index * block_bytes
             want = max(0, min(block_bytes, identity.size - offset))
             if self.delay_s:
@@ -158,6 +161,19 @@ def _pread_full(fd: int, size: int, offset: int) -> bytes:
         parts.append(more)
         got += len(more)
     return b"".join(parts)
+
+
+def filesystem_type(path: bytes) -> bytes:
+    """The type (mountinfo's field after " - ") of the mount holding `path`, e.g. b"ext4"."""
+    best, fstype = b"", b""
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split()
+            point = fields[4]
+            if (path == point or path.startswith(point.rstrip(b"/") + b"/")) and \
+                    len(point) >= len(best):
+                best, fstype = point, fields[fields.index(b"-") + 1]
+    return fstype
 
 
 def is_not_found(exc: OSError) -> bool:

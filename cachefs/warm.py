@@ -30,7 +30,7 @@ import trio
 from cachefs.cache.tiered import block_count, block_length
 from cachefs.errors import CachefsError, OrderError
 from cachefs.order import check_relpaths
-from cachefs.source import Source, SourceIdentity
+from cachefs.source import Source
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,8 @@ class Warmer:
 
     async def _warm_file(self, relpath: bytes) -> bool:
         """Admit every block of one file; False once the tier takes nothing more."""
-        identity = SourceIdentity.from_stat(await self.source.lstat(relpath, background=True))
+        identity = self.source.identity_of(
+            await self.source.lstat(relpath, background=True))
         for block_index in range(block_count(identity.size, self.block_bytes)):
             key = (relpath, block_index)
             length = block_length(identity, block_index, self.block_bytes)
