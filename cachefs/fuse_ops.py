@@ -187,9 +187,15 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(entry.stat.st_mode)
                                     else errno.EINVAL)
         item = self._item_of(entry)
-        identity = await self._current_identity(inode, entry, item)
+        recent = time.monotonic() - entry.stat_time_s <= self.metadata_ttl_s
+        handle = await self.reader.open(inode, entry.relpath, item,
+                                        self.source.identity_of(entry.stat) if recent else None)
+        if handle.identity != self.source.identity_of(entry.stat):
+            # the file changed since the kernel was given its attributes
+            self.reader.tiered.source_changed(entry.relpath, handle.identity)
+            self.inodes.update_stat(inode, await self.source.lstat(entry.relpath))
         fh = self._new_fh()
-        self._files[fh] = self.reader.open(inode, entry.relpath, identity, item)
+        self._files[fh] = handle
         return pyfuse3.FileInfo(fh=fh, keep_cache=False)
 
     def _item_of(self, entry) -> int:
@@ -199,20 +205,6 @@ class Operations(pyfuse3.Operations):
             entry.manifest = prefetcher.manifest
             entry.manifest_index = prefetcher.item_of(entry.relpath)
         return entry.manifest_index
-
-    async def _current_identity(self, inode: int, entry, item: int) -> SourceIdentity:
-        """The source identity of a file, re-checked if what we know is too old."""
-        identity = self.reader.prefetcher.known_identity(item)
-        if identity is None and time.monotonic() - entry.stat_time_s <= self.metadata_ttl_s:
-            identity = self.source.identity_of(entry.stat)
-        if identity is None:
-            identity = await self.source.check_readable(entry.relpath)
-            self.reader.prefetcher.record_identity(item, identity)
-        if identity != self.source.identity_of(entry.stat):
-            if entry.stat.st_ino and entry.stat.st_mtime_ns:
-                self.reader.tiered.source_changed(entry.relpath, identity)
-            self.inodes.update_stat(inode, await self.source.lstat(entry.relpath))
-        return identity
 
     @_guarded
     async def read(self, fh, offset, size):

@@ -286,13 +286,25 @@ class Prefetcher:
     async def _fetch_item(self, item: int) -> None:
         relpath = self._manifest.path(item)
         try:
+            first_block = 0
             identity = self.meta.identity(item, self._refresh_age_s())
-            if identity is None:
+            if identity is None and not self._needs_stat(relpath):
+                # Nothing cached to validate: read block 0 at once; the fstat of that read is
+                # the fresh identity, so one source round trip does the work of two.
+                fetched = await self.tiered.fetch(
+                    (relpath, 0), None, item, demand=False,
+                    expected_bytes=self._size_estimate(item))
+                if fetched is None:
+                    return  # no room any more: the loop will come back to it
+                identity, first_block = fetched.identity, 1
+                self._record_checked(item, identity)
+                self.poke()  # a size is known: the automatic window may change
+            elif identity is None:
                 identity = self.source.identity_of(
                     await self.source.lstat(relpath, background=True))
                 self._record_checked(item, identity)
-                self.poke()  # a size is known: the automatic window may change
-            for block_index in range(block_count(identity.size, self.block_bytes)):
+                self.poke()
+            for block_index in range(first_block, block_count(identity.size, self.block_bytes)):
                 key = (relpath, block_index)
                 if self.tiered.lookup(key, identity) is not None:
                     continue
@@ -307,6 +319,18 @@ class Prefetcher:
         finally:
             self._inflight_items.discard(item)
             self.poke()
+
+    def _needs_stat(self, relpath: bytes) -> bool:
+        """A copy of the file is in RAM or on the SSD: it must be checked against a fresh stat
+        before anything is read (reading the source would waste the copy)."""
+        key = (relpath, 0)
+        ssd = self.tiered.ssd
+        return key in self.ram or (ssd is not None and ssd.has_entry(key))
+
+    def _size_estimate(self, item: int) -> int:
+        """Bytes to reserve for a file not stat'ed yet: its size last time, else the mean."""
+        size = int(self.meta.size[item])
+        return size if size >= 0 else self.meta.mean_size(self.block_bytes)
 
     def read_ahead(self, relpath: bytes, identity: SourceIdentity, item: int,
                    block_indices) -> None:

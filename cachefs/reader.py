@@ -54,12 +54,24 @@ class Reader:
         self.block_bytes = block_bytes
         self.sequential_blocks = sequential_blocks
 
-    def open(self, inode: int, relpath: bytes, identity: SourceIdentity,
-             item: int | None = None) -> OpenFile:
-        """A handle on one file; `item` is its manifest index if the caller knows it."""
-        if item is None:
-            item = self.prefetcher.item_of(relpath)
-        return OpenFile(inode, relpath, identity, item)
+    async def open(self, inode: int, relpath: bytes, item: int,
+                   recent: SourceIdentity | None) -> OpenFile:
+        """A handle on one file, with its current source identity.
+
+        The identity is the one the prefetcher saw within the metadata TTL, else `recent`
+        (the caller's stat, if within the TTL), else fresh from the source: the read of the
+        file's first block if one is in flight, or an open and fstat. Waiting for the source
+        here is a stall like any other.
+        """
+        identity = self.prefetcher.known_identity(item) or recent
+        handle = OpenFile(inode, relpath, identity, item)
+        if identity is None:
+            started_s = trio.current_time()
+            handle.identity = await self.tiered.fresh_identity(relpath)
+            handle.stall_s = trio.current_time() - started_s
+            handle.origin = stats_mod.ORIGIN_MISS
+            self.prefetcher.record_identity(item, handle.identity)
+        return handle
 
     async def read(self, handle: OpenFile, offset: int, size: int) -> bytes:
         handle.read_called = True

@@ -235,6 +235,9 @@ class SimSsd:
         entry = self.entries.get(key)
         return entry is not None and entry[0] == identity
 
+    def has_entry(self, key) -> bool:
+        return key in self.entries
+
     def holds_other_version(self, key, identity: SourceIdentity) -> bool:
         entry = self.entries.get(key)
         return entry is not None and entry[0] != identity
@@ -425,18 +428,14 @@ class _Sim:
             await trio.sleep(config.consume_s)
 
     async def _open(self, item: int, result: EpochResult):
-        """`fuse_ops.open`: the identity the prefetcher knows, else a round trip."""
+        """`fuse_ops.open`: the reader's identity check (a round trip when nothing recent is
+        known), or, with check_identity_at_open off, the source's identity for free."""
         relpath = self.paths[item]
-        identity = self.prefetcher.known_identity(item)
-        if identity is None:
-            if self.config.check_identity_at_open:
-                started_s = trio.current_time()
-                identity = await self.source.check_readable(relpath)
-                result.open_wait_s += trio.current_time() - started_s
-                self.prefetcher.record_identity(item, identity)
-            else:
-                identity = self.source.identity(relpath)
-        return self.reader.open(item + 2, relpath, identity)
+        recent = None if self.config.check_identity_at_open else self.source.identity(relpath)
+        started_s = trio.current_time()
+        handle = await self.reader.open(item + 2, relpath, item, recent)
+        result.open_wait_s += trio.current_time() - started_s
+        return handle
 
     def _check(self, item: int, offset: int, data: bytes, request: int) -> None:
         block_bytes = self.config.block_bytes

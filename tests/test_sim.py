@@ -164,7 +164,7 @@ def test_tiers_stay_disjoint_when_readers_miss():
     n = 1000
     data_bytes = n * ITEM_BYTES
     result = simulate(SimConfig(items=n, item_bytes=ITEM_BYTES, ram_bytes=data_bytes // 10,
-                                ssd_bytes=data_bytes // 2, epochs=2, latency_s=0.02,
+                                ssd_bytes=data_bytes // 2, epochs=2, latency_s=0.06,
                                 ssd_latency_s=0.005))
     assert result.epochs[0].misses > n // 2
     second = result.epochs[1]

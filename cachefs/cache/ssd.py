@@ -307,6 +307,15 @@ class SsdTier:
             row = self._find(k)
             return row is not None and self._same_identity(row, identity)
 
+    def has_entry(self, key: tuple[bytes, int]) -> bool:
+        """True if an entry for `key` exists, of any version. In memory only."""
+        k = _Key(*key)
+        with self._lock:
+            if self._closed:
+                return False
+            row = self._find(k)
+            return row is not None and row != -1
+
     def holds_other_version(self, key: tuple[bytes, int], identity: SourceIdentity) -> bool:
         """True if an entry for `key` exists for another identity (stale). In memory only;
         `read` with the current identity drops such an entry and counts it."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -106,10 +105,12 @@ class TieredCache:
         return block
 
     async def fetch(self, key: BlockKey, identity: SourceIdentity | None, item: int,
-                    *, demand: bool) -> Fetched | None:
+                    *, demand: bool, expected_bytes: int | None = None) -> Fetched | None:
         """The block's bytes, from SSD or source; kept in RAM if its priority earns room.
 
         A prefetch (`demand=False`) that finds no room in RAM does no I/O and returns None.
+        Without an `identity` the block comes from the source (the SSD tier can only be trusted
+        against a known identity), and RAM is reserved for `expected_bytes`.
         """
         while (flight := self.inflight.get(key)) is not None:
             await flight.done.wait()
@@ -125,7 +126,7 @@ class TieredCache:
         flight = _Flight()
         self.inflight[key] = flight
         try:
-            flight.result = await self._load(key, identity, item, demand)
+            flight.result = await self._load(key, identity, item, demand, expected_bytes)
             return flight.result
         except OSError as exc:
             flight.error = exc
@@ -137,12 +138,22 @@ class TieredCache:
             del self.inflight[key]
             flight.done.set()
 
+    async def fresh_identity(self, relpath: bytes) -> SourceIdentity:
+        """The file's identity now: from a source read of its first block already in flight,
+        else from an open and fstat at the source (which also checks that it is readable)."""
+        flight = self.inflight.get((relpath, 0))
+        if flight is not None:
+            await flight.done.wait()
+            if flight.result is not None and flight.result.from_source:
+                return flight.result.identity
+        return await self.source.check_readable(relpath)
+
     async def _load(self, key: BlockKey, identity: SourceIdentity | None, item: int,
-                    demand: bool) -> Fetched | None:
+                    demand: bool, expected_bytes: int | None) -> Fetched | None:
         relpath, block_index = key
         expected = (block_length(identity, block_index, self.block_bytes) if identity
-                    else self.block_bytes)
-        priority = self.priority_of(item, block_index, identity) if identity else math.inf
+                    else min(expected_bytes or self.block_bytes, self.block_bytes))
+        priority = self.priority_of(item, block_index, identity)
         reserved = expected if priority is not None and self.ram.reserve(expected, priority) else 0
         if not demand and not reserved:
             return None
