@@ -194,6 +194,7 @@ def main(argv=None) -> int:
               f"{args.passes} alternating passes, {args.read_kb} KiB reads")
     print(f"{header}\n\n{table}")
     if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(f"{header}\n\n{table}\n")
     if args.json:
         benchlib.write_json(args.json, {
