@@ -61,15 +61,17 @@ class Reader:
         The identity is the one the prefetcher saw within the metadata TTL, else `recent`
         (the caller's stat, if within the TTL), else fresh from the source: the read of the
         file's first block if one is in flight, or an open and fstat. Waiting for the source
-        here is a stall like any other; the file's class still follows where its data came
-        from (a RAM hit that needed a fresh stat is a RAM hit).
+        here is a stall like any other. Waiting for the file's data in flight makes it a miss;
+        a RAM hit that only needed a fresh stat stays a RAM hit.
         """
         identity = self.prefetcher.known_identity(item) or recent
         handle = OpenFile(inode, relpath, identity, item)
         if identity is None:
             started_s = trio.current_time()
-            handle.identity = await self.tiered.fresh_identity(relpath)
+            handle.identity, waited_for_data = await self.tiered.fresh_identity(relpath)
             handle.stall_s = trio.current_time() - started_s
+            if waited_for_data:
+                handle.origin = stats_mod.ORIGIN_MISS
             self.prefetcher.record_identity(item, handle.identity)
         return handle
 

@@ -138,15 +138,16 @@ class TieredCache:
             del self.inflight[key]
             flight.done.set()
 
-    async def fresh_identity(self, relpath: bytes) -> SourceIdentity:
-        """The file's identity now: from a source read of its first block already in flight,
-        else from an open and fstat at the source (which also checks that it is readable)."""
+    async def fresh_identity(self, relpath: bytes) -> tuple[SourceIdentity, bool]:
+        """The file's identity now, and whether that meant waiting for its data: from a source
+        read of its first block already in flight, else from an open and fstat at the source
+        (which also checks that it is readable)."""
         flight = self.inflight.get((relpath, 0))
         if flight is not None:
             await flight.done.wait()
             if flight.result is not None and flight.result.from_source:
-                return flight.result.identity
-        return await self.source.check_readable(relpath)
+                return flight.result.identity, True
+        return await self.source.check_readable(relpath), False
 
     async def _load(self, key: BlockKey, identity: SourceIdentity | None, item: int,
                     demand: bool, expected_bytes: int | None) -> Fetched | None:
