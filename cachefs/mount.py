@@ -185,33 +185,37 @@ class Mount:
         options |= {"fsname=cachefs", "subtype=cachefs", "ro"}
         if self.config.allow_other:
             options.add("allow_other")
-        pyfuse3.init(self.ops, str(self.config.mountpoint), options)
-        log.info("mounted %s at %s", self.config.source, self.config.mountpoint)
-        _raise_read_ahead(self.config.mountpoint)
-        try:
-            async with trio.open_nursery() as nursery:
-                self.ops.bind(nursery)
-                await nursery.start(self.tiered.run)
-                await nursery.start(self.prefetcher.run)
-                await nursery.start(self.watcher.run)
-                await nursery.start(self.warmer.run)
-                nursery.start_soon(trio.to_thread.run_sync, self.source_manifest.get)
-                nursery.start_soon(_terminate_on_signal)
-                await pyfuse3.main(min_tasks=1, max_tasks=self.config.fuse_tasks)
-                nursery.cancel_scope.cancel()
-        finally:
-            pyfuse3.close(unmount=True)
-            if self.ssd is not None:
-                self.ssd.close()
-            log.info("unmounted %s", self.config.mountpoint)
+        # catch SIGTERM/SIGINT before the mount exists: one sent as soon as it appears must
+        # unmount, not kill the process and leave a dead mount behind
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            pyfuse3.init(self.ops, str(self.config.mountpoint), options)
+            log.info("mounted %s at %s", self.config.source, self.config.mountpoint)
+            _raise_read_ahead(self.config.mountpoint)
+            try:
+                async with trio.open_nursery() as nursery:
+                    self.ops.bind(nursery)
+                    nursery.start_soon(_terminate_on_signal, signals)
+                    await nursery.start(self.tiered.run)
+                    await nursery.start(self.prefetcher.run)
+                    await nursery.start(self.watcher.run)
+                    await nursery.start(self.warmer.run)
+                    nursery.start_soon(trio.to_thread.run_sync, self.source_manifest.get)
+                    await pyfuse3.main(min_tasks=1, max_tasks=self.config.fuse_tasks)
+                    nursery.cancel_scope.cancel()
+            finally:
+                pyfuse3.close(unmount=True)
+                if self.ssd is not None:
+                    self.ssd.close()
+                log.info("unmounted %s", self.config.mountpoint)
 
 
-async def _terminate_on_signal() -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for signum in signals:
-            log.info("signal %d: unmounting", signum)
-            pyfuse3.terminate()
-            return
+async def _terminate_on_signal(signals) -> None:
+    """End pyfuse3.main at the first signal. This task first runs once main has started
+    (its first checkpoint is inside main), and a signal that came earlier waits in `signals`."""
+    async for signum in signals:
+        log.info("signal %d: unmounting", signum)
+        pyfuse3.terminate()
+        return
 
 
 def _raise_read_ahead(mountpoint: Path) -> None:
