@@ -44,6 +44,7 @@ class Planner:
         self.order = None  # the cachefs.order.Order in force, for its manifest and status
         self.epoch: int | None = None
         self.epoch_serial = 0  # bumped at every epoch switch or new order
+        self.order_serial = 0  # bumped when a published order replaces the plan
         self.current = np.empty(0, np.int64)
         self.next: np.ndarray | None = None
         self.consumed = np.empty(0, bool)
@@ -76,6 +77,7 @@ class Planner:
         self.order = order
         manifest_len = len(order.manifest)
         if not same_epoch:
+            self.order_serial += 1
             self._start(order.epoch, order.current, order.next, manifest_len)
             return True
         self.next = order.next

@@ -43,6 +43,11 @@ class OpenFile:
     # the epoch record in force when the file was consumed: consuming the last item of an
     # order switches the epoch, and the file must still count in the epoch that read it
     epoch_record: stats_mod.EpochStats | None = None
+    # the planner's order serial at open: a new order published while the file was open
+    # (its RELEASE can come after the trainer's next publish) must not be charged for it;
+    # the automatic switch to the next order is no new order (a worker may open the next
+    # epoch's first file while another finishes this epoch's last)
+    order_serial: int = -1
 
 
 class Reader:
@@ -65,7 +70,8 @@ class Reader:
         a RAM hit that only needed a fresh stat stays a RAM hit.
         """
         identity = self.prefetcher.known_identity(item) or recent
-        handle = OpenFile(inode, relpath, identity, item)
+        handle = OpenFile(inode, relpath, identity, item, epoch_record=self.stats.current,
+                          order_serial=self.prefetcher.planner.order_serial)
         if identity is None:
             started_s = trio.current_time()
             handle.identity, waited_for_data = await self.tiered.fresh_identity(relpath)
@@ -135,10 +141,14 @@ class Reader:
         self.prefetcher.read_ahead(handle.relpath, handle.identity, handle.item, wanted)
 
     def _consume(self, handle: OpenFile) -> None:
-        if not handle.consumed:
-            handle.consumed = True
+        if handle.consumed:
+            return
+        handle.consumed = True
+        if handle.order_serial == self.prefetcher.planner.order_serial:
             handle.epoch_record = self.stats.current
             self.prefetcher.consumed(handle.item)
+        # else the order it was read for was replaced while it was open: it counts in the
+        # epoch it was opened in and consumes nothing of the new order
 
     def release(self, handle: OpenFile) -> None:
         if not handle.read_called:
