@@ -5,10 +5,8 @@ CLI turns them into a message and an exit code. Nothing else maps errors, so the
 read here in full:
 
 - `OrderError`: a bad order file (EINVAL); the previous order stays in force.
-- `TierError`: a cache tier failed (disk full, I/O error, corrupt entry). Never reaches a
-  reader: the tiered cache counts it, logs a warning and reads from the next tier.
 - `StartupError`: the mount cannot start; carries the documented exit code (man/cachefs-mount.1).
-- `SourceChanged`: the source file changed under a read; the reader retries from the source.
+- `WarmError` (warm.py): a warm request that cannot be carried out.
 """
 
 from __future__ import annotations
@@ -27,16 +25,6 @@ class OrderError(CachefsError):
 
     errno_value = errno.EINVAL
     file = None  # identity of the order file that was read, when there was one
-
-
-class TierError(CachefsError):
-    """A cache tier failed; callers treat it as a miss."""
-
-
-class SourceChanged(CachefsError):
-    """The source file's identity changed between planning and reading."""
-
-    errno_value = errno.EAGAIN
 
 
 # Exit codes of `cachefs mount` (documented in man/cachefs-mount.1, EXIT STATUS).

@@ -22,7 +22,6 @@ in the worker thread, to turn a fast local directory into a slow one.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import time
@@ -175,6 +174,3 @@ def filesystem_type(path: bytes) -> bytes:
                 best, fstype = point, fields[fields.index(b"-") + 1]
     return fstype
 
-
-def is_not_found(exc: OSError) -> bool:
-    return exc.errno in (errno.ENOENT, errno.ENOTDIR)
