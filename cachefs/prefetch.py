@@ -18,9 +18,11 @@ the nearest uses within its budget. This module connects them:
   fetched block lands as well.
 
 Source identities of the order's items are kept in numpy arrays (size, mtime_ns, ino and when
-they were seen). A fetch records the identity it read; an item whose identity is unknown or
-older than `metadata_ttl_s` is stat'ed first, off the reader's path, so that a reader opening a
-prefetched file needs no round trip to the source to know its bytes are current.
+they were seen). A file with nothing cached is fetched in one source round trip: the fstat of
+that read is its fresh identity. A file with a copy in RAM or on the SSD is stat'ed first (the
+copy is only good for that identity). Either way the identity is fresh, off the reader's path,
+so a reader opening a prefetched file needs no round trip to the source to know its bytes are
+current.
 
 Window size: `--lookahead N` items, or automatically `source_threads` items, at most a quarter
 of the RAM budget. A longer window hides no more latency once every source thread is busy, and
@@ -44,7 +46,7 @@ from cachefs.stats import Stats
 log = logging.getLogger(__name__)
 
 BLOCK_TIEBREAK = 1e-6  # keeps a file's blocks in order under one item priority
-# Fix: the prefetcher re-stats an identity older than this fraction of metadata_ttl_s, not
+# The prefetcher re-stats an identity older than this fraction of metadata_ttl_s, not
 # the whole TTL, so that it is still fresh when the reader opens the file a window later
 # (an identity just under the TTL at prefetch time expired before the open: a round trip).
 REFRESH_AGE_FRACTION = 0.5
@@ -178,7 +180,7 @@ class Prefetcher:
         if self.configured_lookahead:
             return self.configured_lookahead
         if self.meta.mean_size(-1) < 0:
-            # Fix: no size known yet. Guessing one block per item let a data set of large files
+            # No size known yet. Guessing one block per item let a data set of large files
             # (10 blocks each) start with a window of 25 items, ten times the RAM budget's
             # quarter: their blocks evicted each other and were read twice. One item, until
             # the first stat (a round trip later) gives the real mean.
@@ -237,9 +239,8 @@ class Prefetcher:
         if not planner.active or self._manifest is None:
             return
         if not self.configured_lookahead:
-            # Fix: the automatic window was computed only at set_order, when no size is known
-            # yet and the estimate is a whole block (4 MiB), so epoch 1 ran with a window of a
-            # few items. Recompute it as sizes become known.
+            # The automatic window depends on file sizes, and at set_order none may be known
+            # yet: recompute it as sizes become known.
             planner.lookahead_items = self._lookahead()
         estimate = self.meta.mean_size(self.block_bytes)
         for position, item in planner.window():
@@ -249,7 +250,7 @@ class Prefetcher:
                 pass
             elif self._resident(item):
                 if self.meta.identity(item, self._refresh_age_s()) is None:
-                    # Fix: an item kept in RAM (the next epoch's head) has an identity from
+                    # An item kept in RAM (the next epoch's head) has an identity from
                     # the last epoch; without this re-stat off the reader's path, the reader's
                     # open pays a source round trip for every RAM hit (fuse_ops.open).
                     # _fetch_item stats it and finds its blocks resident.

@@ -251,7 +251,7 @@ class TieredCache:
                     self._rerank_admitted(key, identity)
 
     def _rerank_admitted(self, key: BlockKey, identity: SourceIdentity) -> None:
-        """Fix: a block consumed before its admission finished was ranked while the SSD did not
+        """A block consumed before its admission finished was ranked while the SSD did not
         hold it yet, and stayed in RAM for the next epoch as well: the tiers overlapped (the
         simulator saw a third of the retained blocks also on SSD when readers missed). Rank it
         again now that the SSD holds it; `priority_of` drops it if it is only kept for later."""
