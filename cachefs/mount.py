@@ -26,15 +26,12 @@ import trio
 
 from cachefs import __version__, errors
 from cachefs.cache.ram import RamTier
-from cachefs.cache.tiered import TieredCache
 from cachefs.config import MountConfig
 from cachefs.ctrl import Control
 from cachefs.fuse_ops import Operations
 from cachefs.order import Manifest, load_order, scan_source
 from cachefs.order_watch import OrderWatcher
-from cachefs.planner import Planner
-from cachefs.prefetch import Prefetcher
-from cachefs.reader import Reader
+from cachefs.reader import build_read_path
 from cachefs.source import Source
 from cachefs.stats import Stats
 from cachefs.warm import Warmer
@@ -115,19 +112,16 @@ class Mount:
         if cache.ssd_dir is not None:
             from cachefs.cache.ssd import SsdTier  # only mounts with an SSD tier need it
             self.ssd = SsdTier(cache.ssd_dir, cache.ssd_bytes, cache.block_bytes)
-        self.ram = RamTier(cache.ram_bytes)
-        self.planner = Planner(config.prefetch.lookahead_items or 1)
-        self.prefetcher = Prefetcher(
-            self.planner, self.ram, self.source, self.stats, block_bytes=cache.block_bytes,
-            source_threads=config.prefetch.source_threads,
+        self.reader = build_read_path(
+            self.source, self.stats, RamTier(cache.ram_bytes), self.ssd,
+            block_bytes=cache.block_bytes, source_threads=config.prefetch.source_threads,
             lookahead_items=config.prefetch.lookahead_items,
-            metadata_ttl_s=config.metadata_ttl_s)
-        self.tiered = TieredCache(self.ram, self.source, self.stats, cache.block_bytes,
-                                  self.prefetcher.priority_of, ssd=self.ssd)
-        self.prefetcher.attach(self.tiered)
-        self.reader = Reader(self.tiered, self.prefetcher, self.stats,
-                             block_bytes=cache.block_bytes,
-                             sequential_blocks=config.prefetch.sequential_blocks)
+            metadata_ttl_s=config.metadata_ttl_s,
+            sequential_blocks=config.prefetch.sequential_blocks)
+        self.tiered = self.reader.tiered
+        self.ram = self.tiered.ram
+        self.prefetcher = self.reader.prefetcher
+        self.planner = self.prefetcher.planner
         self.source_manifest = SourceManifest(config.source)
         self.watcher = OrderWatcher(config.order_file, self._load_order,
                                     self.prefetcher.set_order)

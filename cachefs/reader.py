@@ -21,7 +21,9 @@ from dataclasses import dataclass
 import trio
 
 from cachefs import stats as stats_mod
+from cachefs.cache.ram import RamTier
 from cachefs.cache.tiered import TieredCache, block_count
+from cachefs.planner import Planner
 from cachefs.prefetch import Prefetcher
 from cachefs.source import SourceIdentity
 
@@ -157,3 +159,17 @@ class Reader:
             self._consume(handle)
         self.stats.file_read(handle.origin, handle.stall_s, handle.bytes_served,
                              record=handle.epoch_record)
+
+
+def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, *, block_bytes: int,
+                    source_threads: int, lookahead_items: int, metadata_ttl_s: float,
+                    sequential_blocks: int) -> Reader:
+    """Planner, prefetcher, tiered cache and reader, wired; the one wiring used by the mount
+    and the simulator, so that what the simulator tests is what the mount runs."""
+    prefetcher = Prefetcher(Planner(lookahead_items or 1), ram, source, stats,
+                            block_bytes=block_bytes, source_threads=source_threads,
+                            lookahead_items=lookahead_items, metadata_ttl_s=metadata_ttl_s)
+    tiered = TieredCache(ram, source, stats, block_bytes, prefetcher.priority_of, ssd=ssd)
+    prefetcher.attach(tiered)
+    return Reader(tiered, prefetcher, stats, block_bytes=block_bytes,
+                  sequential_blocks=sequential_blocks)

@@ -7,8 +7,8 @@ storage takes minutes and is noisy. Here the same claims are checked in a fracti
 of real time, deterministically.
 
 What is real and what is simulated. `simulate` builds the real `Planner`, `RamTier`,
-`Prefetcher`, `TieredCache`, `Reader` and `Stats`, wired exactly as `cachefs.mount.Mount` wires
-them. Only the edges are fakes:
+`Prefetcher`, `TieredCache`, `Reader` and `Stats` with `cachefs.reader.build_read_path`, the wiring
+`cachefs.mount.Mount` uses too. Only the edges are fakes:
 - `SimSource` has the interface the code uses from `cachefs.source.Source` (`read_block`,
   `lstat`, `check_readable`, `limiter`). Every request holds one slot of a
   `trio.CapacityLimiter(parallelism)` and sleeps `latency_s` (plus `size / bandwidth` when a
@@ -52,12 +52,10 @@ import trio.testing
 
 from cachefs import stats as stats_mod
 from cachefs.cache.ram import RamTier
-from cachefs.cache.tiered import TieredCache, block_length
+from cachefs.cache.tiered import block_length
 from cachefs.config import KIB, MIB
 from cachefs.order import Manifest, Order, permutation
-from cachefs.planner import Planner
-from cachefs.prefetch import Prefetcher
-from cachefs.reader import Reader
+from cachefs.reader import build_read_path
 from cachefs.source import BlockData, SourceIdentity
 from cachefs.stats import Stats
 
@@ -351,17 +349,13 @@ class _Sim:
                                 bandwidth_bytes_s=config.bandwidth_bytes_s)
         self.ssd = SimSsd(config.ssd_bytes) if config.ssd_bytes else None
         self.ram = _ObservedRamTier(config.ram_bytes)
-        self.planner = Planner(config.lookahead_items or 1)
-        self.prefetcher = Prefetcher(
-            self.planner, self.ram, self.source, self.stats, block_bytes=config.block_bytes,
+        self.reader = build_read_path(
+            self.source, self.stats, self.ram, self.ssd, block_bytes=config.block_bytes,
             source_threads=config.parallelism, lookahead_items=config.lookahead_items,
-            metadata_ttl_s=config.metadata_ttl_s)
-        self.tiered = TieredCache(self.ram, self.source, self.stats, config.block_bytes,
-                                  self.prefetcher.priority_of, ssd=self.ssd)
-        self.prefetcher.attach(self.tiered)
-        self.reader = Reader(self.tiered, self.prefetcher, self.stats,
-                             block_bytes=config.block_bytes,
-                             sequential_blocks=config.sequential_blocks)
+            metadata_ttl_s=config.metadata_ttl_s, sequential_blocks=config.sequential_blocks)
+        self.tiered = self.reader.tiered
+        self.prefetcher = self.reader.prefetcher
+        self.planner = self.prefetcher.planner
         rng = np.random.default_rng(config.seed)
         self.jitter_s = rng.uniform(0, config.open_jitter_s, (config.epochs, n))
         self.data_errors = 0
