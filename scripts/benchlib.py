@@ -47,7 +47,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
 from cachefs import ctrl  # noqa: E402
-from cachefs.order import scan_source  # noqa: E402
+from cachefs.errors import OrderError  # noqa: E402
+from cachefs.mount import mounted_paths  # noqa: E402
+from cachefs.order import scan_source, source_file_count  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -344,11 +346,6 @@ def median(values) -> float:
 
 # -- cachefs mounts ------------------------------------------------------------------------------
 
-def mounted_paths() -> set[str]:
-    with open("/proc/self/mountinfo") as f:
-        return {line.split(" ")[4].replace("\\040", " ") for line in f}
-
-
 def cachefs_command(*args) -> list[str]:
     return [sys.executable, "-m", "cachefs", *map(str, args)]
 
@@ -429,14 +426,10 @@ def cachefs_mount(source: Path, mountpoint: Path, state_dir: Path, *, ram_bytes:
 
 def wait_for_manifest(mount: CachefsMount, timeout_s: float = 300.0) -> int:
     """Files in the daemon's manifest, once it has scanned the source."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        files = (mount.stats().get("manifest") or {}).get("files")
-        if files is not None:
-            return int(files)
-        time.sleep(0.05)
-    raise BenchError(f"the daemon of {mount.mountpoint} did not scan its source in "
-                     f"{timeout_s:g} s")
+    try:
+        return source_file_count(mount.mountpoint, timeout_s)
+    except OrderError as exc:
+        raise BenchError(str(exc)) from None
 
 
 # -- output --------------------------------------------------------------------------------------

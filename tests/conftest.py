@@ -18,15 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from cachefs.mount import mounted_paths  # noqa: F401 - also used by the tests through conftest
+
 MOUNT_TIMEOUT_S = 30.0
-
-
-def mounted_paths() -> set[str]:
-    points = set()
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            points.add(line.split(" ")[4].replace("\\040", " "))
-    return points
 
 
 def sha256(path) -> str:
