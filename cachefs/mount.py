@@ -164,6 +164,8 @@ class Mount:
             "order_file": str(self.config.order_file),
             "order": order,
             "last_rejection": watch.get("last_rejection"),
+            "rejections": watch.get("rejections"),
+            "publications": watch.get("publications"),
             "manifest": {"files": len(manifest) if manifest is not None else None},
             "epochs": self.stats.snapshot(),
             "ram": self.ram.stats(),

@@ -14,6 +14,11 @@ use this module):
     rank, world_size   int scalars, optional, together: this node reads
                 `pad(order)[rank::world_size]`, PyTorch DistributedSampler(drop_last=False)
 
+Where a file is published: a publication without a rank goes to the order file itself
+(``order.npz``); rank R publishes to its own file next to it, ``order.rank<R>.npz``
+(`rank_order_path`), so that several ranks sharing one mount never overwrite each other's
+file, and the daemon merges their slices (`cachefs.order_merge`).
+
 Design points:
 
 - Scale: an ImageNet-sized order (1.28 M items with a manifest) must load and publish in well
@@ -27,8 +32,9 @@ Design points:
 - Publishing validates everything it can before writing, writes a temporary file in the same
   directory, fsyncs it and renames it into place: the daemon only ever sees whole files.
 - `publish` talks to the daemon only through two xattrs on the mount root:
-  ``user.cachefs.order_file`` (where to write) and ``user.cachefs.stats`` (JSON; the daemon
-  reports there which file it accepted or rejected, and why).
+  ``user.cachefs.order_file`` (where to write; a rank's file is derived from it) and
+  ``user.cachefs.stats`` (JSON; the daemon reports there which files the order in force was
+  made of, and which files it rejected, and why).
 
 This module imports neither pyfuse3 nor torch: trainers import it.
 """
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import tempfile
 import time
@@ -330,7 +337,14 @@ def scan_source(root: Path) -> Manifest:
 
 @dataclass(frozen=True, eq=False)
 class Order:
-    """A validated order as this node reads it (rank slice applied). Arrays are read-only."""
+    """A validated order as this node reads it (rank slice applied). Arrays are read-only.
+
+    One order file gives `ranks` = (rank,) (None without a rank) and `files` = (file,). A
+    merge of several ranks' files (`cachefs.order_merge`) interleaves their slices by position:
+    ``current[i * k + j]`` is item i of the slice of rank ``ranks[j]``, for the k ranks in
+    increasing order, and `next` likewise; `files` are the identities of the merged files in
+    the same order, and `rank`, `total_length` and `file` are those of the newest of them.
+    """
 
     epoch: int
     current: np.ndarray
@@ -340,6 +354,8 @@ class Order:
     world_size: int | None
     total_length: int
     file: FileIdentity | None
+    ranks: tuple[int, ...] | None = None
+    files: tuple[FileIdentity, ...] = ()
 
     def status(self) -> dict:
         return {
@@ -348,9 +364,31 @@ class Order:
             "total_length": self.total_length,
             "rank": self.rank,
             "world_size": self.world_size,
+            "ranks": list(self.ranks) if self.ranks is not None else None,
             "has_next": self.next is not None,
             "file": self.file.to_json() if self.file is not None else None,
+            "files": [identity.to_json() for identity in self.files],
         }
+
+
+def rank_order_path(order_path: Path, rank: int) -> Path:
+    """Where rank `rank` publishes: ``DIR/order.npz`` -> ``DIR/order.rank<rank>.npz``.
+
+    The name is derived from the order path's stem, so a mount started with another
+    ``--order-file`` gets its own rank files; `rank_of_file_name` is its inverse.
+    """
+    order_path = Path(order_path)
+    return order_path.with_name(f"{order_path.stem}.rank{int(rank)}.npz")
+
+
+def rank_of_file_name(order_path: Path, name: str | bytes) -> int | None:
+    """The rank whose file `name` (a name in the order file's directory) is, else None.
+
+    Only the names `rank_order_path` writes match: no leading zeros, so one rank has one name.
+    """
+    stem = re.escape(Path(order_path).stem)
+    match = re.fullmatch(stem + r"\.rank(0|[1-9][0-9]{0,8})\.npz", os.fsdecode(name))
+    return int(match.group(1)) if match else None
 
 
 def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
@@ -627,7 +665,9 @@ def load_order(path: Path, source_manifest: Manifest | Callable[[], Manifest]) -
             array.flags.writeable = False
     return Order(epoch=checked.epoch, current=current, next=next_order, manifest=manifest,
                  rank=checked.rank, world_size=checked.world_size,
-                 total_length=len(checked.current), file=identity)
+                 total_length=len(checked.current), file=identity,
+                 ranks=(checked.rank,) if checked.world_size is not None else None,
+                 files=(identity,))
 
 
 def _manifest_within_source(files: Manifest, source: Manifest) -> Manifest:
@@ -753,14 +793,21 @@ def read_files_list(path: Path) -> list[str]:
 
 def publish(mount: Path, epoch: int, current, next=None, files=None, rank=None,
             world_size=None, timeout_s: float = 10.0) -> dict:
-    """Publish an order to a mount and wait until the daemon accepts it.
+    """Publish an order to a mount and wait until the daemon takes it.
 
-    Returns the daemon's order status (``stats["order"]``); raises OrderError with the
-    daemon's reason if it rejects the file, or if it does not answer within timeout_s.
+    Without a rank the order file itself is written; with one, the rank's own file next to it
+    (`rank_order_path`), which the daemon merges with the files of the node's other ranks.
+    Returns the daemon's status of the order in force (``stats["order"]``) once this file is
+    among the files it was made of; raises OrderError with the daemon's reason if it rejects
+    the file, or if it does not answer within timeout_s. A valid file that the daemon keeps
+    but leaves out of the merge (its epoch or world size does not fit the newest
+    publication's) returns too, with a warning giving the daemon's reason.
     """
     checked = _validate(epoch, current, next, files, rank, world_size)
     mount = Path(mount)
     order_path = Path(os.fsdecode(ctrl.read_attr(mount, ctrl.ORDER_FILE, OrderError)))
+    if checked.world_size is not None:
+        order_path = rank_order_path(order_path, checked.rank)
     if checked.files is None:
         # The daemon knows the source's size once it has scanned it: check the upper bound
         # now, so that a bad index fails before anything is written.
@@ -774,12 +821,20 @@ def publish(mount: Path, epoch: int, current, next=None, files=None, rank=None,
     deadline = time.monotonic() + timeout_s
     while True:
         stats = ctrl.read_stats(mount, OrderError)
-        accepted = stats.get("order") or {}
-        if accepted.get("file") == identity:
-            return accepted
-        rejection = stats.get("last_rejection") or {}
-        if rejection.get("file") == identity:
-            raise OrderError(rejection.get("reason") or "the daemon rejected the order file")
+        in_force = stats.get("order") or {}
+        if in_force.get("file") == identity or identity in (in_force.get("files") or ()):
+            return in_force
+        # `rejections` holds the last few, so that ranks publishing at the same moment each
+        # find their own; a daemon older than the merge has `last_rejection` only
+        for rejection in stats.get("rejections") or [stats.get("last_rejection") or {}]:
+            if rejection.get("file") == identity:
+                raise OrderError(rejection.get("reason")
+                                 or "the daemon rejected the order file")
+        for publication in stats.get("publications") or ():
+            if publication.get("file") == identity and publication.get("left_out"):
+                log.warning("%s was accepted but is not merged into the order in force: %s",
+                            order_path, publication["left_out"])
+                return in_force
         if time.monotonic() >= deadline:
             raise OrderError(f"the cachefs daemon of {mount} did not answer within "
                              f"{timeout_s:g} s (order file {order_path})")

@@ -188,8 +188,10 @@ def test_round_trip_with_files_and_rank(tmp_path, source_manifest):
     assert order.next.tolist() == distributed_sampler_indices(nxt.tolist(), 1, 5)
     assert order.manifest.path(0) == files[0].encode()
     assert order.file == identity
+    assert order.ranks == (1,) and order.files == (identity,)
     assert order.status() == {"epoch": 5, "length": 3, "total_length": 12, "rank": 1,
-                              "world_size": 5, "has_next": True, "file": identity.to_json()}
+                              "world_size": 5, "ranks": [1], "has_next": True,
+                              "file": identity.to_json(), "files": [identity.to_json()]}
     with pytest.raises(ValueError):
         order.current[0] = 0  # the daemon's arrays are read-only
 
@@ -546,41 +548,93 @@ def test_source_file_count_waits_for_the_scan(fake_mount):
         source_file_count(fake_mount.mount, timeout_s=0.1)
 
 
-def test_publish_end_to_end_with_the_real_watcher(tmp_path, monkeypatch, source_manifest):
-    """publish() -> rename -> OrderWatcher (in its own trio thread) -> stats -> accepted."""
-    mount = tmp_path / "mnt"
-    mount.mkdir()
-    order_path = tmp_path / "order.npz"
-    switched = []
-    watcher = OrderWatcher(order_path, lambda p: load_order(p, source_manifest), switched.append)
+class WatcherThread:
+    """A real OrderWatcher in its own trio thread, behind faked mount xattrs."""
 
-    def getxattr(path, name, *args, **kwargs):
+    def __init__(self, tmp_path: Path, monkeypatch, source_manifest: Manifest):
+        self.mount = tmp_path / "mnt"
+        self.mount.mkdir()
+        self.order_path = tmp_path / "order.npz"
+        self.switched = []
+        self.watcher = OrderWatcher(self.order_path,
+                                    lambda p: load_order(p, source_manifest),
+                                    self.switched.append)
+        self._files = len(source_manifest)
+        monkeypatch.setattr(order_mod.os, "getxattr", self._getxattr)
+        self._ready, self._stop = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=trio.run, args=(self._serve,))
+
+    def _getxattr(self, path, name, *args, **kwargs):
         if name == "user.cachefs.order_file":
-            return os.fsencode(order_path)
-        status = watcher.status()
-        return json.dumps(dict(status, manifest={"files": len(source_manifest)})).encode()
+            return os.fsencode(self.order_path)
+        # in the trio thread, as the daemon's FUSE handler reads it
+        status = trio.from_thread.run_sync(self.watcher.status, trio_token=self._token)
+        return json.dumps(dict(status, manifest={"files": self._files})).encode()
 
-    monkeypatch.setattr(order_mod.os, "getxattr", getxattr)
-    ready, stop = threading.Event(), threading.Event()
-
-    async def serve():
+    async def _serve(self):
+        self._token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
-            await nursery.start(watcher.run)
-            ready.set()
-            while not stop.is_set():
+            await nursery.start(self.watcher.run)
+            self._ready.set()
+            while not self._stop.is_set():
                 await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
 
-    thread = threading.Thread(target=trio.run, args=(serve,))
-    thread.start()
-    try:
-        assert ready.wait(10)
-        status = publish(mount, 1, permutation(12, 3, 1), rank=0, world_size=2)
+    def __enter__(self):
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(10)
+
+
+def test_publish_end_to_end_with_the_real_watcher(tmp_path, monkeypatch, source_manifest):
+    """publish() -> rename -> OrderWatcher (in its own trio thread) -> stats -> accepted."""
+    with WatcherThread(tmp_path, monkeypatch, source_manifest) as daemon:
+        status = publish(daemon.mount, 1, permutation(12, 3, 1), rank=0, world_size=2)
         assert status["epoch"] == 1 and status["length"] == 6 and status["world_size"] == 2
+        assert (tmp_path / "order.rank0.npz").exists() and not daemon.order_path.exists()
         with pytest.raises(OrderError, match="'nope.jpg' does not exist under the source"):
-            publish(mount, 2, [1, 0], files=[FILES[0], "nope.jpg"])
-        assert [order.epoch for order in switched] == [1]
-        assert watcher.status()["order"]["epoch"] == 1  # the previous order stays
-    finally:
-        stop.set()
-        thread.join(10)
+            publish(daemon.mount, 2, [1, 0], files=[FILES[0], "nope.jpg"])
+        assert [order.epoch for order in daemon.switched] == [1]
+        assert daemon.watcher.status()["order"]["epoch"] == 1  # the previous order stays
+
+
+def test_ranks_publishing_at_the_same_moment_each_get_their_answer(tmp_path, monkeypatch,
+                                                                   source_manifest):
+    """Two ranks publish at once: both are merged; a bad one gets its own reason."""
+    results: dict = {}
+    start = threading.Barrier(2)
+
+    def rank_main(rank, **kwargs):
+        start.wait()
+        try:
+            results[rank] = publish(daemon.mount, 4, permutation(12, 0, 4),
+                                    next=permutation(12, 0, 5), rank=rank, world_size=2,
+                                    **kwargs)
+        except OrderError as err:
+            results[rank] = err
+
+    with WatcherThread(tmp_path, monkeypatch, source_manifest) as daemon:
+        ranks = [threading.Thread(target=rank_main, args=(rank,)) for rank in (0, 1)]
+        for thread in ranks:
+            thread.start()
+        for thread in ranks:
+            thread.join(20)
+        for rank in (0, 1):
+            mine = FileIdentity.from_stat(os.stat(tmp_path / f"order.rank{rank}.npz"))
+            assert mine.to_json() in results[rank]["files"]
+        in_force = daemon.watcher.status()["order"]
+        assert in_force["ranks"] == [0, 1] and in_force["length"] == 12
+        # again, rank 1 with a path the source lacks: rank 0 is taken, rank 1 is told why
+        ranks = [threading.Thread(target=rank_main, args=(0,)),
+                 threading.Thread(target=rank_main, args=(1,),
+                                  kwargs={"files": FILES[:11] + ["gone.jpg"]})]
+        for thread in ranks:
+            thread.start()
+        for thread in ranks:
+            thread.join(20)
+        assert isinstance(results[1], OrderError) and "gone.jpg" in str(results[1])
+        assert results[0]["ranks"] == [0, 1]  # rank 1's previous file is still merged

@@ -12,7 +12,8 @@ import trio
 
 from cachefs import order_watch
 from cachefs.errors import OrderError
-from cachefs.order import FileIdentity, Manifest, load_order, write_order_file
+from cachefs.order import FileIdentity, Manifest, load_order, permutation, rank_order_path, \
+    write_order_file
 from cachefs.order_watch import OrderWatcher
 
 PICKUP_S = 0.2  # the issue's bar: a new order is in force within 200 ms
@@ -195,7 +196,8 @@ def test_missing_file_and_missing_directory_are_quiet(tmp_path):
     async def body(h: Harness):
         await trio.sleep(0.1)
         assert h.watcher.status() == {"path": str(h.path), "order": None,
-                                      "last_rejection": None}
+                                      "last_rejection": None, "rejections": [],
+                                      "publications": []}
 
     run_with_watcher(tmp_path, body)
 
@@ -231,3 +233,126 @@ def test_rejection_from_a_loader_uses_the_identity_of_the_file_it_read(tmp_path)
     watcher._on_order = lambda o: None
     trio.run(watcher.check)
     assert calls and watcher.status()["order"]["epoch"] == 1
+
+
+# -- several ranks sharing the mount: one file each, merged -----------------------------------
+
+
+def publish_rank(h: Harness, rank: int, epoch: int, world_size: int = 2, seed: int = 0,
+                 with_next: bool = True) -> FileIdentity:
+    """What cachefs.order.publish writes for a rank: the whole order, to the rank's own file."""
+    return write_order_file(rank_order_path(h.path, rank), epoch=epoch,
+                            current=permutation(8, seed, epoch),
+                            next=permutation(8, seed, epoch + 1) if with_next else None,
+                            rank=rank, world_size=world_size)
+
+
+async def wait_order(h: Harness, predicate, timeout_s: float = 2.0):
+    """The first accepted order that satisfies `predicate` (earlier ones are skipped)."""
+    with trio.fail_after(timeout_s):
+        while True:
+            order = await h.received.receive()
+            if predicate(order):
+                return order
+
+
+def test_two_ranks_publishing_at_once_are_both_merged(tmp_path, mode):
+    async def body(h: Harness):
+        for epoch in (0, 1):
+            first = publish_rank(h, 0, epoch)
+            second = publish_rank(h, 1, epoch)  # a few ms later, as two processes would
+            order = await wait_order(h, lambda o: o.epoch == epoch and o.ranks == (0, 1))
+            assert order.files == (first, second) and order.file == second
+            # the node reads the whole permutation: the two slices, interleaved
+            assert order.current.tolist() == permutation(8, 0, epoch).tolist()
+            assert order.next.tolist() == permutation(8, 0, epoch + 1).tolist()
+            status = h.watcher.status()["order"]
+            assert status["ranks"] == [0, 1] and status["length"] == 8
+            assert status["files"] == [first.to_json(), second.to_json()]
+        publications = h.watcher.status()["publications"]
+        assert [(p["path"], p["epoch"], p["in_force"], p["left_out"]) for p in publications] \
+            == [("order.rank0.npz", 1, True, None), ("order.rank1.npz", 1, True, None)]
+
+    run_with_watcher(tmp_path, body)
+
+
+def test_a_bad_rank_file_keeps_that_ranks_previous_order(tmp_path, mode):
+    async def body(h: Harness):
+        publish_rank(h, 0, 1)
+        previous = publish_rank(h, 1, 1)
+        await wait_order(h, lambda o: o.ranks == (0, 1))
+        # rank 0's order written to rank 1's file
+        wrong = write_order_file(rank_order_path(h.path, 1), epoch=2,
+                                 current=permutation(8, 0, 2), rank=0, world_size=2)
+        rejection = await h.wait_rejection(wrong)
+        assert "order.rank1.npz is the file of rank 1 but holds rank 0" in rejection["reason"]
+        assert rejection["path"] == "order.rank1.npz"
+        # a rank file without a rank is no better
+        unranked = write_order_file(rank_order_path(h.path, 1), epoch=2,
+                                    current=permutation(8, 0, 2))
+        rejection = await h.wait_rejection(unranked)
+        assert "holds no rank and world_size" in rejection["reason"]
+        assert [r["file"] for r in h.watcher.status()["rejections"]] == \
+            [wrong.to_json(), unranked.to_json()]
+        assert h.watcher.order.epoch == 1 and h.watcher.order.ranks == (0, 1)
+        # rank 0 moves on to epoch 2: rank 1 still counts, with the next order of its last
+        # good file (epoch 1)
+        first = publish_rank(h, 0, 2)
+        order = await wait_order(h, lambda o: o.epoch == 2)
+        assert order.ranks == (0, 1) and order.files == (first, previous)
+        assert order.current.tolist() == permutation(8, 0, 2).tolist()
+        assert order.next is None  # rank 1's epoch 3 is not known yet
+
+    run_with_watcher(tmp_path, body)
+
+
+def test_ranks_that_do_not_fit_are_left_out_and_a_plain_order_overrides_them(tmp_path, caplog):
+    async def body(h: Harness):
+        stale = publish_rank(h, 1, 0, world_size=4)  # a file of an earlier job
+        await wait_order(h, lambda o: o.ranks == (1,))
+        mine = publish_rank(h, 0, 3)
+        order = await wait_order(h, lambda o: o.epoch == 3)
+        assert order.ranks == (0,) and order.files == (mine,)
+        publication = h.watcher.status()["publications"][1]
+        assert publication["file"] == stale.to_json() and not publication["in_force"]
+        assert "world_size 4, but the newest publication" in publication["left_out"]
+        single = write_order_file(h.path, epoch=9, current=np.arange(8))
+        order = await wait_order(h, lambda o: o.epoch == 9)
+        assert order.ranks is None and order.files == (single,)
+        assert all(p["in_force"] == (p["path"] == "order.npz")
+                   for p in h.watcher.status()["publications"])
+
+    with caplog.at_level(logging.INFO, logger="cachefs.order_watch"):
+        run_with_watcher(tmp_path, body)
+    assert any("order.rank1.npz is not merged: world_size 4" in record.getMessage()
+               and record.levelno == logging.WARNING for record in caplog.records)
+
+
+def test_a_removed_rank_file_leaves_the_next_merge_but_not_the_order_in_force(tmp_path):
+    async def body(h: Harness):
+        publish_rank(h, 0, 1)
+        publish_rank(h, 1, 1)
+        await wait_order(h, lambda o: o.ranks == (0, 1))
+        rank_order_path(h.path, 1).unlink()
+        await h.watcher.check()
+        assert h.watcher.order.ranks == (0, 1)  # deleting changes nothing by itself
+        assert [p["path"] for p in h.watcher.status()["publications"]] == ["order.rank0.npz"]
+        publish_rank(h, 0, 1, seed=1)
+        assert (await wait_order(h, lambda o: o.file is not None)).ranks == (0,)
+
+    run_with_watcher(tmp_path, body)
+
+
+def test_ranks_publishing_with_their_own_manifest_objects_share_one(tmp_path):
+    paths = [f"img_{i:02d}.jpg" for i in range(8)][::-1]
+
+    async def body(h: Harness):
+        for rank in (0, 1):
+            write_order_file(rank_order_path(h.path, rank), epoch=0, current=np.arange(8),
+                             files=paths, rank=rank, world_size=2)
+        order = await wait_order(h, lambda o: o.ranks == (0, 1))
+        assert order.manifest.path(0) == b"img_07.jpg"
+        held = [p.order.manifest for p in h.watcher._by_rank.values()]
+        assert held[0] is held[1] is order.manifest
+
+    run_with_watcher(tmp_path, body)
