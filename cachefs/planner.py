@@ -68,14 +68,25 @@ class Planner:
     def set_order(self, order) -> bool:
         """Put a newly accepted order in force; True if a new epoch started.
 
-        Publishing the epoch that the planner already switched to by itself (same epoch, same
-        `current`) only adds the `next` order and keeps what was consumed, so a trainer that
-        publishes at the start of every epoch does not reset the window.
+        Two changes keep the plan's progress, so that publishing does not reset the window:
+        - the epoch the planner already switched to by itself (same epoch, same `current`)
+          only adds the `next` order, as a trainer that publishes every epoch does;
+        - a rank joined the merged order of the node (`_rank_joined`): ranks of one mount
+          publish one after another, and what the first ones read before the others
+          published stays read. One position per consumed item is marked consumed again.
+        Neither bumps `order_serial`: files open during the change keep consuming. Any other
+        order is a new plan.
         """
         same_epoch = (self.order is not None and order.epoch == self.epoch
                       and np.array_equal(order.current, self.current))
+        joined = not same_epoch and self._rank_joined(order)
         self.order = order
         manifest_len = len(order.manifest)
+        if joined:
+            consumed_items = self.current[self.consumed]
+            self._start(order.epoch, order.current, order.next, manifest_len, new_epoch=False)
+            self._consume_all(consumed_items)
+            return False
         if not same_epoch:
             self.order_serial += 1
             self._start(order.epoch, order.current, order.next, manifest_len)
@@ -85,10 +96,56 @@ class Planner:
         self.scan = self.cursor
         return False
 
+    def _rank_joined(self, order) -> bool:
+        """The new order is the plan in force with more ranks' slices merged in.
+
+        Same epoch, world size and manifest; its ranks include the ranks in force, and each of
+        those reads the same slice as in the plan (the merge's layout, cachefs.order.Order:
+        rank ranks[j] of k is current[j::k]). The plan's `current` is compared, not the old
+        order's, since the plan may have moved on to the old order's next epoch by itself.
+        """
+        old = self.order
+        if (old is None or order.epoch != self.epoch or old.ranks is None
+                or order.ranks is None or order.world_size != old.world_size
+                or not set(old.ranks) <= set(order.ranks)):
+            return False
+        if order.manifest is not old.manifest and not (
+                len(order.manifest) == len(old.manifest)
+                and np.array_equal(order.manifest.paths, old.manifest.paths)):
+            return False
+        old_k, new_k = len(old.ranks), len(order.ranks)
+        if len(self.current) % old_k or len(order.current) % new_k:
+            return False
+        return all(np.array_equal(self.current[j::old_k],
+                                  order.current[order.ranks.index(rank)::new_k])
+                   for j, rank in enumerate(old.ranks))
+
+    def _consume_all(self, items: np.ndarray) -> None:
+        """Consume each of `items` (repeats included) in the plan, vectorised.
+
+        An item the order holds once is marked at its position in one step; the few that it
+        holds more than once (rank padding) go through `consume`, which walks their positions.
+        """
+        unique, counts = np.unique(items, return_counts=True)
+        repeated = np.fromiter(self._later_positions, np.int64, len(self._later_positions))
+        simple = (counts == 1) & ~np.isin(unique, repeated)
+        positions = self.pos_cur[unique[simple]]
+        positions = positions[positions >= 0]
+        self.consumed[positions] = True
+        self.pos_cur[self.current[positions]] = -1
+        self.consumed_count += len(positions)
+        for item, count in zip(unique[~simple].tolist(), counts[~simple].tolist()):
+            for _ in range(count):
+                self.consume(item)
+        unconsumed = np.flatnonzero(~self.consumed)
+        self.cursor = int(unconsumed[0]) if len(unconsumed) else len(self.current)
+        self.scan = self.cursor
+
     def _start(self, epoch: int, current: np.ndarray, next_: np.ndarray | None,
-               manifest_len: int) -> None:
+               manifest_len: int, new_epoch: bool = True) -> None:
         self.epoch = epoch
-        self.epoch_serial += 1
+        if new_epoch:
+            self.epoch_serial += 1
         self.current = current
         self.next = next_
         self.consumed = np.zeros(len(current), bool)
@@ -98,7 +155,8 @@ class Planner:
         self.pos_cur = _positions(current, manifest_len)
         self.pos_next = _positions(next_, manifest_len)
         self._later_positions = _duplicates(current)
-        log.info("epoch %s: %d items in order, next order %s", epoch, len(current),
+        log.info("epoch %s%s: %d items in order, next order %s", epoch,
+                 "" if new_epoch else " (a rank joined)", len(current),
                  "known" if next_ is not None else "unknown")
 
     def switch_to_next(self) -> bool:

@@ -142,6 +142,96 @@ def test_set_order_with_a_new_epoch_or_other_current_restarts():
     assert planner.consumed_count == 0
 
 
+def merged(epoch, slices: dict, next_slices: dict | None = None, world_size=4,
+           manifest=MANIFEST) -> Order:
+    """The order cachefs.order_merge makes of these ranks' slices (interleaved by position)."""
+    ranks = tuple(sorted(slices))
+    current = np.stack([np.asarray(slices[r], np.int64) for r in ranks], axis=1).reshape(-1)
+    next_ = None
+    if next_slices is not None:
+        next_ = np.stack([np.asarray(next_slices[r], np.int64) for r in ranks],
+                         axis=1).reshape(-1)
+    return Order(epoch=epoch, current=current, next=next_, manifest=manifest, rank=ranks[-1],
+                 world_size=world_size, total_length=8, file=None, ranks=ranks)
+
+
+def test_a_rank_joining_keeps_what_was_consumed():
+    planner = Planner(100)
+    assert planner.set_order(merged(3, {1: [4, 5]}))
+    planner.consume(4)
+    serials = planner.order_serial, planner.epoch_serial
+    # rank 0 publishes the same epoch: the merge interleaves [0, 1] and [4, 5]
+    assert not planner.set_order(merged(3, {0: [0, 1], 1: [4, 5]}, {0: [1, 0], 1: [5, 4]}))
+    assert (planner.order_serial, planner.epoch_serial) == serials  # open files keep consuming
+    assert list(planner.current) == [0, 4, 1, 5]
+    assert planner.consumed.tolist() == [False, True, False, False]
+    assert planner.consumed_count == 1 and planner.cursor == 0
+    assert planner.next_use(4) == 4 + 3  # consumed: its place in the merged next order
+    # the window skips the consumed position; of the next order only item 4 is not ahead
+    assert list(planner.window()) == [(0, 0), (2, 1), (3, 5), (7, 4)]
+    planner.consume(0)
+    assert planner.cursor == 2
+    # and a third rank joining later keeps both ranks' progress
+    assert not planner.set_order(merged(3, {0: [0, 1], 1: [4, 5], 3: [6, 7]}))
+    assert list(planner.current) == [0, 4, 6, 1, 5, 7]
+    assert planner.consumed.tolist() == [True, True, False, False, False, False]
+    assert planner.cursor == 2 and planner.order_serial == serials[0]
+
+
+def test_a_rank_joining_after_the_automatic_switch_compares_the_plan():
+    planner = Planner(100)
+    planner.set_order(merged(3, {0: [0, 1]}, {0: [1, 0]}))
+    planner.consume(0)
+    assert planner.consume(1) and planner.switch_to_next()  # epoch 4 = rank 0's next slice
+    planner.consume(1)
+    assert not planner.set_order(merged(4, {0: [1, 0], 2: [6, 7]}))
+    assert planner.consumed.tolist() == [True, False, False, False]
+    assert planner.epoch == 4
+
+
+def test_a_rank_joining_carries_padding_repeats_over_once_each():
+    planner = Planner(100)
+    # rank 1 of 2 over 3 items: [o1, o0 (padding)]; rank 0 reads [o0, o2]
+    planner.set_order(merged(0, {1: [6, 5]}, world_size=2))
+    planner.consume(6)
+    planner.consume(5)
+    assert not planner.set_order(merged(0, {0: [5, 7], 1: [6, 5]}, world_size=2))
+    assert list(planner.current) == [5, 6, 7, 5]
+    # item 5 was read once: one of its two positions, the first, is consumed
+    assert planner.consumed.tolist() == [True, True, False, False]
+    assert planner.next_use(5) == 3 and planner.cursor == 2
+
+
+@pytest.mark.parametrize("change", ["epoch", "world_size", "fewer ranks", "other slice",
+                                    "unranked", "manifest"])
+def test_any_other_change_of_ranks_is_a_new_plan(change):
+    planner = Planner(100)
+    planner.set_order(merged(3, {0: [0, 1], 1: [4, 5]}))
+    planner.consume(0)
+    serial = planner.order_serial
+    new = {
+        "epoch": merged(4, {0: [0, 1], 1: [4, 5], 2: [2, 3]}),
+        "world_size": merged(3, {0: [0, 1], 1: [4, 5], 2: [2, 3]}, world_size=8),
+        "fewer ranks": merged(3, {0: [0, 1]}),
+        "other slice": merged(3, {0: [1, 0], 1: [4, 5], 2: [2, 3]}),
+        "unranked": order(3, [0, 4, 1, 5, 2, 3]),
+        "manifest": merged(3, {0: [0, 1], 1: [4, 5], 2: [2, 3]},
+                           manifest=Manifest.from_paths([f"g{i}" for i in range(8)])),
+    }[change]
+    assert planner.set_order(new)
+    assert planner.order_serial == serial + 1
+    assert planner.consumed_count == 0 and planner.cursor == 0
+
+
+def test_an_equal_manifest_object_of_another_publication_still_lets_a_rank_join():
+    planner = Planner(100)
+    planner.set_order(merged(3, {0: [0, 1]}))
+    planner.consume(0)
+    equal = Manifest.from_paths([f"f{i}" for i in range(8)])
+    assert not planner.set_order(merged(3, {0: [0, 1], 1: [4, 5]}, manifest=equal))
+    assert planner.consumed_count == 1
+
+
 def test_rank_padding_duplicates_are_consumed_once_per_occurrence():
     # DistributedSampler pads by repeating the start: item 5 occurs at positions 0 and 3
     planner = planner_with([5, 6, 7, 5], next_=[7, 5, 6])
