@@ -218,7 +218,8 @@ def _wait_for_exit(pid: int, timeout_s: float) -> None:
               help="Manifest: text file of relative paths, one per line.")
 @click.option("--seed", type=click.IntRange(min=0),
               help="Draw both orders with the documented generator instead.")
-@click.option("--rank", type=click.IntRange(min=0), help="This node's rank.")
+@click.option("--rank", type=click.IntRange(min=0),
+              help="This rank: publishes its own file, merged with the other ranks' files.")
 @click.option("--world-size", type=click.IntRange(min=1), help="Number of ranks.")
 @click.option("--timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
               help="Seconds to wait for the daemon to accept the order.")
@@ -245,7 +246,15 @@ def publish(mountpoint, epoch, current, next, files, seed, rank, world_size, tim
     except errors.OrderError as exc:
         _fail(f"order rejected: {exc}")
     click.echo(f"epoch {status['epoch']}: {status['length']} of {status['total_length']} "
-               f"items accepted")
+               f"items accepted{_merged_ranks(status)}")
+
+
+def _merged_ranks(order_status: dict) -> str:
+    """', ranks 0, 1 of 8 merged' for an order merged from several ranks' files, else ''."""
+    ranks = order_status.get("ranks") or ()
+    if len(ranks) < 2:
+        return ""
+    return f", ranks {', '.join(map(str, ranks))} of {order_status.get('world_size')} merged"
 
 
 # -- stats -------------------------------------------------------------------------------------
@@ -277,7 +286,8 @@ def format_stats(snapshot: dict) -> str:
     if order:
         lines.append(f"order: epoch {order.get('epoch')}, {order.get('consumed', 0)}/"
                      f"{order.get('length')} consumed, cursor {order.get('cursor', 0)}, "
-                     f"next {'known' if order.get('has_next') else 'unknown'}")
+                     f"next {'known' if order.get('has_next') else 'unknown'}"
+                     f"{_merged_ranks(order)}")
     else:
         lines.append("order: none published (plain caching)")
     rejection = snapshot.get("last_rejection")

@@ -2,10 +2,10 @@
 
 `CachefsSampler` replaces `RandomSampler` / `DistributedSampler` in a DataLoader. Each epoch it
 publishes to the mount (`cachefs.order.publish`) the whole order of that epoch as `current` and
-the order of the following epoch as `next`, with `rank` and `world_size`, and then yields
-exactly this rank's share of it. The daemon slices the published order itself
-(`pad(order)[rank::world_size]`, `cachefs.order.rank_slice`), so each node's mount prefetches
-only the files its own rank will read, and keeps in RAM the head of its next epoch.
+the order of the following epoch as `next`, with `rank` and `world_size` when there are
+several replicas, and then yields exactly this rank's share of it. The daemon slices the published order itself
+(`pad(order)[rank::world_size]`, `cachefs.order.rank_slice`), so a mount prefetches only the
+files of the ranks that publish to it, and keeps in RAM the head of their next epoch.
 
 Orders. With `shuffle=True` the order of epoch E is `cachefs.order.permutation(n, seed, E)`,
 the documented generator of `cachefs publish --seed`, so a trainer and the CLI agree on it;
@@ -24,7 +24,7 @@ would contradict the `next` order the daemon was told. Publishing waits until th
 accepted the file and raises `cachefs.errors.OrderError` with the daemon's reason otherwise.
 The DataLoader uses the sampler in the main process only, never in its workers, so publishing
 happens there. `mount=None` yields the same indices and publishes nothing: a reference pass
-over another copy of the data, or a rank that must not publish (see below).
+over another copy of the data, or a rank that must not publish.
 
 Indices. A DataLoader passes the sampler's indices to `dataset[i]`, while an order file holds
 indices into a manifest of paths. The mount's default manifest is every file under the source
@@ -39,20 +39,16 @@ the mount is a ValueError naming it: build the dataset on the mount, not on the 
 plain length, or a dataset without sample paths, nothing is published as `files` and the
 indices are into the mount's default manifest (sorted relative paths of the source).
 
-Several ranks per node. A mount follows one order file, and a newly accepted file replaces the
-order in force: the daemon does not merge orders. If every rank of a node publishes to one
-shared mount, each publication replaces the previous one (each is a different slice), the
-daemon restarts its epoch on every switch and prefetches one rank's slice while the others
-read theirs uncached; data stays correct, only the caching is lost. So either
-- give each rank its own mount of the source (own mount point and state directory, so own order
-  file and RAM budget): each rank publishes its own slice, as with one rank per node; or
-- let one process per node publish, and only when the data split is per node: local rank 0
-  passes `num_replicas=` the number of nodes and `rank=` the node index, the node's ranks
-  together read exactly `pad(order)[node::nodes]` (dividing it among themselves), and the other
-  local ranks use `mount=None`. With DistributedSampler's split by global rank, a node's ranks
-  read the positions p with `p % world_size` in the node's range of global ranks, which no
-  (rank, world_size) pair of the order file describes.
-Merging the slices of several ranks in the daemon is not implemented.
+Several ranks per node. The ranks of one node can share one mount: with more than one replica
+each rank publishes to its own file next to the mount's order file (`order.rank<R>.npz`), and
+the daemon merges the slices of the node's ranks into one order (`cachefs.order_merge`): it
+reads ahead, for every rank, the files that rank reads next, and the RAM budget serves them
+all. Ranks publishing at the same moment never overwrite each other, and when one rank publishes
+epoch e+1 before another, that other rank's epoch e+1 is taken from the `next` order it
+published with epoch e. This works with DistributedSampler's split by global rank, which gives
+a node's ranks positions that no single (rank, world_size) pair describes. Giving each rank a
+mount of its own still works too (each has its own state directory, order files and RAM
+budget). With one replica the sampler publishes the plain order file, without a rank.
 
 torch stays optional: `import cachefs` and `cachefs.order` never import torch; this module does.
 """
@@ -150,14 +146,19 @@ class CachefsSampler(Sampler[int]):
     def _publish_if_needed(self) -> None:
         if self.mount is None or self._published_epoch == self.epoch:
             return
+        # One replica publishes the plain order file; several each their own rank file, which
+        # the daemon merges with those of the other ranks sharing the mount.
+        distributed = self.num_replicas > 1
         status = order_mod.publish(self.mount, self.epoch, self.epoch_order(self.epoch),
                                    next=self.epoch_order(self.epoch + 1), files=self.files,
-                                   rank=self.rank, world_size=self.num_replicas,
+                                   rank=self.rank if distributed else None,
+                                   world_size=self.num_replicas if distributed else None,
                                    timeout_s=self.timeout_s)
         self._published_epoch = self.epoch
-        log.info("published epoch %d to %s: rank %d of %d reads %d of %d items",
-                 self.epoch, self.mount, self.rank, self.num_replicas, status["length"],
-                 status["total_length"])
+        log.info("published epoch %d to %s: rank %d of %d reads %d of %d items; the mount "
+                 "reads %d for ranks %s", self.epoch, self.mount, self.rank, self.num_replicas,
+                 self.num_samples, len(self.epoch_order(self.epoch)), status["length"],
+                 status.get("ranks"))
 
 
 def _length_of(dataset_or_len) -> int:

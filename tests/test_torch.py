@@ -2,7 +2,8 @@
 
 The end-to-end tests train a tiny CNN on an image-folder-like set of PNG files read through a
 real mount, compare every batch with the same loader reading the source, and read the mount's
-per-epoch stats; the two-rank test runs two gloo processes against two mounts of one source.
+per-epoch stats; the two-rank tests run two gloo processes, against two mounts of one source and
+against one mount that the two ranks share.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -316,3 +318,79 @@ def test_two_ranks_each_fetch_only_their_half(image_folder, mounter, tmp_path):
                 assert record["backend_bytes"] >= sizes[mine].sum(), record
             # and so well short of the whole data set, which the other rank reads
             assert record["backend_bytes"] < 0.6 * total_bytes, record
+
+
+def _shared_mount_rank_main(rank: int, world_size: int, port: int, mountpoint: str, source: str,
+                            epochs: int, results: str) -> None:
+    """One rank of a node whose ranks share one mount; the barriers stand for the gradient
+    all-reduce that keeps data-parallel ranks in step (every rank has published an epoch
+    before any reads it, and has read it before any publishes the next)."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
+    try:
+        dataset = ImageFiles(mountpoint)
+        sampler = CachefsSampler(dataset, mountpoint, seed=2)  # rank, world size from dist
+        seen = []
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            dist.barrier()
+            indices = list(sampler)
+            for index in indices:
+                path = Path(dataset.samples[index][0])
+                expected = Path(source) / path.relative_to(mountpoint)
+                assert path.read_bytes() == expected.read_bytes(), path
+            seen.append(indices)
+            dist.barrier()
+        np.save(Path(results) / f"shared{rank}.npy", np.array(seen))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_share_one_mount_and_the_daemon_merges_their_slices(image_folder, mounter,
+                                                                      tmp_path):
+    src, total_bytes = image_folder
+    mount = mounter(src, "--ram-cache", str(total_bytes // 2), "--block-size", "4KiB")
+    epochs, world_size = 3, 2
+    torch_mp.start_processes(_shared_mount_rank_main, nprocs=world_size, join=True,
+                             start_method="fork",
+                             args=(world_size, _free_port(), str(mount.mountpoint), str(src),
+                                   epochs, str(tmp_path)))
+    dataset = ImageFiles(src)
+    share = math.ceil(len(dataset) / world_size)
+    for rank in range(world_size):  # each rank read exactly its own slice
+        seen = np.load(tmp_path / f"shared{rank}.npy")
+        for epoch in range(epochs):
+            assert seen[epoch].tolist() == order_mod.rank_slice(
+                order_mod.permutation(len(dataset), 2, epoch), rank, world_size).tolist()
+    # each rank published its own file, and the mount's order is both slices merged
+    state = mount.order_file.parent
+    assert not mount.order_file.exists()
+    assert sorted(p.name for p in state.glob("order.rank*.npz")) == \
+        ["order.rank0.npz", "order.rank1.npz"]
+    stats = mount.stats()
+    order = stats["order"]
+    assert order["ranks"] == [0, 1] and order["world_size"] == world_size
+    assert order["length"] == world_size * share == order["total_length"]
+    assert len(order["files"]) == 2 and stats["rejections"] == []
+    assert all(p["in_force"] for p in stats["publications"])
+    assert order["epoch"] == epochs  # consumed the last epoch, moved on to its next order
+    for epoch in range(epochs):
+        record = wait_epoch_reads(mount, epoch, world_size * share)
+        assert record["reads"] == world_size * share, record  # one epoch record, both ranks
+        assert record["refetched_blocks"] == 0, record  # no file read twice from the source
+        assert record["backend_bytes"] <= total_bytes, record
+        if epoch == 0:  # every file of the data set once: the node reads all of it
+            assert record["backend_bytes"] == total_bytes, record
+        else:  # RAM kept the head of the merged next epoch for both ranks
+            assert record["hits_ram"] > 0, record
+            assert record["backend_bytes"] < total_bytes, record
+
+
+def wait_epoch_reads(mount, epoch: int, reads: int) -> dict:
+    """The epoch's record once `reads` releases are counted (RELEASE comes after close())."""
+    deadline = time.monotonic() + 10
+    while True:
+        record = epoch_record(mount.stats(), epoch)
+        if record["reads"] >= reads or time.monotonic() > deadline:
+            return record
+        time.sleep(0.02)
