@@ -208,10 +208,17 @@ class OrderWatcher:
                         for name, (rank, identity) in found.items()
                         if self._handled.get(name) != identity)
         accepted: list[Publication] = []
-        for _mtime_ns, name, rank, identity in landed:
-            publication = await self._load_one(name, rank, identity, accepted)
-            if publication is not None:
-                accepted.append(publication)
+        try:
+            for _mtime_ns, name, rank, identity in landed:
+                publication = await self._load_one(name, rank, identity, accepted)
+                if publication is not None:
+                    accepted.append(publication)
+        except BaseException:
+            # cancelled (unmount) before the merge: files accepted but not committed are
+            # loaded again by the next check, if there is one
+            for publication in accepted:
+                self._handled.pop(self._name(publication).name, None)
+            raise
         if accepted:
             self._put_in_force(accepted)
 
@@ -254,7 +261,6 @@ class OrderWatcher:
 
         `accepted`: the files of this check accepted so far, not committed yet.
         """
-        self._handled[name] = identity
         path = self.order_path.parent / name
         manifests = self._held_manifests(accepted)
         try:

@@ -155,10 +155,9 @@ class CachefsSampler(Sampler[int]):
                                    world_size=self.num_replicas if distributed else None,
                                    timeout_s=self.timeout_s)
         self._published_epoch = self.epoch
-        log.info("published epoch %d to %s: rank %d of %d reads %d of %d items; the mount "
-                 "reads %d for ranks %s", self.epoch, self.mount, self.rank, self.num_replicas,
-                 self.num_samples, len(self.epoch_order(self.epoch)), status["length"],
-                 status.get("ranks"))
+        log.info("published epoch %d to %s: rank %d of %d reads %d items; the mount's order "
+                 "has %d, for ranks %s", self.epoch, self.mount, self.rank, self.num_replicas,
+                 self.num_samples, status["length"], status.get("ranks"))
 
 
 def _length_of(dataset_or_len) -> int:
