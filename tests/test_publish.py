@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 from cachefs import order
 from cachefs.errors import OrderError
-from conftest import make_flat_dataset, run_cachefs
+from conftest import cachefs_cmd, make_flat_dataset, run_cachefs
 
 N_FILES = 60
 
@@ -132,3 +133,27 @@ def test_publish_to_a_directory_that_is_not_a_mount(tmp_path):
     assert done.returncode == 1 and "not a cachefs mount" in done.stderr
     done = run_cachefs("publish", tmp_path, "--epoch", 0, "--seed", 1, "--current", "x")
     assert done.returncode == 2
+
+
+def test_two_ranks_publish_to_one_mount_at_once_with_the_cli(dataset, mounter):
+    src, relpaths = dataset
+    mount = mounter(src)
+    publishers = [subprocess.Popen(cachefs_cmd("publish", mount.mountpoint, "--epoch", 3,
+                                               "--seed", 5, "--rank", rank, "--world-size", 2),
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                  for rank in (0, 1)]
+    outputs = [publisher.communicate(timeout=60) for publisher in publishers]
+    assert [publisher.returncode for publisher in publishers] == [0, 0], outputs
+    assert sorted(p.name for p in mount.state_dir.glob("order*.npz")) == \
+        ["order.rank0.npz", "order.rank1.npz"]
+    stats = mount.stats()
+    assert stats["order"]["ranks"] == [0, 1] and stats["order"]["length"] == N_FILES
+    assert stats["order"]["epoch"] == 3 and stats["order"]["has_next"]
+    assert run_cachefs("stats", mount.mountpoint).stdout.splitlines()[0] == \
+        f"order: epoch 3, 0/{N_FILES} consumed, cursor 0, next known, ranks 0, 1 of 2 merged"
+    # the node reads the whole permutation: both slices, interleaved
+    for index in order.permutation(N_FILES, 5, 3)[:6]:
+        assert (mount.mountpoint / relpaths[index]).read_bytes() == \
+            (src / relpaths[index]).read_bytes()
+    assert wait_for(lambda: mount.stats()["order"]["consumed"] == 6)
+    assert mount.stats()["order"]["cursor"] == 6
