@@ -122,15 +122,17 @@ class Operations(pyfuse3.Operations):
     async def lookup(self, parent_inode, name, ctx=None):
         self._entry(parent_inode)  # ENOENT for a parent we do not know
         relpath = self.inodes.child_path(parent_inode, name)
-        st = await self.source.lstat(relpath)
-        inode = self.inodes.remember(relpath, st, lookup=True)
+        # a file just read ahead is answered from the fstat of that read: no round trip
+        st, stat_time_s = await self.source.lstat_recent(relpath, self.metadata_ttl_s)
+        inode = self.inodes.remember(relpath, st, lookup=True, stat_time_s=stat_time_s)
         return self._attrs(inode, st)
 
     @_guarded
     async def getattr(self, inode, ctx=None):
         entry = self._entry(inode)
         if time.monotonic() - entry.stat_time_s > self.metadata_ttl_s:
-            self.inodes.update_stat(inode, await self.source.lstat(entry.relpath))
+            self.inodes.update_stat(inode, *await self.source.lstat_recent(
+                entry.relpath, self.metadata_ttl_s))
         return self._attrs(inode, entry.stat)
 
     def forget(self, inode_list):

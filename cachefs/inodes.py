@@ -52,10 +52,12 @@ class InodeTable:
         parent = self._entries[parent_inode].relpath
         return parent + b"/" + name if parent else name
 
-    def remember(self, relpath: bytes, st: os.stat_result, *, lookup: bool) -> int:
-        """Record `st` for `relpath` and return its inode; `lookup` counts a kernel reference."""
+    def remember(self, relpath: bytes, st: os.stat_result, *, lookup: bool,
+                 stat_time_s: float | None = None) -> int:
+        """Record `st` (taken at `stat_time_s`, default now) for `relpath` and return its
+        inode; `lookup` counts a kernel reference."""
         inode = self._inode_by_path.get(relpath)
-        now = time.monotonic()
+        now = time.monotonic() if stat_time_s is None else stat_time_s
         if inode is None:
             inode = self._next_inode
             self._next_inode += 1
@@ -73,10 +75,11 @@ class InodeTable:
         """The kernel took a reference without a lookup call (readdirplus)."""
         self._entries[inode].lookups += 1
 
-    def update_stat(self, inode: int, st: os.stat_result) -> None:
+    def update_stat(self, inode: int, st: os.stat_result,
+                    stat_time_s: float | None = None) -> None:
         entry = self._entries[inode]
         entry.stat = st
-        entry.stat_time_s = time.monotonic()
+        entry.stat_time_s = time.monotonic() if stat_time_s is None else stat_time_s
 
     def forget(self, inode: int, count: int) -> None:
         entry = self._entries.get(inode)

@@ -1,11 +1,12 @@
 """The slow source directory: every access to it, and nothing else.
 
 The source may be NFS, Lustre, sshfs or a spinning disk, where one call can take milliseconds.
-So every call runs in a worker thread (`trio.to_thread.run_sync`) under a
-`trio.CapacityLimiter`: the limiter's size is how many source requests are in flight at once,
-which is what hides the source's latency. There are two: read-ahead and warming
-(`background=True`) share `threads` slots, and what a reader is waiting for right now (a
-lookup, an open, a demand read) has `DEMAND_THREADS` slots of its own, so a reader's request
+So every call runs in a worker thread (`cachefs.threads.run_sync`, a leaner hop than
+`trio.to_thread.run_sync` for this, the daemon's busiest one) holding one of a fixed number of
+slots: that number is how many source requests are in flight at once, which is what hides the
+source's latency. There are two sets: read-ahead and warming (`background=True`) share
+`threads` slots, and what a reader is waiting for right now (a lookup, an open, a demand read)
+has `DEMAND_THREADS` slots of its own, so a reader's request
 never queues behind a full read-ahead window. Paths are relative and bytes (`b""` is the root),
 exactly as FUSE hands names to us, so no name is ever decoded.
 
@@ -15,6 +16,12 @@ block is served only while the source still has that identity; see `SourceIdenti
 Identities are made only by `identity_of`, which leaves the inode number out on FUSE sources
 (sshfs, rclone, s3fs...): those number inodes per mount and renumber them whenever the kernel
 forgets one (after `drop_caches`, or a remount), which would make every cached copy look stale.
+
+Stats are remembered (a bounded memo of the latest stat of each recently seen path, with the
+time it was taken), so that a lookup of a file the prefetcher has just read is answered from the
+fstat of that read instead of a second round trip: on network storage that round trip was the
+reader's whole wait per file once the data was read ahead. `lstat_recent` is the only reader of
+the memo, and it honours the caller's `max_age_s` (the mount's metadata TTL).
 
 `delay_s` is a testing aid (`--source-delay-ms`): it sleeps before every open and every read,
 in the worker thread, to turn a fast local directory into a slow one.
@@ -29,12 +36,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-import trio
+from cachefs import threads as threads_mod
 
 log = logging.getLogger(__name__)
 
 
 DEMAND_THREADS = 8
+# Paths whose latest stat is remembered: a read-ahead window is tens of files, and a lookup
+# follows its prefetch within a window's time, so a few thousand covers any window with room.
+RECENT_STATS = 8192
 
 
 class SourceIdentity(NamedTuple):
@@ -51,6 +61,7 @@ class BlockData:
 
     data: bytes
     identity: SourceIdentity
+    stat: os.stat_result | None = None  # the fstat the identity came from
 
 
 class Source:
@@ -59,9 +70,11 @@ class Source:
     def __init__(self, root: Path, *, threads: int, delay_s: float = 0.0):
         self.root = os.fsencode(os.path.realpath(root))
         self.stable_inodes = not filesystem_type(self.root).startswith(b"fuse")
-        self.limiter = trio.CapacityLimiter(threads)
-        self.demand_limiter = trio.CapacityLimiter(DEMAND_THREADS)
+        self.background_slots = threads_mod.Slots(threads)
+        self.demand_slots = threads_mod.Slots(DEMAND_THREADS)
         self.delay_s = delay_s
+        # relpath -> (latest stat, time.monotonic() before it was asked), oldest first
+        self._recent_stats: dict[bytes, tuple[os.stat_result, float]] = {}
 
     def identity_of(self, st: os.stat_result) -> SourceIdentity:
         return SourceIdentity(st.st_size, st.st_mtime_ns, st.st_ino if self.stable_inodes else 0)
@@ -70,8 +83,8 @@ class Source:
         return self.root + b"/" + relpath if relpath else self.root
 
     async def _run(self, fn, *args, background: bool = False):
-        limiter = self.limiter if background else self.demand_limiter
-        return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
+        slots = self.background_slots if background else self.demand_slots
+        return await threads_mod.run_sync(slots, fn, *args)
 
     # -- metadata --------------------------------------------------------------------------
 
@@ -79,7 +92,27 @@ class Source:
         return os.lstat(self.full_path(relpath))
 
     async def lstat(self, relpath: bytes, *, background: bool = False) -> os.stat_result:
-        return await self._run(self.lstat_sync, relpath, background=background)
+        asked_s = time.monotonic()
+        st = await self._run(self.lstat_sync, relpath, background=background)
+        self._remember(relpath, st, asked_s)
+        return st
+
+    async def lstat_recent(self, relpath: bytes, max_age_s: float
+                           ) -> tuple[os.stat_result, float]:
+        """An lstat at most `max_age_s` old, and the time.monotonic() it was taken: the
+        remembered one if fresh enough (no round trip), else a new one."""
+        seen = self._recent_stats.get(relpath)
+        if seen is not None and time.monotonic() - seen[1] <= max_age_s:
+            return seen
+        asked_s = time.monotonic()
+        return await self.lstat(relpath), asked_s
+
+    def _remember(self, relpath: bytes, st: os.stat_result, asked_s: float) -> None:
+        recent = self._recent_stats
+        recent.pop(relpath, None)  # re-inserted last: the memo drops the oldest first
+        recent[relpath] = (st, asked_s)
+        if len(recent) > RECENT_STATS:
+            del recent[next(iter(recent))]
 
     def _scandir(self, relpath: bytes) -> list[tuple[bytes, os.stat_result]]:
         entries = []
@@ -130,7 +163,8 @@ class Source:
     def read_block_sync(self, relpath: bytes, block_index: int, block_bytes: int) -> BlockData:
         fd = self._open(relpath)
         try:
-            identity = self.identity_of(os.fstat(fd))
+            st = os.fstat(fd)
+            identity = self.identity_of(st)
             offset = block_index * block_bytes
             want = max(0, min(block_bytes, identity.size - offset))
             if self.delay_s:
@@ -138,12 +172,16 @@ class Source:
             data = _pread_full(fd, want, offset)
         finally:
             os.close(fd)
-        return BlockData(data, identity)
+        return BlockData(data, identity, st)
 
     async def read_block(self, relpath: bytes, block_index: int, block_bytes: int, *,
                          background: bool = False) -> BlockData:
-        return await self._run(self.read_block_sync, relpath, block_index, block_bytes,
-                               background=background)
+        asked_s = time.monotonic()
+        block = await self._run(self.read_block_sync, relpath, block_index, block_bytes,
+                                background=background)
+        # fstat of a file opened O_NOFOLLOW: what lstat would say of a regular file
+        self._remember(relpath, block.stat, asked_s)
+        return block
 
 
 def _pread_full(fd: int, size: int, offset: int) -> bytes:

@@ -199,10 +199,16 @@ class Run:
                     except OrderError as exc:
                         raise BenchError(f"{name}: publish failed: {exc}") from None
                 before = mount.totals()
+                cpu_before_s = mount.daemon_cpu_s()
                 result = self.pool.run(ReadTask(os.fsencode(mountpoint), self.orders[epoch],
                                                 workers=args.readers,
                                                 read_bytes=args.read_kb * KIB))
                 delta = benchlib.stats_delta(before, mount.totals())
+                cpu_after_s = mount.daemon_cpu_s()
+                if cpu_before_s is not None and cpu_after_s is not None and result.files:
+                    # what the daemon costs per file read, read-ahead and serving together
+                    delta["daemon_cpu_ms_per_file"] = round(
+                        (cpu_after_s - cpu_before_s) * 1e3 / result.files, 3)
                 hits = delta["hits_ram"] + delta["hits_ssd"]
                 self._record(name, fraction, epoch, result, gap_s=round(gap_s, 3),
                              stats=delta, hit_rate=hits / delta["reads"] if delta["reads"]
@@ -237,12 +243,13 @@ def markdown_report(run: Run) -> str:
                      stats.get("hits_ram"), stats.get("hits_ssd"), stats.get("prefetched"),
                      stats.get("misses"),
                      stats["backend_bytes"] / 1e6 if stats else None,
-                     stats.get("stall_s"),
+                     stats.get("stall_s"), stats.get("daemon_cpu_ms_per_file"),
                      f"{r['hit_rate']:.3f}" if r.get("hit_rate") is not None else None,
                      run.capacity_bound(r["cache_fraction"])])
     return benchlib.markdown_table(
         ["contender", "epoch", "time s", "files/s", "MB/s", "hits_ram", "hits_ssd",
-         "prefetched", "misses", "backend MB", "stall s", "hit rate", "C/N"], rows)
+         "prefetched", "misses", "backend MB", "stall s", "daemon CPU ms/file", "hit rate",
+         "C/N"], rows)
 
 
 def summary_table(run: Run) -> str:

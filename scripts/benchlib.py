@@ -363,12 +363,26 @@ class CachefsMount:
         """The epoch records' counters summed (an epoch switch mid-pass splits a pass)."""
         return stats_totals(self.stats())
 
+    def daemon_cpu_s(self) -> float | None:
+        """CPU seconds (user + system) the mount's daemon has used so far, from its pid file."""
+        try:
+            pid = json.loads((self.state_dir / "pid").read_text())["pid"]
+            return process_cpu_s(pid)
+        except (OSError, ValueError, KeyError):
+            return None
+
     def log_tail(self, lines: int = 20) -> str:
         try:
             text = (self.state_dir / "daemon.log").read_text(errors="replace")
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
+
+
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of a process, in seconds (proc(5): fields 14 and 15 of /proc/PID/stat)."""
+    after_name = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(after_name[11]) + int(after_name[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def stats_totals(snapshot: dict) -> dict:

@@ -1,0 +1,86 @@
+"""A blocking call in a worker thread, with as little trio machinery per call as a hop allows.
+
+Why not `trio.to_thread.run_sync` here: it is the right default, and the rest of cachefs uses
+it, but the source's hot path makes one call per file read ahead (hundreds to thousands a
+second, on a daemon that shares two cores with the storage client), and there its per-call
+machinery cost more CPU than the hop itself: a `CapacityLimiter` whose acquire and release
+each pass through the scheduler, a copied context, the `from_thread` plumbing.
+`scripts/bench_thread_hop.py` measures both in one run.
+
+`run_sync(slots, fn, *args)`:
+- takes a slot from `Slots`, a FIFO counting semaphore whose fast path (a slot is free) does
+  not yield, so the number of calls in flight stays bounded as with a limiter;
+- runs `fn(*args)` in trio's cache of idle threads (`trio.lowlevel.start_thread_soon`);
+- sleeps until the thread hands the outcome back through the trio token, and returns it or
+  raises its exception.
+
+Like `trio.to_thread.run_sync`'s default, a call cannot be cancelled once its thread runs: the
+caller waits for it (a mount shutting down waits for source calls in flight). Waiting for a
+slot can be cancelled.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from typing import Callable, TypeVar
+
+import outcome
+import trio
+
+T = TypeVar("T")
+
+
+class Slots:
+    """At most `total` holders at once; waiters are served first come, first served."""
+
+    def __init__(self, total: int):
+        if total < 1:
+            raise ValueError(f"Slots needs at least one slot, got {total}")
+        self.total = total
+        self.free = total
+        self._waiters: deque[trio.Event] = deque()
+
+    @property
+    def in_use(self) -> int:
+        return self.total - self.free
+
+    async def acquire(self) -> None:
+        if self.free and not self._waiters:
+            self.free -= 1
+            return
+        handed = trio.Event()
+        self._waiters.append(handed)
+        try:
+            await handed.wait()  # release() handed its slot to us
+        except BaseException:
+            if handed.is_set():
+                self.release()  # cancelled after the hand-over: pass the slot on
+            else:
+                self._waiters.remove(handed)
+            raise
+
+    def release(self) -> None:
+        if self._waiters:
+            self._waiters.popleft().set()  # the slot goes straight to the first waiter
+        else:
+            self.free += 1
+
+
+async def run_sync(slots: Slots, fn: Callable[..., T], *args) -> T:
+    """`fn(*args)` in a worker thread, holding one of `slots`; see the module docstring."""
+    await slots.acquire()
+    try:
+        task = trio.lowlevel.current_task()
+        token = trio.lowlevel.current_trio_token()
+
+        def deliver(result: outcome.Outcome) -> None:  # runs in the worker thread
+            token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+
+        # start_thread_soon captures fn's outcome (value or exception) and passes it to deliver
+        trio.lowlevel.start_thread_soon(functools.partial(fn, *args), deliver)
+        # returns fn's value or raises its exception (the outcome is unwrapped by trio)
+        return await trio.lowlevel.wait_task_rescheduled(
+            lambda _raise_cancel: trio.lowlevel.Abort.FAILED)
+    finally:
+        slots.release()
