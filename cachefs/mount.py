@@ -171,6 +171,7 @@ class Mount:
             "ram": self.ram.stats(),
             "ssd": ssd,
             "prefetch": self.prefetcher.status(),
+            "source": self.source.status(),
             "warm": self.warmer.status(),
         }
 

@@ -296,7 +296,8 @@ class Prefetcher:
                     (relpath, 0), None, item, demand=False,
                     expected_bytes=self._size_estimate(item))
                 if fetched is None:
-                    return  # no room any more: the loop will come back to it
+                    self._revisit(item, 0, None)
+                    return
                 identity, first_block = fetched.identity, 1
                 self._record_checked(item, identity)
                 self.poke()  # a size is known: the automatic window may change
@@ -311,7 +312,8 @@ class Prefetcher:
                     continue
                 fetched = await self.tiered.fetch(key, identity, item, demand=False)
                 if fetched is None:
-                    break  # no room any more: the loop will come back to it
+                    self._revisit(item, block_index, identity)
+                    break
                 self.meta.record(item, fetched.identity)
         except OSError as exc:
             # the reader will hit the same error on demand and get its errno
@@ -320,6 +322,15 @@ class Prefetcher:
         finally:
             self._inflight_items.discard(item)
             self.poke()
+
+    def _revisit(self, item: int, block_index: int, identity: SourceIdentity | None) -> None:
+        """A fetch came back without reading: if the block is worth keeping, RAM had no room
+        after all (it was promised elsewhere between the loop's check and the fetch's
+        reservation, e.g. to several files of unknown size started at once), so walk the
+        window again from the cursor, or the item would never be read ahead. A block not worth
+        keeping (its only use is next epoch's and the SSD holds it) is left to the SSD."""
+        if self.priority_of(item, block_index, identity) is not None:
+            self.planner.scan = self.planner.cursor
 
     def _needs_stat(self, relpath: bytes) -> bool:
         """A copy of the file is in RAM or on the SSD: it must be checked against a fresh stat

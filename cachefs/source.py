@@ -75,6 +75,9 @@ class Source:
         self.delay_s = delay_s
         # relpath -> (latest stat, time.monotonic() before it was asked), oldest first
         self._recent_stats: dict[bytes, tuple[os.stat_result, float]] = {}
+        # requests made to the source, by kind, and stats answered from the memo instead
+        self.requests = {"lstat": 0, "block_read": 0, "identity_check": 0, "listdir": 0}
+        self.stats_reused = 0
 
     def identity_of(self, st: os.stat_result) -> SourceIdentity:
         return SourceIdentity(st.st_size, st.st_mtime_ns, st.st_ino if self.stable_inodes else 0)
@@ -93,6 +96,7 @@ class Source:
 
     async def lstat(self, relpath: bytes, *, background: bool = False) -> os.stat_result:
         asked_s = time.monotonic()
+        self.requests["lstat"] += 1
         st = await self._run(self.lstat_sync, relpath, background=background)
         self._remember(relpath, st, asked_s)
         return st
@@ -103,9 +107,13 @@ class Source:
         remembered one if fresh enough (no round trip), else a new one."""
         seen = self._recent_stats.get(relpath)
         if seen is not None and time.monotonic() - seen[1] <= max_age_s:
+            self.stats_reused += 1
             return seen
         asked_s = time.monotonic()
         return await self.lstat(relpath), asked_s
+
+    def status(self) -> dict:
+        return {"requests": dict(self.requests), "stats_reused": self.stats_reused}
 
     def _remember(self, relpath: bytes, st: os.stat_result, asked_s: float) -> None:
         recent = self._recent_stats
@@ -127,6 +135,7 @@ class Source:
 
     async def listdir(self, relpath: bytes) -> list[tuple[bytes, os.stat_result]]:
         """Names and lstat results of one directory, sorted by name bytes."""
+        self.requests["listdir"] += 1
         return await self._run(self._scandir, relpath)
 
     async def readlink(self, relpath: bytes) -> bytes:
@@ -144,6 +153,7 @@ class Source:
 
     async def check_readable(self, relpath: bytes) -> SourceIdentity:
         """Open the file for reading (permission check, as the reader's open would) and fstat it."""
+        self.requests["identity_check"] += 1
         return await self._run(self._open_identity, relpath)
 
     def _open_identity(self, relpath: bytes) -> SourceIdentity:
@@ -177,6 +187,7 @@ class Source:
     async def read_block(self, relpath: bytes, block_index: int, block_bytes: int, *,
                          background: bool = False) -> BlockData:
         asked_s = time.monotonic()
+        self.requests["block_read"] += 1
         block = await self._run(self.read_block_sync, relpath, block_index, block_bytes,
                                 background=background)
         # fstat of a file opened O_NOFOLLOW: what lstat would say of a regular file

@@ -170,3 +170,16 @@ def test_tiers_stay_disjoint_when_readers_miss():
     second = result.epochs[1]
     assert second.boundary_ram_blocks > 0 and second.boundary_ram_on_ssd == 0
     assert second.refetched_blocks == 0 and classes_add_up(second)
+
+
+def test_a_long_explicit_lookahead_reads_every_file_ahead_before_sizes_are_known():
+    """`--lookahead N` starts up to `parallelism` fetches at once while no file size is known;
+    each reserves a whole block, so most find no room at first. They must be read ahead once
+    room is known to exist, not skipped (a skipped file became a miss)."""
+    result = simulate(SimConfig(items=200, item_bytes=30_000, ram_bytes=2 * 200 * 30_000,
+                                epochs=1, lookahead_items=200, latency_s=0.002,
+                                consume_s=0.01))
+    epoch = result.epochs[0]
+    # the reader opens the first file at once, before any read-ahead finished
+    assert epoch.misses <= 1 and epoch.prefetched >= 199, epoch
+    assert classes_add_up(epoch)
