@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from cachefs import threads as threads_mod
+from cachefs.recent import RecentMap
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,9 @@ class Source:
         self.background_slots = threads_mod.Slots(threads)
         self.demand_slots = threads_mod.Slots(DEMAND_THREADS)
         self.delay_s = delay_s
-        # relpath -> (latest stat, time.monotonic() before it was asked), oldest first
-        self._recent_stats: dict[bytes, tuple[os.stat_result, float]] = {}
+        # relpath -> (latest stat, time.monotonic() before it was asked)
+        self._recent_stats: RecentMap[bytes, tuple[os.stat_result, float]] = \
+            RecentMap(RECENT_STATS)
         # requests made to the source, by kind, and stats answered from the memo instead
         self.requests = {"lstat": 0, "block_read": 0, "identity_check": 0, "listdir": 0}
         self.stats_reused = 0
@@ -116,11 +118,7 @@ class Source:
         return {"requests": dict(self.requests), "stats_reused": self.stats_reused}
 
     def _remember(self, relpath: bytes, st: os.stat_result, asked_s: float) -> None:
-        recent = self._recent_stats
-        recent.pop(relpath, None)  # re-inserted last: the memo drops the oldest first
-        recent[relpath] = (st, asked_s)
-        if len(recent) > RECENT_STATS:
-            del recent[next(iter(recent))]
+        self._recent_stats.put(relpath, (st, asked_s))
 
     def _scandir(self, relpath: bytes) -> list[tuple[bytes, os.stat_result]]:
         entries = []

@@ -25,10 +25,12 @@ Fairness rules:
   before every timed epoch of every contender, so no one reads the source from RAM the others
   paid for. The time this takes between a mount's epochs is recorded as `gap_s`: an ordered
   mount reads ahead during it, as it would during a trainer's epoch-end work.
-- Per epoch: wall time, files/s, MB/s; for cachefs also the deltas of its stats (hits_ram,
-  hits_ssd, prefetched, misses, backend_bytes, stall_s) and the hit rate
-  (hits_ram + hits_ssd) / reads, against the capacity bound C/N (no policy can do better from
-  one epoch to the next with a new random permutation).
+- Per epoch: wall time, files/s, MB/s, and the machine's CPU time per file (every process:
+  reader, daemon, the storage's client and server, the kernel; on a machine of few cores the
+  CPU is what a fast contender runs out of); for cachefs also the deltas of its stats
+  (hits_ram, hits_ssd, prefetched, misses, backend_bytes, stall_s), the daemon's own CPU time
+  per file, and the hit rate (hits_ram + hits_ssd) / reads, against the capacity bound C/N (no
+  policy can do better from one epoch to the next with a new random permutation).
 
 Output: JSON with every figure, a Markdown table (printed and written), PNG plots of the epoch
 time and hit rate per contender (skipped with a message without matplotlib).
@@ -135,6 +137,13 @@ class Run:
         benchlib.drop_page_cache()
         return time.perf_counter() - started_s
 
+    def _read_pass(self, task: ReadTask):
+        """One timed pass, and the machine's CPU per file during it (ms, all processes)."""
+        busy_s = benchlib.machine_busy_s()
+        result = self.pool.run(task)
+        cpu_ms = (benchlib.machine_busy_s() - busy_s) * 1e3 / max(1, result.files)
+        return result, round(cpu_ms, 3)
+
     def _record(self, contender: str, fraction, epoch: int, result, **extra) -> dict:
         record = {"contender": contender, "cache_fraction": fraction, "epoch": epoch,
                   **result.to_json(), **extra}
@@ -165,9 +174,11 @@ class Run:
             shift = epoch % max(1, len(contenders))
             for name, shape in contenders[shift:] + contenders[:shift]:
                 gap_s = self._drop()
-                result = self.pool.run(ReadTask(root, self.orders[epoch], delay_s=self.delay_s,
-                                                read_bytes=self.args.read_kb * KIB, **shape))
-                self._record(name, None, epoch, result, gap_s=round(gap_s, 3))
+                result, cpu_ms = self._read_pass(ReadTask(
+                    root, self.orders[epoch], delay_s=self.delay_s,
+                    read_bytes=self.args.read_kb * KIB, **shape))
+                self._record(name, None, epoch, result, gap_s=round(gap_s, 3),
+                             machine_cpu_ms_per_file=cpu_ms)
 
     # -- cachefs -------------------------------------------------------------------------------
 
@@ -200,9 +211,9 @@ class Run:
                         raise BenchError(f"{name}: publish failed: {exc}") from None
                 before = mount.totals()
                 cpu_before_s = mount.daemon_cpu_s()
-                result = self.pool.run(ReadTask(os.fsencode(mountpoint), self.orders[epoch],
-                                                workers=args.readers,
-                                                read_bytes=args.read_kb * KIB))
+                result, cpu_ms = self._read_pass(ReadTask(
+                    os.fsencode(mountpoint), self.orders[epoch], workers=args.readers,
+                    read_bytes=args.read_kb * KIB))
                 delta = benchlib.stats_delta(before, mount.totals())
                 cpu_after_s = mount.daemon_cpu_s()
                 if cpu_before_s is not None and cpu_after_s is not None and result.files:
@@ -211,7 +222,7 @@ class Run:
                         (cpu_after_s - cpu_before_s) * 1e3 / result.files, 3)
                 hits = delta["hits_ram"] + delta["hits_ssd"]
                 self._record(name, fraction, epoch, result, gap_s=round(gap_s, 3),
-                             stats=delta, hit_rate=hits / delta["reads"] if delta["reads"]
+                             machine_cpu_ms_per_file=cpu_ms, stats=delta, hit_rate=hits / delta["reads"] if delta["reads"]
                              else None)
 
     def run_all(self) -> None:
@@ -243,12 +254,14 @@ def markdown_report(run: Run) -> str:
                      stats.get("hits_ram"), stats.get("hits_ssd"), stats.get("prefetched"),
                      stats.get("misses"),
                      stats["backend_bytes"] / 1e6 if stats else None,
-                     stats.get("stall_s"), stats.get("daemon_cpu_ms_per_file"),
+                     stats.get("stall_s"), r.get("machine_cpu_ms_per_file"),
+                     stats.get("daemon_cpu_ms_per_file"),
                      f"{r['hit_rate']:.3f}" if r.get("hit_rate") is not None else None,
                      run.capacity_bound(r["cache_fraction"])])
     return benchlib.markdown_table(
         ["contender", "epoch", "time s", "files/s", "MB/s", "hits_ram", "hits_ssd",
-         "prefetched", "misses", "backend MB", "stall s", "daemon CPU ms/file", "hit rate",
+         "prefetched", "misses", "backend MB", "stall s", "machine CPU ms/file",
+         "daemon CPU ms/file", "hit rate",
          "C/N"], rows)
 
 

@@ -385,6 +385,15 @@ def process_cpu_s(pid: int) -> float:
     return (int(after_name[11]) + int(after_name[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has spent not idle since boot (/proc/stat, all cores):
+    the reader, the daemon, the storage's client and server, the kernel."""
+    with open("/proc/stat") as f:
+        ticks = [int(value) for value in f.readline().split()[1:9]]
+    idle_ticks = ticks[3] + ticks[4]  # idle, iowait
+    return (sum(ticks) - idle_ticks) / os.sysconf("SC_CLK_TCK")
+
+
 def stats_totals(snapshot: dict) -> dict:
     totals = dict.fromkeys(STATS_KEYS, 0)
     for record in snapshot["epochs"]:

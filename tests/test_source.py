@@ -1,4 +1,4 @@
-"""The source's remembered stats and the worker-thread hop it runs on (no FUSE)."""
+"""The source's remembered stats, the short memories they use, and the worker-thread hop."""
 
 from __future__ import annotations
 
@@ -116,3 +116,16 @@ def test_a_call_cancelled_while_waiting_for_a_slot_gives_it_back():
         assert await threads.run_sync(slots, lambda: "ok") == "ok"
 
     trio.run(main)
+
+
+def test_recent_map_keeps_the_newest_keys():
+    from cachefs.recent import RecentMap
+
+    recent = RecentMap(2)
+    recent.put("a", 1)
+    recent.put("b", 2)
+    recent.put("a", 3)  # "a" is the newest now
+    recent.put("c", 4)  # drops "b", the oldest
+    assert dict(recent) == {"a": 3, "c": 4}
+    with pytest.raises(ValueError):
+        RecentMap(0)
