@@ -3,9 +3,10 @@
 `CachefsSampler` replaces `RandomSampler` / `DistributedSampler` in a DataLoader. Each epoch it
 publishes to the mount (`cachefs.order.publish`) the whole order of that epoch as `current` and
 the order of the following epoch as `next`, with `rank` and `world_size` when there are
-several replicas, and then yields exactly this rank's share of it. The daemon slices the published order itself
-(`pad(order)[rank::world_size]`, `cachefs.order.rank_slice`), so a mount prefetches only the
-files of the ranks that publish to it, and keeps in RAM the head of their next epoch.
+several replicas, and then yields exactly this rank's share of it. The daemon slices the
+published order itself (`pad(order)[rank::world_size]`, `cachefs.order.rank_slice`), so a mount
+prefetches only the files of the ranks that publish to it, and keeps in RAM the head of their
+next epoch.
 
 Orders. With `shuffle=True` the order of epoch E is `cachefs.order.permutation(n, seed, E)`,
 the documented generator of `cachefs publish --seed`, so a trainer and the CLI agree on it;

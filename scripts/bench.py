@@ -222,8 +222,8 @@ class Run:
                         (cpu_after_s - cpu_before_s) * 1e3 / result.files, 3)
                 hits = delta["hits_ram"] + delta["hits_ssd"]
                 self._record(name, fraction, epoch, result, gap_s=round(gap_s, 3),
-                             machine_cpu_ms_per_file=cpu_ms, stats=delta, hit_rate=hits / delta["reads"] if delta["reads"]
-                             else None)
+                             machine_cpu_ms_per_file=cpu_ms, stats=delta,
+                             hit_rate=hits / delta["reads"] if delta["reads"] else None)
 
     def run_all(self) -> None:
         self.run_direct()

@@ -132,7 +132,7 @@ def test_files_read_ahead_are_looked_up_and_read_without_asking_the_source_again
     order.publish(mount.mountpoint, 0, current)
     deadline = time.monotonic() + 60
     while mount.stats()["source"]["requests"]["block_read"] < N_FILES:
-        assert time.monotonic() < deadline, (mount.stats()["source"], mount.stats()["prefetch"], mount.stats()["ram"], mount.stats()["order"])
+        assert time.monotonic() < deadline, mount.stats()["source"]
         time.sleep(0.02)
     before = mount.stats()["source"]
     for index in current:
