@@ -20,6 +20,7 @@ from pathlib import Path
 import click
 
 from cachefs import __version__, errors
+from cachefs.client import mounted_paths
 from cachefs.config import (CacheConfig, MountConfig, PrefetchConfig, default_state_dir,
                             parse_size)
 
@@ -152,7 +153,7 @@ def _mount_daemon(config: MountConfig) -> None:
         if code is not None:
             tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
             _fail("mount failed:\n  " + "\n  ".join(tail), code or errors.EXIT_ERROR)
-        if mountpoint in mount_mod.mounted_paths():
+        if mountpoint in mounted_paths():
             click.echo(f"mounted {config.source} at {config.mountpoint} "
                        f"(pid {child.pid}, log {log_path})")
             return
@@ -169,8 +170,6 @@ def _mount_daemon(config: MountConfig) -> None:
               help="State directory given to mount, if not the default.")
 def umount(mountpoint, state_dir):
     """Unmount MOUNTPOINT, also one whose daemon died."""
-    from cachefs.mount import mounted_paths
-
     real = os.path.abspath(mountpoint)  # no realpath: it would stat a possibly stuck mount
     if real not in mounted_paths():
         _fail(f"{mountpoint} is not mounted")

@@ -43,8 +43,6 @@ import math
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -54,7 +52,8 @@ from typing import Callable
 
 import numpy as np
 
-from cachefs import __version__, ctrl
+from cachefs import __version__
+from cachefs.client import COUNTERS, MountError, MountProcess
 from cachefs.errors import CachefsError
 from cachefs.order import permutation, publish, scan_source
 
@@ -63,12 +62,9 @@ log = logging.getLogger(__name__)
 SOURCE_BLOCK_BYTES = 4 * 1024 * 1024  # the daemon's default block: one delay per block read
 READ_BUFFER_BYTES = 1024 * 1024
 CLASS_DIRS = 10
-MOUNT_WAIT_S = 90.0  # `cachefs mount` gives up after 60 s itself
-UMOUNT_WAIT_S = 30.0
 STATS_SETTLE_S = 5.0  # how long to wait for the kernel's last releases of an epoch
 STATS_POLL_S = 0.01
 JOIN_POLL_S = 0.1
-COUNTERS = ("reads", "hits_ram", "hits_ssd", "prefetched", "misses", "backend_bytes", "stall_s")
 JSON_NAME = "cachefs-demo.json"
 PNG_NAME = "cachefs-demo.png"
 
@@ -284,89 +280,12 @@ def read_epoch(paths: list[bytes], workers: int, delay_s: float,
 
 # -- the mount -----------------------------------------------------------------------------------
 
-def _cachefs_cmd(*args) -> list[str]:
-    return [sys.executable, "-m", "cachefs", *map(str, args)]
-
-
-def _mounted_paths() -> set[str]:
-    from cachefs.mount import mounted_paths  # imports pyfuse3: only when a mount is made
-
-    return mounted_paths()
-
-
-class _DemoMount:
-    """One daemonized `cachefs mount`, and a `stop` that never leaves it mounted."""
-
-    def __init__(self, source: Path, mountpoint: Path, state_dir: Path, args: list[str]):
-        self.source = source
-        self.mountpoint = mountpoint
-        self.state_dir = state_dir
-        self.args = args
-        self._starter: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.mountpoint.mkdir(parents=True, exist_ok=True)
-        cmd = _cachefs_cmd("mount", self.source, self.mountpoint, "--state-dir", self.state_dir,
-                           *self.args)
-        log.debug("starting %s", cmd)
-        # Its own session: a Ctrl-C in the terminal must not kill it half-way through
-        # starting a daemon that would then mount after we have cleaned up.
-        self._starter = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            output, _ = self._starter.communicate(timeout=MOUNT_WAIT_S)
-        except subprocess.TimeoutExpired:
-            raise DemoError(f"cachefs mount did not return within {MOUNT_WAIT_S:.0f} s; see "
-                            f"{self.state_dir / 'daemon.log'}") from None
-        if self._starter.returncode != 0:
-            raise DemoError(f"cachefs mount failed (exit {self._starter.returncode}):\n"
-                            + output.decode(errors="replace").strip())
-
-    @property
-    def mounted(self) -> bool:
-        return str(self.mountpoint) in _mounted_paths()
-
-    def stats(self) -> dict:
-        return ctrl.read_stats(self.mountpoint)
-
-    def stop(self) -> None:
-        """Unmount with `cachefs umount` (waits for the daemon); lazily if that fails."""
-        if self._starter is None:
-            return
-        if self._starter.poll() is None:
-            # interrupted while the mount was coming up: let it finish, then take it down
-            try:
-                self._starter.communicate(timeout=MOUNT_WAIT_S)
-            except subprocess.TimeoutExpired:
-                self._starter.kill()
-                self._starter.communicate()
-        if not self.mounted:
-            return
-        done = subprocess.run(_cachefs_cmd("umount", self.mountpoint, "--state-dir",
-                                           self.state_dir),
-                              capture_output=True, text=True, timeout=UMOUNT_WAIT_S + 10,
-                              start_new_session=True)
-        if done.returncode != 0 or self.mounted:
-            log.warning("cachefs umount %s failed (%s); detaching it", self.mountpoint,
-                        done.stderr.strip())
-            subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)],
-                           capture_output=True, timeout=UMOUNT_WAIT_S)
-
-
-def _stats_totals(snapshot: dict) -> dict:
-    totals = dict.fromkeys(COUNTERS, 0)
-    for record in snapshot["epochs"]:
-        for key in COUNTERS:
-            totals[key] += record.get(key, 0)
-    return totals
-
-
-def _settled_totals(mount: _DemoMount, before: dict, reads: int) -> dict:
+def _settled_totals(mount: MountProcess, before: dict, reads: int) -> dict:
     """Totals once the daemon has counted `reads` more reads (the kernel releases a file
     shortly after close), or whatever it has counted after STATS_SETTLE_S."""
     deadline = time.monotonic() + STATS_SETTLE_S
     while True:
-        totals = _stats_totals(mount.stats())
+        totals = mount.totals()
         if totals["reads"] - before["reads"] >= reads or time.monotonic() > deadline:
             return totals
         time.sleep(STATS_POLL_S)
@@ -407,13 +326,13 @@ def _run_direct(result: DemoResult, data_dir: Path, manifest_paths: np.ndarray,
                  f"{figures.files_per_s:7.0f} files/s")
 
 
-def _run_cachefs(result: DemoResult, mount: _DemoMount, manifest_paths: np.ndarray,
+def _run_cachefs(result: DemoResult, mount: MountProcess, manifest_paths: np.ndarray,
                  stop: threading.Event, progress: Progress) -> None:
     config = result.config
     n = len(manifest_paths)
     for epoch in range(config.epochs):
         current = permutation(n, config.seed, epoch)
-        before = _stats_totals(mount.stats())
+        before = mount.totals()
         started = time.perf_counter()
         # Part of the epoch's time: a trainer's sampler publishes before its first batch.
         publish(mount.mountpoint, epoch, current, next=permutation(n, config.seed, epoch + 1))
@@ -459,7 +378,7 @@ def run(config: DemoConfig, progress: Progress = lambda message: None) -> DemoRe
     """
     workdir = Path(tempfile.mkdtemp(prefix="cachefs-demo-"))
     data_dir = workdir / "data"
-    mount: _DemoMount | None = None
+    mount: MountProcess | None = None
     stop = threading.Event()
     succeeded = False
     try:
@@ -475,12 +394,15 @@ def run(config: DemoConfig, progress: Progress = lambda message: None) -> DemoRe
 
         _run_direct(result, data_dir, manifest.paths, stop, progress)
 
-        mount = _DemoMount(data_dir, workdir / "mnt", workdir / "state",
-                           _mount_args(config, ram_bytes, ssd_bytes, workdir / "ssd"))
+        mount = MountProcess(data_dir, workdir / "mnt", workdir / "state",
+                             _mount_args(config, ram_bytes, ssd_bytes, workdir / "ssd"))
         progress(f"mounting cachefs: RAM {ram_bytes / 1e6:.1f} MB"
                  + (f", SSD {ssd_bytes / 1e6:.1f} MB" if ssd_bytes else "")
                  + f", C/N = {result.capacity_fraction:.2f}")
-        mount.start()
+        try:
+            mount.start()
+        except MountError as exc:
+            raise DemoError(str(exc)) from None
         _run_cachefs(result, mount, manifest.paths, stop, progress)
         succeeded = True
     finally:

@@ -29,6 +29,7 @@ from cachefs.cache.ram import RamTier
 from cachefs.config import MountConfig
 from cachefs.ctrl import Control
 from cachefs.fuse_ops import Operations
+from cachefs.client import unescape_mountinfo, mounted_paths
 from cachefs.order import Manifest, load_order, scan_source
 from cachefs.order_watch import OrderWatcher
 from cachefs.reader import build_read_path
@@ -39,21 +40,6 @@ from cachefs.warm import Warmer
 log = logging.getLogger(__name__)
 
 READ_AHEAD_KB = 1024  # kernel read-ahead of the mount: 1 MiB requests double large-file MB/s
-
-
-def _unescape(field: bytes) -> bytes:
-    """Undo mountinfo's octal escapes (space, tab, newline, backslash)."""
-    return (field.replace(b"\\040", b" ").replace(b"\\011", b"\t")
-            .replace(b"\\012", b"\n").replace(b"\\134", b"\\"))
-
-
-def mounted_paths() -> set[str]:
-    """Mount points of this mount namespace, from /proc/self/mountinfo (dead FUSE mounts too).
-
-    Reading mountinfo never touches a mount, so it cannot hang on a stuck daemon.
-    """
-    with open("/proc/self/mountinfo", "rb") as f:
-        return {os.fsdecode(_unescape(line.split(b" ")[4])) for line in f}
 
 
 def check_startup(config: MountConfig) -> None:
@@ -227,7 +213,7 @@ def _raise_read_ahead(mountpoint: Path) -> None:
         with open("/proc/self/mountinfo", "rb") as f:
             for line in f:
                 fields = line.split(b" ")
-                if _unescape(fields[4]) == target:
+                if unescape_mountinfo(fields[4]) == target:
                     device = fields[2].decode()
         if device is None:
             return

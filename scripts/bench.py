@@ -210,12 +210,12 @@ class Run:
                     except OrderError as exc:
                         raise BenchError(f"{name}: publish failed: {exc}") from None
                 before = mount.totals()
-                cpu_before_s = mount.daemon_cpu_s()
+                cpu_before_s = benchlib.daemon_cpu_s(mount)
                 result, cpu_ms = self._read_pass(ReadTask(
                     os.fsencode(mountpoint), self.orders[epoch], workers=args.readers,
                     read_bytes=args.read_kb * KIB))
                 delta = benchlib.stats_delta(before, mount.totals())
-                cpu_after_s = mount.daemon_cpu_s()
+                cpu_after_s = benchlib.daemon_cpu_s(mount)
                 if cpu_before_s is not None and cpu_after_s is not None and result.files:
                     # what the daemon costs per file read, read-ahead and serving together
                     delta["daemon_cpu_ms_per_file"] = round(

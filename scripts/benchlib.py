@@ -16,8 +16,9 @@ shared/notes/fuse-hot-path.md):
   bytes past a page boundary copy at a fraction of the speed on these CPUs.
 - A delayed direct reader (`delay_s`) sleeps before every open and before every read request
   that still has data to return, as cachefs's `--source-delay-ms` does for its source.
-- `cachefs_mount` mounts with the real CLI (daemonized) and always unmounts, lazily if it must,
-  even when the benchmark fails or is interrupted.
+- `cachefs_mount` mounts with the real CLI (daemonized, `cachefs.client.MountProcess`, the
+  demo's too) and always unmounts, lazily if it must, even when the benchmark fails or is
+  interrupted.
 
 Nothing here prints; the scripts do.
 """
@@ -33,7 +34,6 @@ import multiprocessing
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -46,9 +46,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from cachefs import ctrl  # noqa: E402
+from cachefs.client import COUNTERS, MountError, MountProcess  # noqa: E402
 from cachefs.errors import OrderError  # noqa: E402
-from cachefs.mount import mounted_paths  # noqa: E402
 from cachefs.order import scan_source, source_file_count  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -59,9 +58,6 @@ GIB = 1024 * MIB
 POOL_BYTES = 64 * MIB  # random bytes that file contents are sliced from
 DEFAULT_READ_BYTES = 1 * MIB  # one read request of a reader
 MARKER_SUFFIX = ".bench-dataset.json"  # beside the data root, so not in its manifest
-MOUNT_TIMEOUT_S = 120.0
-STATS_KEYS = ("reads", "hits_ram", "hits_ssd", "prefetched", "misses", "backend_bytes",
-              "stall_s")
 
 
 class BenchError(Exception):
@@ -346,37 +342,13 @@ def median(values) -> float:
 
 # -- cachefs mounts ------------------------------------------------------------------------------
 
-def cachefs_command(*args) -> list[str]:
-    return [sys.executable, "-m", "cachefs", *map(str, args)]
-
-
-@dataclass
-class CachefsMount:
-    source: Path
-    mountpoint: Path
-    state_dir: Path
-
-    def stats(self) -> dict:
-        return ctrl.read_stats(self.mountpoint)
-
-    def totals(self) -> dict:
-        """The epoch records' counters summed (an epoch switch mid-pass splits a pass)."""
-        return stats_totals(self.stats())
-
-    def daemon_cpu_s(self) -> float | None:
-        """CPU seconds (user + system) the mount's daemon has used so far, from its pid file."""
-        try:
-            pid = json.loads((self.state_dir / "pid").read_text())["pid"]
-            return process_cpu_s(pid)
-        except (OSError, ValueError, KeyError):
-            return None
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            text = (self.state_dir / "daemon.log").read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+def daemon_cpu_s(mount: MountProcess) -> float | None:
+    """CPU seconds (user + system) the mount's daemon has used so far, from its pid file."""
+    try:
+        pid = json.loads((mount.state_dir / "pid").read_text())["pid"]
+        return process_cpu_s(pid)
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def process_cpu_s(pid: int) -> float:
@@ -394,30 +366,10 @@ def machine_busy_s() -> float:
     return (sum(ticks) - idle_ticks) / os.sysconf("SC_CLK_TCK")
 
 
-def stats_totals(snapshot: dict) -> dict:
-    totals = dict.fromkeys(STATS_KEYS, 0)
-    for record in snapshot["epochs"]:
-        for key in STATS_KEYS:
-            totals[key] += record.get(key, 0)
-    return totals
-
-
 def stats_delta(before: dict, after: dict) -> dict:
-    delta = {key: after[key] - before[key] for key in STATS_KEYS}
+    delta = {key: after[key] - before[key] for key in COUNTERS}
     delta["stall_s"] = round(delta["stall_s"], 6)
     return delta
-
-
-def _unmount(mountpoint: Path, state_dir: Path) -> None:
-    path = os.path.abspath(mountpoint)
-    if path not in mounted_paths():
-        return
-    done = subprocess.run(cachefs_command("umount", path, "--state-dir", state_dir),
-                          capture_output=True, text=True, timeout=60)
-    if path in mounted_paths():
-        log.warning("cachefs umount %s failed (%s); detaching lazily", path,
-                    (done.stderr or done.stdout).strip())
-        subprocess.run(["fusermount3", "-u", "-z", path], capture_output=True)
 
 
 @contextlib.contextmanager
@@ -425,29 +377,27 @@ def cachefs_mount(source: Path, mountpoint: Path, state_dir: Path, *, ram_bytes:
                   ssd_dir: Path | None = None, ssd_bytes: int = 0,
                   source_delay_ms: float = 0.0, extra_args=()):
     """Mount with `cachefs mount` (daemonized); always unmounted on the way out."""
-    mountpoint.mkdir(parents=True, exist_ok=True)
-    state_dir.mkdir(parents=True, exist_ok=True)
-    (state_dir / "order.npz").unlink(missing_ok=True)  # no order left over from a last run
-    _unmount(mountpoint, state_dir)  # a stale mount of an interrupted run
-    args = ["mount", source, mountpoint, "--state-dir", state_dir, "--ram-cache", ram_bytes]
+    args = ["--ram-cache", ram_bytes]
     if ssd_dir is not None:
         args += ["--ssd-cache", ssd_dir, "--ssd-size", ssd_bytes]
     if source_delay_ms:
         args += ["--source-delay-ms", source_delay_ms]
     args += list(extra_args)
-    mount = CachefsMount(source, mountpoint, state_dir)
+    mount = MountProcess(source, mountpoint, state_dir, args)
+    mount.stop()  # a stale mount of an interrupted run
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / "order.npz").unlink(missing_ok=True)  # no order left over from a last run
     try:
-        done = subprocess.run(cachefs_command(*args), capture_output=True, text=True,
-                              timeout=MOUNT_TIMEOUT_S)
-        if done.returncode != 0:
-            raise BenchError(f"cachefs mount failed ({done.returncode}): "
-                             f"{(done.stderr or done.stdout).strip()}")
+        try:
+            mount.start()
+        except MountError as exc:
+            raise BenchError(str(exc)) from None
         yield mount
     finally:
-        _unmount(mountpoint, state_dir)
+        mount.stop()
 
 
-def wait_for_manifest(mount: CachefsMount, timeout_s: float = 300.0) -> int:
+def wait_for_manifest(mount: MountProcess, timeout_s: float = 300.0) -> int:
     """Files in the daemon's manifest, once it has scanned the source."""
     try:
         return source_file_count(mount.mountpoint, timeout_s)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cachefs.mount import mounted_paths  # noqa: F401 - also used by the tests through conftest
+from cachefs.client import mounted_paths  # noqa: F401 - also used by the tests through conftest
 
 MOUNT_TIMEOUT_S = 30.0
 

@@ -1,0 +1,131 @@
+"""Driving a daemonized mount from a program: start it, read its counters, stop it for sure.
+
+`cachefs demo` and the benchmarks (`scripts/benchlib.py`) mount with the real CLI, as a user
+does, and must never leave a mount behind, whatever happens while they run. This module is
+that one piece of code:
+
+- `MountProcess.start` runs `cachefs mount` (which returns once the kernel lists the mount) in
+  a session of its own, so that a Ctrl-C in the terminal cannot kill it half-way through
+  starting a daemon that would then mount after the caller has cleaned up;
+- `MountProcess.stop` lets a start still under way finish, then unmounts with
+  `cachefs umount` (which waits for the daemon to exit), and detaches lazily with
+  `fusermount3 -u -z` if that fails. It also takes down a stale mount left at the mount point
+  by an earlier, interrupted run;
+- `mounted_paths` reads the kernel's mount table without touching any mount, so it cannot
+  hang on a stuck daemon;
+- `stats_totals` sums the per-epoch counters of a `cachefs stats` snapshot (an epoch switch in
+  the middle of a pass splits the pass between two records).
+
+No pyfuse3 import: the CLI's `umount`, the demo and the benchmarks use this without loading
+the FUSE binding.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from cachefs import ctrl
+
+log = logging.getLogger(__name__)
+
+MOUNT_WAIT_S = 90.0  # `cachefs mount` gives up after 60 s itself
+UMOUNT_WAIT_S = 30.0
+# the per-epoch counters of `cachefs stats` (man/cachefs-stats.1), summed by stats_totals
+COUNTERS = ("reads", "hits_ram", "hits_ssd", "prefetched", "misses", "backend_bytes",
+            "stall_s")
+
+
+class MountError(Exception):
+    """`cachefs mount` failed or did not return; the message says why."""
+
+
+def unescape_mountinfo(field: bytes) -> bytes:
+    """Undo mountinfo's octal escapes (space, tab, newline, backslash)."""
+    return (field.replace(b"\\040", b" ").replace(b"\\011", b"\t")
+            .replace(b"\\012", b"\n").replace(b"\\134", b"\\"))
+
+
+def mounted_paths() -> set[str]:
+    """Mount points of this mount namespace, from /proc/self/mountinfo (dead FUSE mounts too).
+
+    Reading mountinfo never touches a mount, so it cannot hang on a stuck daemon.
+    """
+    with open("/proc/self/mountinfo", "rb") as f:
+        return {os.fsdecode(unescape_mountinfo(line.split(b" ")[4])) for line in f}
+
+
+def cachefs_command(*args) -> list[str]:
+    """The CLI, run with this interpreter (so a virtualenv's cachefs is the one run)."""
+    return [sys.executable, "-m", "cachefs", *map(str, args)]
+
+
+def stats_totals(snapshot: dict) -> dict:
+    """The epoch records' counters summed."""
+    totals = dict.fromkeys(COUNTERS, 0)
+    for record in snapshot["epochs"]:
+        for key in COUNTERS:
+            totals[key] += record.get(key, 0)
+    return totals
+
+
+class MountProcess:
+    """One daemonized `cachefs mount SOURCE MOUNTPOINT --state-dir STATE_DIR ARGS...`."""
+
+    def __init__(self, source: Path, mountpoint: Path, state_dir: Path, args=()):
+        self.source = Path(source)
+        self.mountpoint = Path(mountpoint)
+        self.state_dir = Path(state_dir)
+        self.args = [str(arg) for arg in args]
+        self._starter: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        cmd = cachefs_command("mount", self.source, self.mountpoint, "--state-dir",
+                              self.state_dir, *self.args)
+        log.debug("starting %s", cmd)
+        self._starter = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            output, _ = self._starter.communicate(timeout=MOUNT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            raise MountError(f"cachefs mount did not return within {MOUNT_WAIT_S:.0f} s; see "
+                             f"{self.state_dir / 'daemon.log'}") from None
+        if self._starter.returncode != 0:
+            raise MountError(f"cachefs mount failed (exit {self._starter.returncode}):\n"
+                             + output.decode(errors="replace").strip())
+
+    @property
+    def mounted(self) -> bool:
+        return os.path.abspath(self.mountpoint) in mounted_paths()
+
+    def stats(self) -> dict:
+        return ctrl.read_stats(self.mountpoint)
+
+    def totals(self) -> dict:
+        return stats_totals(self.stats())
+
+    def stop(self) -> None:
+        """Unmount (see the module docstring); nothing to do if nothing is mounted."""
+        if self._starter is not None and self._starter.poll() is None:
+            # interrupted while the mount was coming up: let it finish, then take it down
+            try:
+                self._starter.communicate(timeout=MOUNT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self._starter.kill()
+                self._starter.communicate()
+        if not self.mounted:
+            return
+        done = subprocess.run(cachefs_command("umount", os.path.abspath(self.mountpoint),
+                                              "--state-dir", self.state_dir),
+                              capture_output=True, text=True, timeout=UMOUNT_WAIT_S + 10,
+                              start_new_session=True)
+        if done.returncode != 0 or self.mounted:
+            log.warning("cachefs umount %s failed (%s); detaching it", self.mountpoint,
+                        (done.stderr or done.stdout).strip())
+            subprocess.run(["fusermount3", "-u", "-z", os.path.abspath(self.mountpoint)],
+                           capture_output=True, timeout=UMOUNT_WAIT_S)
