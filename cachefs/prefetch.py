@@ -106,7 +106,7 @@ class Prefetcher:
         self._manifest = None
         self._member = np.zeros(0, bool)  # items in the current or next order
         # relpath -> manifest index of files read ahead lately: an open finds its item without
-        # hashing the path (Manifest.index_of was a tenth of the daemon's CPU per file)
+        # hashing the path (Manifest.index_of was about 5% of the daemon's busy main thread)
         self._recent_items: RecentMap[bytes, int] = RecentMap(RECENT_ITEMS)
         self._inflight_items: set[int] = set()
         self._wake = trio.Event()
