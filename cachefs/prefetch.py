@@ -24,9 +24,12 @@ copy is only good for that identity). Either way the identity is fresh, off the 
 so a reader opening a prefetched file needs no round trip to the source to know its bytes are
 current.
 
-Window size: `--lookahead N` items, or automatically `source_threads` items, at most a quarter
-of the RAM budget. A longer window hides no more latency once every source thread is busy, and
-each window slot taken is a slot of the next epoch's head not retained.
+Window size: `--lookahead N` items past the furthest item read, or automatically
+`source_threads` items, at most a quarter of the RAM budget. A longer window hides no more
+latency once every source thread is busy, and each window slot taken is a slot of the next
+epoch's head not retained. Readers spread over many positions (a DataLoader's workers each
+read a batch) stretch the window from the cursor to past the furthest read, up to a quarter of
+the RAM budget in all (`planner.max_span_items`, see planner.py).
 """
 
 from __future__ import annotations
@@ -175,7 +178,7 @@ class Prefetcher:
             self._member[order.next] = True
         if self.planner.set_order(order):
             self.stats.start_epoch(order.epoch)
-        self.planner.lookahead_items = self._lookahead()
+        self._size_window()
         self._rerank_all()
         self.poke()
 
@@ -193,8 +196,19 @@ class Prefetcher:
             # quarter: their blocks evicted each other and were read twice. One item, until
             # the first stat (a round trip later) gives the real mean.
             return 1
-        by_ram = self.ram.budget_bytes // 4 // max(1, self.meta.mean_size(self.block_bytes))
-        return max(1, min(self.max_inflight, by_ram))
+        return max(1, min(self.max_inflight, self._items_in_ram_quarter()))
+
+    def _items_in_ram_quarter(self) -> int:
+        """Items of the mean size in a quarter of the RAM budget: the most the window may span
+        (planner.max_span_items) when readers spread out, as a DataLoader's workers do."""
+        if self.meta.mean_size(-1) < 0:
+            return 1
+        return self.ram.budget_bytes // 4 // max(1, self.meta.mean_size(self.block_bytes))
+
+    def _size_window(self) -> None:
+        self.planner.lookahead_items = self._lookahead()
+        self.planner.max_span_items = max(self.planner.lookahead_items,
+                                          self._items_in_ram_quarter())
 
     @property
     def manifest(self):
@@ -249,10 +263,9 @@ class Prefetcher:
         planner = self.planner
         if not planner.active or self._manifest is None:
             return
-        if not self.configured_lookahead:
-            # The automatic window depends on file sizes, and at set_order none may be known
-            # yet: recompute it as sizes become known.
-            planner.lookahead_items = self._lookahead()
+        # The window depends on file sizes, and at set_order none may be known yet:
+        # recompute it as sizes become known.
+        self._size_window()
         estimate = self.meta.mean_size(self.block_bytes)
         for position, item in planner.window():
             if len(self._inflight_items) >= self.max_inflight:

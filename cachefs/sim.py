@@ -25,7 +25,9 @@ What is real and what is simulated. `simulate` builds the real `Planner`, `RamTi
 
 The consumer plays the trainer. For each epoch it publishes an `Order` (current = this
 epoch's permutation, next = the following one) through `prefetcher.set_order`, as the order
-watcher does, then `workers` tasks take positions in order from a shared counter and, per item:
+watcher does, then `workers` tasks take batches of `batch_items` positions in order from a
+shared counter (1: one position at a time; more: a DataLoader's workers, each reading a batch of
+its own) and, per item:
 open (with the identity check `fuse_ops.open` makes: a source round trip unless the prefetcher
 knows the file's identity from the last `metadata_ttl_s`), read the whole file in
 `request_bytes` requests as the kernel would, release, then compute for `consume_s`. A seeded
@@ -84,6 +86,9 @@ class SimConfig:
     consume_s: float = 0.0005  # compute per item, after its file is released
     open_jitter_s: float = 0.0  # uniform(0, jitter) per item, seeded, before its open
     workers: int = 1  # concurrent readers
+    # positions a worker takes at a time and reads in order: a DataLoader worker reads one
+    # batch of batch_items files while the other workers read the next batches
+    batch_items: int = 1
     lookahead_items: int = 0  # --lookahead; 0: automatic
     sequential_blocks: int = 4
     request_bytes: int = 128 * KIB  # one kernel read request
@@ -97,8 +102,9 @@ class SimConfig:
         return np.full(self.items, self.item_bytes, np.int64)
 
     def __post_init__(self):
-        if self.epochs < 1 or self.workers < 1 or self.parallelism < 1:
-            raise ValueError("epochs, workers and parallelism must be >= 1")
+        if (self.epochs < 1 or self.workers < 1 or self.parallelism < 1
+                or self.batch_items < 1):
+            raise ValueError("epochs, workers, parallelism and batch_items must be >= 1")
         if self.request_bytes < 1 or self.block_bytes < 1:
             raise ValueError("request_bytes and block_bytes must be positive")
 
@@ -385,10 +391,11 @@ class _Sim:
         started_s = trio.current_time()
         self.prefetcher.set_order(order)
         self.ram.observe()
-        positions = iter(range(n))
+        batch = self.config.batch_items
+        batches = iter([range(start, min(start + batch, n)) for start in range(0, n, batch)])
         async with trio.open_nursery() as nursery:
             for _ in range(self.config.workers):
-                nursery.start_soon(self._worker, epoch, order, positions, result)
+                nursery.start_soon(self._worker, epoch, order, batches, result)
         result.wall_s = trio.current_time() - started_s
         return result
 
@@ -399,27 +406,32 @@ class _Sim:
         on_ssd = sum(1 for key in kept if self.ssd is not None and key in self.ssd.entries)
         return len(kept), on_ssd
 
-    async def _worker(self, epoch: int, order: Order, positions, result: EpochResult) -> None:
+    async def _worker(self, epoch: int, order: Order, batches, result: EpochResult) -> None:
+        for batch in batches:
+            for position in batch:
+                await self._read_position(epoch, order, position, result)
+
+    async def _read_position(self, epoch: int, order: Order, position: int,
+                             result: EpochResult) -> None:
         config = self.config
-        for position in positions:
-            item = int(order.current[position])
-            if config.open_jitter_s:
-                await trio.sleep(self.jitter_s[epoch - 1, position])
-            handle = await self._open(item, result)
-            size = handle.identity.size
-            offset = 0
-            while offset < size:
-                request = min(config.request_bytes, size - offset)
-                data = await self.reader.read(handle, offset, request)
-                self._check(item, offset, data, request)
-                offset += request
-                self.ram.observe()
-            self.reader.release(handle)
-            result.origins[position] = handle.origin
-            result.completion.append(position)
-            result.stall_by_position[position] = handle.stall_s
+        item = int(order.current[position])
+        if config.open_jitter_s:
+            await trio.sleep(self.jitter_s[epoch - 1, position])
+        handle = await self._open(item, result)
+        size = handle.identity.size
+        offset = 0
+        while offset < size:
+            request = min(config.request_bytes, size - offset)
+            data = await self.reader.read(handle, offset, request)
+            self._check(item, offset, data, request)
+            offset += request
             self.ram.observe()
-            await trio.sleep(config.consume_s)
+        self.reader.release(handle)
+        result.origins[position] = handle.origin
+        result.completion.append(position)
+        result.stall_by_position[position] = handle.stall_s
+        self.ram.observe()
+        await trio.sleep(config.consume_s)
 
     async def _open(self, item: int, result: EpochResult):
         """`fuse_ops.open`: the reader's identity check (a round trip when nothing recent is
@@ -489,13 +501,15 @@ def main(argv=None) -> None:
     @click.option("--jitter-ms", default=0.0, show_default=True,
                   help="Random delay before each open.")
     @click.option("--workers", default=1, show_default=True, help="Concurrent readers.")
+    @click.option("--batch-items", default=1, show_default=True,
+                  help="Files a worker takes at a time and reads in order (a DataLoader batch).")
     @click.option("--lookahead", default=0, show_default=True, help="0: automatic.")
     @click.option("--block-kib", default=4096, show_default=True)
     @click.option("--metadata-ttl-s", default=1.0, show_default=True)
     @click.option("--seed", default=0, show_default=True)
     def command(items, item_kb, ram_fraction, ssd_fraction, epochs, latency_ms, parallelism,
-                bandwidth_mbs, consume_ms, jitter_ms, workers, lookahead, block_kib,
-                metadata_ttl_s, seed):
+                bandwidth_mbs, consume_ms, jitter_ms, workers, batch_items, lookahead,
+                block_kib, metadata_ttl_s, seed):
         """Simulate a training run over cachefs on virtual time and print per-epoch figures."""
         item_bytes = int(item_kb * 1000)
         data_bytes = items * item_bytes
@@ -504,7 +518,8 @@ def main(argv=None) -> None:
             ram_bytes=int(data_bytes * ram_fraction), ssd_bytes=int(data_bytes * ssd_fraction),
             block_bytes=block_kib * KIB, latency_s=latency_ms / 1e3, parallelism=parallelism,
             bandwidth_bytes_s=bandwidth_mbs * 1e6, consume_s=consume_ms / 1e3,
-            open_jitter_s=jitter_ms / 1e3, workers=workers, lookahead_items=lookahead,
+            open_jitter_s=jitter_ms / 1e3, workers=workers, batch_items=batch_items,
+            lookahead_items=lookahead,
             metadata_ttl_s=metadata_ttl_s, seed=seed)
         result = simulate(config)
         click.echo(result.table())

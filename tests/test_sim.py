@@ -183,3 +183,22 @@ def test_a_long_explicit_lookahead_reads_every_file_ahead_before_sizes_are_known
     # the reader opens the first file at once, before any read-ahead finished
     assert epoch.misses <= 1 and epoch.prefetched >= 199, epoch
     assert classes_add_up(epoch)
+
+
+def test_dataloader_workers_reading_batches_are_all_read_ahead():
+    """A DataLoader's workers each read a batch of their own, so reads spread over workers x
+    batch positions. The window reaches past the furthest read (within a quarter of RAM), not
+    just past the lowest unconsumed position: before, only the first worker's batch was read
+    ahead and most reads waited for the source (1239 misses of 2000 here, now 368)."""
+    n = 2000
+    result = simulate(SimConfig(items=n, item_bytes=ITEM_BYTES, ram_bytes=n * ITEM_BYTES // 4,
+                                epochs=2, latency_s=0.004, parallelism=32, consume_s=0.004,
+                                workers=8, batch_items=32))
+    for epoch in result.epochs:
+        assert classes_add_up(epoch)
+        assert epoch.misses < 0.25 * n, epoch
+        assert epoch.refetched_blocks == 0
+    # the retained head is untouched: a window is at most a quarter of RAM
+    assert result.epochs[1].hits_ram == n // 4
+    assert result.max_ram_used_bytes <= result.ram_budget_bytes
+    assert result.data_errors == 0
