@@ -5,7 +5,8 @@ Issue 6's suite. A data set (generated, or any directory given with `--source`) 
 every contender in the same run:
 
 - `direct-1`, `direct-N`: N reader processes on the source, worker i taking every N-th file
-  of the epoch's order, as a DataLoader's workers do;
+  of the epoch's order, or with `--batch-files B` every N-th batch of B files, as a
+  DataLoader's workers do (cachefs contenders read with the same readers);
 - `direct-Tthreads`: one process with T threads (default 32) on the source: the storage's own
   ceiling for parallel reads;
 - `cachefs-plain@F`: a cachefs mount with a RAM tier of F x the data set (and an SSD tier of
@@ -38,8 +39,8 @@ time and hit rate per contender (skipped with a message without matplotlib).
 Usage:
     python scripts/bench.py [--dataset small|mixed|shards] [--files N] [--file-kb KB]
         [--source DIR] [--source-delay-ms D] [--cache-fractions 0.25 0.5 1.0]
-        [--ssd-fraction F] [--epochs 3] [--readers 4] [--threads 32] [--out DIR]
-        [--no-drop-caches] [--smoke]
+        [--ssd-fraction F] [--epochs 3] [--readers 4] [--batch-files 1] [--threads 32]
+        [--out DIR] [--no-drop-caches] [--smoke]
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         default=list(CONTENDER_KINDS))
     parser.add_argument("--seed", type=int, default=0, help="seed of the epoch permutations")
     parser.add_argument("--read-kb", type=int, default=1024, help="read request size, KiB")
+    parser.add_argument("--batch-files", type=int, default=1,
+                        help="files a reader takes at a time (a DataLoader batch): reader i of "
+                             "N reads batches i, i+N, ... [1]")
     parser.add_argument("--mount-args", default="", help="extra arguments for cachefs mount")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/cachefs-bench"),
                         help="generated data sets, mount point, state, SSD tier")
@@ -176,7 +180,8 @@ class Run:
                 gap_s = self._drop()
                 result, cpu_ms = self._read_pass(ReadTask(
                     root, self.orders[epoch], delay_s=self.delay_s,
-                    read_bytes=self.args.read_kb * KIB, **shape))
+                    read_bytes=self.args.read_kb * KIB, batch_files=self.args.batch_files,
+                    **shape))
                 self._record(name, None, epoch, result, gap_s=round(gap_s, 3),
                              machine_cpu_ms_per_file=cpu_ms)
 
@@ -213,7 +218,7 @@ class Run:
                 cpu_before_s = benchlib.daemon_cpu_s(mount)
                 result, cpu_ms = self._read_pass(ReadTask(
                     os.fsencode(mountpoint), self.orders[epoch], workers=args.readers,
-                    read_bytes=args.read_kb * KIB))
+                    read_bytes=args.read_kb * KIB, batch_files=args.batch_files))
                 delta = benchlib.stats_delta(before, mount.totals())
                 cpu_after_s = benchlib.daemon_cpu_s(mount)
                 if cpu_before_s is not None and cpu_after_s is not None and result.files:

@@ -185,8 +185,10 @@ def drop_page_cache() -> None:
 class ReadTask:
     """One pass: read `order` (manifest indices) under `root` with `workers` processes.
 
-    Worker i takes positions i, i + workers, ... With `threads` > 1 a single worker reads the
-    whole order with that many threads instead.
+    The order is cut into batches of `batch_files` positions, and worker i reads batches i,
+    i + workers, ... each in order, as a DataLoader's workers do (with 1, positions i,
+    i + workers, ...). With `threads` > 1 a single worker reads the whole order with that many
+    threads instead.
     """
 
     root: bytes
@@ -195,6 +197,14 @@ class ReadTask:
     threads: int = 1
     delay_s: float = 0.0
     read_bytes: int = DEFAULT_READ_BYTES
+    batch_files: int = 1
+
+    def share(self, worker_index: int) -> np.ndarray:
+        """The manifest indices worker `worker_index` reads, in its reading order."""
+        batch = self.batch_files
+        starts = range(worker_index * batch, len(self.order), self.workers * batch)
+        return np.concatenate([self.order[start:start + batch] for start in starts]
+                              or [self.order[:0]])
 
 
 @dataclass
@@ -271,7 +281,7 @@ def _worker_main(connection, relpaths: list[bytes], worker_index: int) -> None:
             if task.threads > 1:
                 result = _read_threaded(task, relpaths)
             else:
-                result = _read_share(task, relpaths, task.order[worker_index::task.workers])
+                result = _read_share(task, relpaths, task.share(worker_index))
             connection.send(("ok", result))
         except BaseException:  # noqa: BLE001 - reported to the parent, which fails the run
             connection.send(("error", traceback.format_exc()))

@@ -146,3 +146,14 @@ def test_reader_pool_splits_an_order_between_workers(tmp_path):
             assert (result.files, result.bytes) == (9, 9000)
         with pytest.raises(benchlib.BenchError, match="reader failed"):
             pool.run(benchlib.ReadTask(bytes(tmp_path / "gone"), order, workers=2))
+
+
+def test_readers_split_an_order_as_dataloader_workers_do():
+    order = np.arange(100, 110)
+    by_batch = benchlib.ReadTask(b"/", order, workers=3, batch_files=2)
+    assert [by_batch.share(i).tolist() for i in range(3)] == \
+        [[100, 101, 106, 107], [102, 103, 108, 109], [104, 105]]
+    by_file = benchlib.ReadTask(b"/", order, workers=3)
+    assert [by_file.share(i).tolist() for i in range(3)] == \
+        [order[i::3].tolist() for i in range(3)]
+    assert benchlib.ReadTask(b"/", order[:2], workers=4).share(3).tolist() == []
