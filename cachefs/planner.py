@@ -13,8 +13,9 @@ needed soon lose to everything else and are dropped at once when their next use 
 head of the next epoch has the nearest next uses among consumed items, so it is what stays.
 
 Positions are "virtual": 0..N-1 walk the current order, N..N+M-1 the next one. The window is the
-virtual range [cursor, max(cursor, front) + lookahead), at most `max_span_items` long: the
-cursor is the lowest unconsumed position and the front the highest consumed one (plus one).
+virtual range [cursor, max(cursor, front) + max(lookahead, front - cursor)), at most
+`max_span_items` long: the cursor is the lowest unconsumed position and the front the highest
+consumed one (plus one).
 One reader in order keeps them together. A DataLoader's workers do not: each reads a batch of
 its own, so at any time they read positions spread over workers x batch size, and a window
 that followed only the cursor left all but the first worker reading without read-ahead (the
@@ -200,7 +201,10 @@ class Planner:
 
     def window_end(self) -> int:
         known = len(self.current) + (len(self.next) if self.next is not None else 0)
-        reach = max(self.cursor, self.front) + self.lookahead_items
+        # past the front by the lookahead, or by the readers' spread if wider: workers that
+        # finish a round of batches jump a spread ahead, and find the next round read ahead
+        spread = self.front - self.cursor
+        reach = max(self.cursor, self.front) + max(self.lookahead_items, spread)
         span = max(self.lookahead_items, self.max_span_items)
         return min(reach, self.cursor + span, known)
 
