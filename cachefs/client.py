@@ -14,7 +14,7 @@ that one piece of code:
 - `mounted_paths` reads the kernel's mount table without touching any mount, so it cannot
   hang on a stuck daemon;
 - `stats_totals` sums the per-epoch counters of a `cachefs stats` snapshot (an epoch switch in
-  the middle of a pass splits the pass between two records).
+  the middle of a pass splits the pass between two records); `stats_delta` subtracts two sums.
 
 No pyfuse3 import: the CLI's `umount`, the demo and the benchmarks use this without loading
 the FUSE binding.
@@ -70,6 +70,13 @@ def stats_totals(snapshot: dict) -> dict:
         for key in COUNTERS:
             totals[key] += record.get(key, 0)
     return totals
+
+
+def stats_delta(before: dict, after: dict) -> dict:
+    """The counters of `stats_totals` added between two snapshots (stall_s to the us)."""
+    delta = {key: after[key] - before[key] for key in COUNTERS}
+    delta["stall_s"] = round(delta["stall_s"], 6)
+    return delta
 
 
 class MountProcess:

@@ -53,7 +53,7 @@ from typing import Callable
 import numpy as np
 
 from cachefs import __version__
-from cachefs.client import COUNTERS, MountError, MountProcess
+from cachefs.client import MountError, MountProcess, stats_delta
 from cachefs.errors import CachefsError
 from cachefs.order import permutation, publish, scan_source
 
@@ -340,7 +340,7 @@ def _run_cachefs(result: DemoResult, mount: MountProcess, manifest_paths: np.nda
         read = read_epoch(_epoch_paths(mount.mountpoint, manifest_paths, current),
                           config.workers, 0.0, stop)
         after = _settled_totals(mount, before, n)
-        delta = {key: after[key] - before[key] for key in COUNTERS}
+        delta = stats_delta(before, after)
         figures = EpochFigures(epoch=epoch, time_s=publish_s + read.time_s, files=n,
                                bytes=read.bytes, io_s=read.io_s, reads=delta["reads"],
                                hits_ram=delta["hits_ram"], hits_ssd=delta["hits_ssd"],

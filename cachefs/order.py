@@ -232,6 +232,11 @@ class Manifest:
     def __len__(self) -> int:
         return len(self.paths)
 
+    def same_paths(self, other: "Manifest") -> bool:
+        """The same paths in the same order (the same object, or an equal copy)."""
+        return self is other or (len(self) == len(other)
+                                 and bool(np.array_equal(self.paths, other.paths)))
+
     def __repr__(self) -> str:
         return f"<Manifest of {len(self)} paths>"
 

@@ -100,14 +100,9 @@ def share_manifest(order: Order, manifests: Iterable[Manifest]) -> Order:
         if manifest is order.manifest:
             return order
     for manifest in manifests:
-        if _same_paths(manifest, order.manifest):
+        if manifest.same_paths(order.manifest):
             return dataclasses.replace(order, manifest=manifest)
     return order
-
-
-def _same_paths(first: Manifest, second: Manifest) -> bool:
-    return first is second or (len(first) == len(second)
-                               and bool(np.array_equal(first.paths, second.paths)))
 
 
 def merge(plain: Publication | None, by_rank: Mapping[int, Publication]) -> Merge | None:
@@ -148,7 +143,7 @@ def _epoch_slices(order: Order, decider: Order
     if order.world_size != decider.world_size:
         return (f"world_size {order.world_size}, but {newest} has world_size "
                 f"{decider.world_size} (a file of another job?)")
-    if not _same_paths(order.manifest, decider.manifest):
+    if not order.manifest.same_paths(decider.manifest):
         return f"its manifest differs from that of {newest}"
     if order.epoch == epoch:
         current, next_order = order.current, order.next

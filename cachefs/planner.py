@@ -118,9 +118,7 @@ class Planner:
                 or order.ranks is None or order.world_size != old.world_size
                 or not set(old.ranks) <= set(order.ranks)):
             return False
-        if order.manifest is not old.manifest and not (
-                len(order.manifest) == len(old.manifest)
-                and np.array_equal(order.manifest.paths, old.manifest.paths)):
+        if not order.manifest.same_paths(old.manifest):
             return False
         old_k, new_k = len(old.ranks), len(order.ranks)
         if len(self.current) % old_k or len(order.current) % new_k:

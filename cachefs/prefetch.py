@@ -187,28 +187,22 @@ class Prefetcher:
         for key, block in self.ram.blocks.items():
             block.item = self._manifest.index_of(key[0])
 
-    def _lookahead(self) -> int:
-        if self.configured_lookahead:
-            return self.configured_lookahead
-        if self.meta.mean_size(-1) < 0:
+    def _size_window(self) -> None:
+        """The window from the RAM budget and the mean file size seen so far: `--lookahead`, or
+        `source_threads` items, at most a quarter of RAM; and the most the window may span when
+        readers spread out, as a DataLoader's workers do (planner.max_span_items)."""
+        mean_size = self.meta.mean_size(-1)
+        if mean_size < 0:
             # No size known yet. Guessing one block per item let a data set of large files
             # (10 blocks each) start with a window of 25 items, ten times the RAM budget's
             # quarter: their blocks evicted each other and were read twice. One item, until
             # the first stat (a round trip later) gives the real mean.
-            return 1
-        return max(1, min(self.max_inflight, self._items_in_ram_quarter()))
-
-    def _items_in_ram_quarter(self) -> int:
-        """Items of the mean size in a quarter of the RAM budget: the most the window may span
-        (planner.max_span_items) when readers spread out, as a DataLoader's workers do."""
-        if self.meta.mean_size(-1) < 0:
-            return 1
-        return self.ram.budget_bytes // 4 // max(1, self.meta.mean_size(self.block_bytes))
-
-    def _size_window(self) -> None:
-        self.planner.lookahead_items = self._lookahead()
-        self.planner.max_span_items = max(self.planner.lookahead_items,
-                                          self._items_in_ram_quarter())
+            ram_quarter_items = 1
+        else:
+            ram_quarter_items = self.ram.budget_bytes // 4 // max(1, mean_size)
+        self.planner.lookahead_items = (self.configured_lookahead
+                                        or max(1, min(self.max_inflight, ram_quarter_items)))
+        self.planner.max_span_items = ram_quarter_items
 
     @property
     def manifest(self):

@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 from benchlib import KIB, BenchError, DatasetSpec, Manifest, ReaderPool, ReadTask  # noqa: E402
 
+from cachefs.client import stats_delta  # noqa: E402
 from cachefs.errors import OrderError  # noqa: E402
 from cachefs.order import permutation, publish  # noqa: E402
 
@@ -219,7 +220,7 @@ class Run:
                 result, cpu_ms = self._read_pass(ReadTask(
                     os.fsencode(mountpoint), self.orders[epoch], workers=args.readers,
                     read_bytes=args.read_kb * KIB, batch_files=args.batch_files))
-                delta = benchlib.stats_delta(before, mount.totals())
+                delta = stats_delta(before, mount.totals())
                 cpu_after_s = benchlib.daemon_cpu_s(mount)
                 if cpu_before_s is not None and cpu_after_s is not None and result.files:
                     # what the daemon costs per file read, read-ahead and serving together

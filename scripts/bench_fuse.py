@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 from benchlib import (GIB, KIB, MIB, BenchError, DatasetSpec, Manifest, PassResult,  # noqa: E402
                       ReaderPool, ReadTask)
+from cachefs.client import stats_delta  # noqa: E402
 
 log = logging.getLogger("bench_fuse")
 
@@ -145,7 +146,7 @@ def measure_config(args, cases: Cases, source: Path, ram_bytes: int, name: str,
                 for side in sides:
                     root = source if side == "direct" else mountpoint
                     figures[case][side].append(cases.run(case, root))
-        delta = benchlib.stats_delta(before, mount.totals())
+        delta = stats_delta(before, mount.totals())
         ram = mount.stats()["ram"]
     for case, sides in figures.items():
         sides["direct_median"] = benchlib.median(sides["direct"])

@@ -46,7 +46,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from cachefs.client import COUNTERS, MountError, MountProcess  # noqa: E402
+from cachefs.client import MountError, MountProcess  # noqa: E402
 from cachefs.errors import OrderError  # noqa: E402
 from cachefs.order import scan_source, source_file_count  # noqa: E402
 
@@ -374,12 +374,6 @@ def machine_busy_s() -> float:
         ticks = [int(value) for value in f.readline().split()[1:9]]
     idle_ticks = ticks[3] + ticks[4]  # idle, iowait
     return (sum(ticks) - idle_ticks) / os.sysconf("SC_CLK_TCK")
-
-
-def stats_delta(before: dict, after: dict) -> dict:
-    delta = {key: after[key] - before[key] for key in COUNTERS}
-    delta["stall_s"] = round(delta["stall_s"], 6)
-    return delta
 
 
 @contextlib.contextmanager
