@@ -307,6 +307,28 @@ def _inline_ssd_calls(ssd: SimSsd | None, latency_s: float):
         trio.to_thread.run_sync = original
 
 
+@contextlib.contextmanager
+def _seeded_scheduler(seed: int):
+    """Make trio's scheduling order a function of `seed` during a run.
+
+    trio shuffles each batch of runnable tasks with a module-level `random.Random` on purpose
+    (it shakes out code that relies on an order); with it unseeded, one trace gave a few
+    misses more or less from run to run, and the simulator's figures are meant to repeat.
+    The generator is trio's private `_core._run._r`: if a later trio moves it, runs are
+    simply not seeded. Its state is restored afterwards.
+    """
+    generator = getattr(getattr(trio._core, "_run", None), "_r", None)
+    if generator is None:
+        yield
+        return
+    state = generator.getstate()
+    generator.seed(seed)
+    try:
+        yield
+    finally:
+        generator.setstate(state)
+
+
 class _ObservedRamTier(RamTier):
     """The real RAM tier, noting the largest `used_bytes` after every change of it."""
 
@@ -466,7 +488,7 @@ class _Sim:
 def simulate(config: SimConfig) -> SimResult:
     """Run the trace on virtual time; see the module docstring."""
     sim = _Sim(config)
-    with _inline_ssd_calls(sim.ssd, config.ssd_latency_s):
+    with _inline_ssd_calls(sim.ssd, config.ssd_latency_s), _seeded_scheduler(config.seed):
         epochs = trio.run(sim.main, clock=trio.testing.MockClock(autojump_threshold=0))
     # backend reads of the window's next-epoch items count in the epoch that made them, until
     # the switch; read the counters once the run is over
