@@ -189,10 +189,10 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(entry.stat.st_mode)
                                     else errno.EINVAL)
         item = self._item_of(entry)
+        given = self.source.identity_of(entry.stat)  # what the kernel was told of the file
         recent = time.monotonic() - entry.stat_time_s <= self.metadata_ttl_s
-        handle = await self.reader.open(inode, entry.relpath, item,
-                                        self.source.identity_of(entry.stat) if recent else None)
-        if handle.identity != self.source.identity_of(entry.stat):
+        handle = await self.reader.open(inode, entry.relpath, item, given if recent else None)
+        if handle.identity != given:
             # the file changed since the kernel was given its attributes
             self.reader.tiered.source_changed(entry.relpath, handle.identity)
             self.inodes.update_stat(inode, await self.source.lstat(entry.relpath))
