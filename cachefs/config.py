@@ -98,7 +98,6 @@ class MountConfig:
     kernel_timeout_s: float = 300.0  # entry/attribute cache in the kernel (read-only data)
     metadata_ttl_s: float = 1.0  # how old a source stat may be when a file is opened
     source_delay_s: float = 0.0  # testing aid: added latency per source open and read
-    page_cache: bool = True  # hand files wholly in RAM to the kernel's page cache at open
 
     def __post_init__(self):
         if self.fuse_tasks < 1:

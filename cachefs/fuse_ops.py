@@ -8,24 +8,12 @@ its traceback, EIO. Write-like operations answer EROFS (the mount is also made w
 the kernel usually answers them itself).
 
 Attributes and entries are cached by the kernel for `kernel_timeout_s` (the data set is
-read-only while mounted), so a walk over 100k files reaches the daemon once per file. Opening a
-file revalidates its source identity when the one we know is older than `metadata_ttl_s`; a
-changed file drops its cached copies and the kernel's attributes for it.
-
-Page cache hand-over (`page_cache`, on by default). A small file costs the daemon four
-requests (LOOKUP, OPEN, READ, RELEASE), and on two cores each request's trip through the
-kernel, pyfuse3 and trio is what limits one reader, not the data copy. When the whole file is
-in the RAM tier at OPEN, the handler stores its bytes in the kernel's page cache
-(`pyfuse3.notify_store`) and opens with `keep_cache`: the reader's reads are answered by the
-kernel and no READ comes. The hand-over is the reader's read as far as the accounting goes (the
-hit is counted and the file consumed at OPEN), since the daemon sees nothing later. It is safe
-only when no other handle of the file is open: a READ in flight holds page locks in the kernel
-that `notify_store` would wait for on the very thread that must answer that READ (a deadlock
-measured in the four-reader test). Otherwise, and for every file not wholly in RAM, the open
-drops the file's pages (`keep_cache=False`) so that every read reaches the daemon and is
-counted. Pages are never stale: they hold either the bytes just handed over for the identity
-checked at this open, or are dropped at open. The page cache is the kernel's to reclaim, so
-files handed over may stay in memory beyond `--ram-cache` until reclaimed.
+read-only while mounted), so a walk over 100k files reaches the daemon once per file. Data is
+not kept in the kernel page cache across opens (`keep_cache=False`): every read of an order
+file reaches the reader, so consumption and hits are counted exactly and a block is not held
+twice in memory (once in the RAM tier, once in the page cache). Opening a file revalidates its
+source identity when the one we know is older than `metadata_ttl_s`; a changed file drops its
+cached copies and the kernel's attributes for it.
 """
 
 from __future__ import annotations
@@ -84,7 +72,7 @@ class Operations(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(self, source: Source, reader: Reader, control: Control, *,
-                 kernel_timeout_s: float, metadata_ttl_s: float, page_cache: bool = True):
+                 kernel_timeout_s: float, metadata_ttl_s: float):
         super().__init__()
         self.source = source
         self.reader = reader
@@ -92,9 +80,7 @@ class Operations(pyfuse3.Operations):
         self.kernel_timeout_s = kernel_timeout_s
         self.metadata_ttl_s = metadata_ttl_s
         self.inodes = InodeTable(os.lstat(source.root))
-        self.page_cache = page_cache
         self._files: dict[int, OpenFile] = {}
-        self._open_handles: dict[int, int] = {}  # inode -> handles open on it
         # open directories: fh -> (relpath, sorted entries read at opendir)
         self._dirs: dict[int, tuple[bytes, list[tuple[bytes, os.stat_result]]]] = {}
         self._next_fh = 1
@@ -206,33 +192,13 @@ class Operations(pyfuse3.Operations):
         given = self.source.identity_of(entry.stat)  # what the kernel was told of the file
         recent = time.monotonic() - entry.stat_time_s <= self.metadata_ttl_s
         handle = await self.reader.open(inode, entry.relpath, item, given if recent else None)
-        changed = handle.identity != given
-        if changed:
+        if handle.identity != given:
             # the file changed since the kernel was given its attributes
             self.reader.tiered.source_changed(entry.relpath, handle.identity)
             self.inodes.update_stat(inode, await self.source.lstat(entry.relpath))
         fh = self._new_fh()
         self._files[fh] = handle
-        others = self._open_handles.get(inode, 0)
-        self._open_handles[inode] = others + 1
-        handed_over = self.page_cache and not others and not changed and \
-            await self._hand_over(handle)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=handed_over)
-
-    async def _hand_over(self, handle: OpenFile) -> bool:
-        """Store a file held whole in RAM in the kernel's page cache, read by the reader as
-        far as the stats go; see the module docstring for when this is safe."""
-        data = self.reader.whole_in_ram(handle)
-        if data is None:
-            return False
-        try:
-            pyfuse3.notify_store(handle.inode, 0, data)
-        except OSError as exc:
-            log.debug("notify_store(%d): %s", handle.inode, exc)
-            return False
-        # a RAM hit never awaits: nothing changes between the lookup above and this read
-        await self.reader.read(handle, 0, len(data))
-        return True
+        return pyfuse3.FileInfo(fh=fh, keep_cache=False)
 
     def _item_of(self, entry) -> int:
         """The file's index in the order's manifest, searched once per manifest."""
@@ -253,9 +219,6 @@ class Operations(pyfuse3.Operations):
     async def release(self, fh):
         handle = self._files.pop(fh, None)
         if handle is not None:
-            left = self._open_handles.pop(handle.inode) - 1
-            if left:
-                self._open_handles[handle.inode] = left
             self.reader.release(handle)
 
     async def flush(self, fh):

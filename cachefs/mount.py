@@ -118,8 +118,7 @@ class Mount:
         self.control = Control(self.snapshot, config.order_file, self.warmer.request)
         self.ops = Operations(self.source, self.reader, self.control,
                               kernel_timeout_s=config.kernel_timeout_s,
-                              metadata_ttl_s=config.metadata_ttl_s,
-                              page_cache=config.page_cache)
+                              metadata_ttl_s=config.metadata_ttl_s)
 
     def _order_paths(self) -> list[bytes] | None:
         """The current order's files from the cursor on, for `cachefs warm --order`."""

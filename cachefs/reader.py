@@ -83,15 +83,6 @@ class Reader:
             self.prefetcher.record_identity(item, handle.identity)
         return handle
 
-    def whole_in_ram(self, handle: OpenFile) -> bytes | None:
-        """The file's bytes if it is one block, held in RAM for its current identity. No
-        side effects: the caller reads it with `read` to account for it."""
-        size = handle.identity.size
-        if not 0 < size <= self.block_bytes:
-            return None
-        block = self.tiered.lookup((handle.relpath, 0), handle.identity)
-        return None if block is None else block.data
-
     async def read(self, handle: OpenFile, offset: int, size: int) -> bytes:
         handle.read_called = True
         block_bytes = self.block_bytes

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import mmap
-import os
 import threading
 import time
 from pathlib import Path
@@ -122,64 +119,6 @@ def test_stats_json_has_the_documented_keys(dataset, mounter):
     assert set(stats) >= {"order", "last_rejection", "manifest", "epochs", "ram", "mount"}
 
 
-def wait_until_all_read_ahead(mount, files: int) -> None:
-    deadline = time.monotonic() + 60
-    while mount.stats()["source"]["requests"]["block_read"] < files:
-        assert time.monotonic() < deadline, mount.stats()["source"]
-        time.sleep(0.02)
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-
-
-def pages_in_page_cache(fd: int, size: int) -> tuple[int, int]:
-    """(resident, total) pages of an open file in the kernel's page cache, by mincore(2) on a
-    mapping of it; mapping a file reads none of it."""
-    address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    assert address not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
-    try:
-        total = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-        vector = ctypes.create_string_buffer(total)
-        assert _libc.mincore(address, size, vector) == 0, os.strerror(ctypes.get_errno())
-        return sum(byte & 1 for byte in vector.raw), total
-    finally:
-        _libc.munmap(address, size)
-
-
-@pytest.mark.parametrize("page_cache", [True, False])
-def test_a_file_wholly_in_ram_is_in_the_page_cache_once_opened(dataset, mounter, page_cache):
-    """With --page-cache, opening a file held in RAM hands its bytes to the kernel: they are in
-    the page cache before the reader reads anything, so no READ reaches the daemon; the stats
-    count the file as the reader's, exactly as without the hand-over."""
-    src, relpaths = dataset
-    mount = mounter(src, "--ram-cache", 2 * N_FILES * FILE_BYTES, "--lookahead", N_FILES,
-                    "--metadata-ttl", 600, "--page-cache" if page_cache else "--no-page-cache")
-    current = order.permutation(N_FILES, 0, 0)
-    order.publish(mount.mountpoint, 0, current)
-    wait_until_all_read_ahead(mount, N_FILES)
-    for index in current:
-        path = mount.mountpoint / relpaths[index]
-        consumed = mount.stats()["order"]["consumed"]
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            # the hand-over is the reader's read: the file is consumed at its open
-            assert mount.stats()["order"]["consumed"] - consumed == (1 if page_cache else 0)
-            resident, total = pages_in_page_cache(fd, FILE_BYTES)
-            assert resident == (total if page_cache else 0), (relpaths[index], resident, total)
-            data = b"".join(iter(lambda: os.read(fd, 1 << 20), b""))
-        finally:
-            os.close(fd)
-        assert data == (src / relpaths[index]).read_bytes()
-    record = epoch_record(mount, 0, reads=N_FILES)
-    assert record["reads"] == record["prefetched"] == N_FILES, record
-    assert record["misses"] == 0 and record["refetched_blocks"] == 0
-
-
 def test_files_read_ahead_are_looked_up_and_read_without_asking_the_source_again(
         dataset, mounter):
     """The read-ahead's own fstat answers the reader's lookup: a file read ahead costs the
@@ -191,7 +130,10 @@ def test_files_read_ahead_are_looked_up_and_read_without_asking_the_source_again
                     "--metadata-ttl", 600)
     current = order.permutation(N_FILES, 0, 0)
     order.publish(mount.mountpoint, 0, current)
-    wait_until_all_read_ahead(mount, N_FILES)
+    deadline = time.monotonic() + 60
+    while mount.stats()["source"]["requests"]["block_read"] < N_FILES:
+        assert time.monotonic() < deadline, mount.stats()["source"]
+        time.sleep(0.02)
     before = mount.stats()["source"]
     for index in current:
         relpath = relpaths[index]
