@@ -26,9 +26,10 @@ Fairness rules:
   before every timed epoch of every contender, so no one reads the source from RAM the others
   paid for. The time this takes between a mount's epochs is recorded as `gap_s`: an ordered
   mount reads ahead during it, as it would during a trainer's epoch-end work.
-- Per epoch: wall time, files/s, MB/s, and the machine's CPU time per file (every process:
-  reader, daemon, the storage's client and server, the kernel; on a machine of few cores the
-  CPU is what a fast contender runs out of); for cachefs also the deltas of its stats
+- Per epoch: wall time, files/s, MB/s, the readers' time per file in open() and in reads
+  (for one reader, where its time per file goes), the machine's CPU time per file (every
+  process: reader, daemon, the storage's client and server, the kernel; on a machine of few
+  cores the CPU is what a fast contender runs out of); for cachefs also the deltas of its stats
   (hits_ram, hits_ssd, prefetched, misses, backend_bytes, stall_s), the daemon's own CPU time
   per file, and the hit rate (hits_ram + hits_ssd) / reads, against the capacity bound C/N (no
   policy can do better from one epoch to the next with a new random permutation).
@@ -260,13 +261,15 @@ def markdown_report(run: Run) -> str:
                      stats.get("hits_ram"), stats.get("hits_ssd"), stats.get("prefetched"),
                      stats.get("misses"),
                      stats["backend_bytes"] / 1e6 if stats else None,
-                     stats.get("stall_s"), r.get("machine_cpu_ms_per_file"),
+                     stats.get("stall_s"), r.get("open_ms_per_file"),
+                     r.get("read_ms_per_file"), r.get("machine_cpu_ms_per_file"),
                      stats.get("daemon_cpu_ms_per_file"),
                      f"{r['hit_rate']:.3f}" if r.get("hit_rate") is not None else None,
                      run.capacity_bound(r["cache_fraction"])])
     return benchlib.markdown_table(
         ["contender", "epoch", "time s", "files/s", "MB/s", "hits_ram", "hits_ssd",
-         "prefetched", "misses", "backend MB", "stall s", "machine CPU ms/file",
+         "prefetched", "misses", "backend MB", "stall s", "open ms/file", "read ms/file",
+         "machine CPU ms/file",
          "daemon CPU ms/file", "hit rate",
          "C/N"], rows)
 

@@ -12,6 +12,8 @@ shared/notes/fuse-hot-path.md):
   sends each worker its share of an order (worker i of n takes positions i, i+n, ..., as a
   DataLoader's workers do) and is timed from sending the task to the last worker's answer.
   One worker can instead run a thread pool (the "32-thread reader", the storage's ceiling).
+- Readers time their open() and their reads of each file (`Waits`): for one reader, per-file
+  time is those two plus its own bookkeeping, so they show which requests a mount makes slow.
 - Every read goes into a page-aligned buffer (an anonymous mmap): reads into a buffer a few
   bytes past a page boundary copy at a fraction of the speed on these CPUs.
 - A delayed direct reader (`delay_s`) sleeps before every open and before every read request
@@ -39,7 +41,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -208,10 +210,25 @@ class ReadTask:
 
 
 @dataclass
+class Waits:
+    """Time a reader spent in open() and in its reads, summed over files: where one reader's
+    time per file goes (through a FUSE mount, open is a LOOKUP and an OPEN request, the
+    reads one READ per request size; close is not waited for, its RELEASE is sent after)."""
+
+    open_s: float = 0.0
+    read_s: float = 0.0
+
+    def add(self, other: "Waits") -> None:
+        self.open_s += other.open_s
+        self.read_s += other.read_s
+
+
+@dataclass
 class PassResult:
     wall_s: float
     files: int
     bytes: int
+    waits: Waits = field(default_factory=Waits)
 
     @property
     def files_per_s(self) -> float:
@@ -222,19 +239,26 @@ class PassResult:
         return self.bytes / 1e6 / self.wall_s if self.wall_s > 0 else math.inf
 
     def to_json(self) -> dict:
+        per_file_ms = 1e3 / max(1, self.files)
         return {"wall_s": round(self.wall_s, 6), "files": self.files, "bytes": self.bytes,
-                "files_per_s": round(self.files_per_s, 1), "mb_per_s": round(self.mb_per_s, 1)}
+                "files_per_s": round(self.files_per_s, 1), "mb_per_s": round(self.mb_per_s, 1),
+                "open_ms_per_file": round(self.waits.open_s * per_file_ms, 3),
+                "read_ms_per_file": round(self.waits.read_s * per_file_ms, 3)}
 
 
 def _aligned_buffer(size_bytes: int) -> memoryview:
     return memoryview(mmap.mmap(-1, max(size_bytes, mmap.PAGESIZE)))  # page-aligned
 
 
-def read_whole_file(path: bytes, buffer: memoryview, delay_s: float = 0.0) -> int:
-    """Read a file to its end in buffer-sized requests; returns the bytes read."""
+def read_whole_file(path: bytes, buffer: memoryview, delay_s: float = 0.0,
+                    waits: Waits | None = None) -> int:
+    """Read a file to its end in buffer-sized requests; returns the bytes read. With `waits`,
+    adds the time spent opening and reading to it."""
     if delay_s:
         time.sleep(delay_s)
+    opening_s = time.perf_counter()
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    reading_s = time.perf_counter()
     try:
         size = os.fstat(fd).st_size if delay_s else -1
         total = 0
@@ -243,33 +267,46 @@ def read_whole_file(path: bytes, buffer: memoryview, delay_s: float = 0.0) -> in
                 time.sleep(delay_s)  # a request that returns data; the EOF probe is free
             count = os.readv(fd, [buffer])
             if count == 0:
-                return total
+                break
             total += count
     finally:
+        if waits is not None:
+            done_s = time.perf_counter()
+            waits.open_s += reading_s - opening_s
+            waits.read_s += done_s - reading_s
         os.close(fd)
+    return total
 
 
-def _read_share(task: ReadTask, relpaths: list[bytes], share: np.ndarray) -> tuple[int, int]:
+def _read_share(task: ReadTask, relpaths: list[bytes], share: np.ndarray
+                ) -> tuple[int, int, Waits]:
     buffer = _aligned_buffer(task.read_bytes)
     root = task.root + b"/"
     total = 0
+    waits = Waits()
     for index in share.tolist():
-        total += read_whole_file(root + relpaths[index], buffer, task.delay_s)
-    return len(share), total
+        total += read_whole_file(root + relpaths[index], buffer, task.delay_s, waits)
+    return len(share), total, waits
 
 
-def _read_threaded(task: ReadTask, relpaths: list[bytes]) -> tuple[int, int]:
+def _read_threaded(task: ReadTask, relpaths: list[bytes]) -> tuple[int, int, Waits]:
     root = task.root + b"/"
     local = threading.local()
+    per_thread: list[Waits] = []
 
     def one(index: int) -> int:
         if not hasattr(local, "buffer"):
             local.buffer = _aligned_buffer(task.read_bytes)
-        return read_whole_file(root + relpaths[index], local.buffer, task.delay_s)
+            local.waits = Waits()
+            per_thread.append(local.waits)
+        return read_whole_file(root + relpaths[index], local.buffer, task.delay_s, local.waits)
 
     with ThreadPoolExecutor(task.threads) as pool:
         total = sum(pool.map(one, task.order.tolist(), chunksize=16))
-    return len(task.order), total
+    waits = Waits()
+    for thread_waits in per_thread:
+        waits.add(thread_waits)
+    return len(task.order), total, waits
 
 
 def _worker_main(connection, relpaths: list[bytes], worker_index: int) -> None:
@@ -309,18 +346,20 @@ class ReaderPool:
         for _, connection in self._workers[:used]:
             connection.send(task)
         files = total = 0
+        waits = Waits()
         errors = []
         for _, connection in self._workers[:used]:
             status, value = connection.recv()
             if status == "ok":
                 files += value[0]
                 total += value[1]
+                waits.add(value[2])
             else:
                 errors.append(value)
         wall_s = time.perf_counter() - started_s
         if errors:
             raise BenchError("a reader failed:\n" + errors[0])
-        return PassResult(wall_s, files, total)
+        return PassResult(wall_s, files, total, waits)
 
     def close(self) -> None:
         for process, connection in self._workers:

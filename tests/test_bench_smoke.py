@@ -80,6 +80,10 @@ def test_bench_smoke(tmp_path):
             assert r["files"] == files
             assert r["bytes"] == result["dataset"]["total_bytes"]
             assert r["wall_s"] > 0 and r["files_per_s"] > 0 and r["mb_per_s"] > 0
+            assert r["open_ms_per_file"] > 0 and r["read_ms_per_file"] > 0
+            if name == "direct-1":  # one reader: its waits are part of its wall time
+                assert (r["open_ms_per_file"] + r["read_ms_per_file"]) * files / 1e3 \
+                    <= r["wall_s"]
             if name.startswith("cachefs"):
                 stats = r["stats"]
                 assert stats["reads"] == files
