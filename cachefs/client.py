@@ -11,8 +11,9 @@ that one piece of code:
   `cachefs umount` (which waits for the daemon to exit), and detaches lazily with
   `fusermount3 -u -z` if that fails. It also takes down a stale mount left at the mount point
   by an earlier, interrupted run;
-- `mounted_paths` reads the kernel's mount table without touching any mount, so it cannot
-  hang on a stuck daemon;
+- `mountinfo` reads the kernel's mount table without touching any mount, so it cannot hang on
+  a stuck daemon; `mounted_paths` is its mount points (the daemon also takes a mount's device
+  and a source's file system type from it);
 - `stats_totals` sums the per-epoch counters of a `cachefs stats` snapshot (an epoch switch in
   the middle of a pass splits the pass between two records); `stats_delta` subtracts two sums.
 
@@ -27,6 +28,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from cachefs import ctrl
 
@@ -49,13 +51,32 @@ def unescape_mountinfo(field: bytes) -> bytes:
             .replace(b"\\012", b"\n").replace(b"\\134", b"\\"))
 
 
-def mounted_paths() -> set[str]:
-    """Mount points of this mount namespace, from /proc/self/mountinfo (dead FUSE mounts too).
+class MountInfo(NamedTuple):
+    """One line of /proc/self/mountinfo, the fields cachefs uses."""
+
+    point: bytes  # the mount point, unescaped
+    device: str  # "major:minor"
+    fstype: bytes  # the file system type, e.g. b"ext4", b"fuse.sshfs"
+
+
+def mountinfo() -> list[MountInfo]:
+    """Every mount of this mount namespace, from /proc/self/mountinfo (dead FUSE mounts too).
 
     Reading mountinfo never touches a mount, so it cannot hang on a stuck daemon.
     """
+    mounts = []
     with open("/proc/self/mountinfo", "rb") as f:
-        return {os.fsdecode(unescape_mountinfo(line.split(b" ")[4])) for line in f}
+        for line in f:
+            fields = line.split()
+            # the optional fields end with "-", followed by the file system type
+            mounts.append(MountInfo(unescape_mountinfo(fields[4]), fields[2].decode(),
+                                    fields[fields.index(b"-") + 1]))
+    return mounts
+
+
+def mounted_paths() -> set[str]:
+    """Mount points of this mount namespace (see `mountinfo`)."""
+    return {os.fsdecode(mount.point) for mount in mountinfo()}
 
 
 def cachefs_command(*args) -> list[str]:

@@ -26,10 +26,10 @@ import trio
 
 from cachefs import __version__, errors
 from cachefs.cache.ram import RamTier
+from cachefs.client import mounted_paths, mountinfo
 from cachefs.config import MountConfig
 from cachefs.ctrl import Control
 from cachefs.fuse_ops import Operations
-from cachefs.client import unescape_mountinfo, mounted_paths
 from cachefs.order import Manifest, load_order, scan_source
 from cachefs.order_watch import OrderWatcher
 from cachefs.reader import build_read_path
@@ -208,15 +208,12 @@ def _raise_read_ahead(mountpoint: Path) -> None:
     pyfuse3.main answers FUSE_INIT, any access to the mount would wait for this very process.
     """
     target = os.fsencode(os.path.abspath(mountpoint))
-    device = None
     try:
-        with open("/proc/self/mountinfo", "rb") as f:
-            for line in f:
-                fields = line.split(b" ")
-                if unescape_mountinfo(fields[4]) == target:
-                    device = fields[2].decode()
-        if device is None:
+        # the last line for the path: a mount over an earlier one at the same point
+        devices = [mount.device for mount in mountinfo() if mount.point == target]
+        if not devices:
             return
+        device = devices[-1]
         with open(f"/sys/class/bdi/{device}/read_ahead_kb", "w") as f:
             f.write(str(READ_AHEAD_KB))
     except OSError as exc:

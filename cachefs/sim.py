@@ -10,7 +10,7 @@ What is real and what is simulated. `simulate` builds the real `Planner`, `RamTi
 `Prefetcher`, `TieredCache`, `Reader` and `Stats` with `cachefs.reader.build_read_path`, the wiring
 `cachefs.mount.Mount` uses too. Only the edges are fakes:
 - `SimSource` has the interface the code uses from `cachefs.source.Source` (`read_block`,
-  `lstat`, `check_readable`, `limiter`). Every request holds one slot of a
+  `lstat`, `check_readable`, `identity_of`). Every request holds one slot of a
   `trio.CapacityLimiter(parallelism)` and sleeps `latency_s` (plus `size / bandwidth` when a
   per-request bandwidth is given). Payloads are zeros behind a short header naming the file and
   block, so the consumer checks that every read returns the right bytes.

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from cachefs import threads as threads_mod
+from cachefs.client import mountinfo
 from cachefs.recent import RecentMap
 
 log = logging.getLogger(__name__)
@@ -212,12 +213,10 @@ def _pread_full(fd: int, size: int, offset: int) -> bytes:
 def filesystem_type(path: bytes) -> bytes:
     """The type (mountinfo's field after " - ") of the mount holding `path`, e.g. b"ext4"."""
     best, fstype = b"", b""
-    with open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
-            fields = line.split()
-            point = fields[4]
-            if (path == point or path.startswith(point.rstrip(b"/") + b"/")) and \
-                    len(point) >= len(best):
-                best, fstype = point, fields[fields.index(b"-") + 1]
+    for mount in mountinfo():
+        point = mount.point
+        if (path == point or path.startswith(point.rstrip(b"/") + b"/")) and \
+                len(point) >= len(best):
+            best, fstype = point, mount.fstype
     return fstype
 
