@@ -173,7 +173,6 @@ class Mount:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             pyfuse3.init(self.ops, str(self.config.mountpoint), options)
             log.info("mounted %s at %s", self.config.source, self.config.mountpoint)
-            _raise_read_ahead(self.config.mountpoint)
             try:
                 async with trio.open_nursery() as nursery:
                     self.ops.bind(nursery)
@@ -183,6 +182,7 @@ class Mount:
                     await nursery.start(self.watcher.run)
                     await nursery.start(self.warmer.run)
                     nursery.start_soon(trio.to_thread.run_sync, self.source_manifest.get)
+                    nursery.start_soon(_raise_read_ahead, self.config.mountpoint)
                     await pyfuse3.main(min_tasks=1, max_tasks=self.config.fuse_tasks)
                     nursery.cancel_scope.cancel()
             finally:
@@ -201,14 +201,18 @@ async def _terminate_on_signal(signals) -> None:
         return
 
 
-def _raise_read_ahead(mountpoint: Path) -> None:
+async def _raise_read_ahead(mountpoint: Path) -> None:
     """Best effort (root only): 1 MiB kernel read-ahead for the mount's backing device.
 
-    The device comes from /proc/self/mountinfo, never from a stat of the mount point: until
-    pyfuse3.main answers FUSE_INIT, any access to the mount would wait for this very process.
+    Only once the kernel has our answer to FUSE_INIT: processing it sets the read-ahead from the
+    init parameters, over anything written before (the mount ran at the kernel's 128 KiB while
+    this was written right after `pyfuse3.init`). A stat of the mount point returns once INIT
+    is answered; it runs in a worker thread, since this process answers it. The device comes
+    from /proc/self/mountinfo.
     """
     target = os.fsencode(os.path.abspath(mountpoint))
     try:
+        await trio.to_thread.run_sync(os.stat, mountpoint, abandon_on_cancel=True)
         # the last line for the path: a mount over an earlier one at the same point
         devices = [mount.device for mount in mountinfo() if mount.point == target]
         if not devices:

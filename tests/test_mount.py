@@ -201,6 +201,23 @@ def test_kill_9_then_umount_recovers_the_mountpoint(tree, mounter):
     assert os.listdir(mount.mountpoint) == []
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root may set a device's read-ahead")
+def test_the_mount_reads_ahead_one_mebibyte(tree, mounter):
+    """man/cachefs-mount.1: run as root, the daemon sets the mount's kernel read-ahead to
+    1 MiB, after the kernel has applied its own at FUSE_INIT."""
+    from cachefs.client import mountinfo
+
+    mount = mounter(tree)
+    assert (mount.mountpoint / "one").read_bytes() == b"x"
+    target = os.fsencode(mount.mountpoint)
+    device = [m.device for m in mountinfo() if m.point == target][-1]
+    read_ahead = Path(f"/sys/class/bdi/{device}/read_ahead_kb")
+    deadline = time.monotonic() + 10
+    while read_ahead.read_text().strip() != "1024":
+        assert time.monotonic() < deadline, read_ahead.read_text()
+        time.sleep(0.05)
+
+
 def test_daemon_mode_returns_when_mounted(tree, tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
