@@ -250,7 +250,10 @@ def test_training_reads_the_same_batches_and_hits_the_cache(image_folder, mounte
             continue
         assert record["hits_ram"] + record["hits_ssd"] > 0, record
         if "ssd" in tiers:  # the SSD tier keeps what epoch 0 read: no source read after it
-            assert record["hits_ssd"] == len(on_mount) and record["backend_bytes"] == 0, record
+            # SSD admission is asynchronous: an item consumed before its entry was written
+            # stays in RAM for the next epoch (prefetch.priority_of), so some hits may be RAM's
+            assert record["hits_ram"] + record["hits_ssd"] == len(on_mount), record
+            assert record["hits_ssd"] > 0 and record["backend_bytes"] == 0, record
         else:  # RAM kept the head of this epoch; the rest came from the source again
             assert 0 < record["backend_bytes"] < total_bytes, record
 
