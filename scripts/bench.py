@@ -269,9 +269,7 @@ def markdown_report(run: Run) -> str:
     return benchlib.markdown_table(
         ["contender", "epoch", "time s", "files/s", "MB/s", "hits_ram", "hits_ssd",
          "prefetched", "misses", "backend MB", "stall s", "open ms/file", "read ms/file",
-         "machine CPU ms/file",
-         "daemon CPU ms/file", "hit rate",
-         "C/N"], rows)
+         "machine CPU ms/file", "daemon CPU ms/file", "hit rate", "C/N"], rows)
 
 
 def summary_table(run: Run) -> str:

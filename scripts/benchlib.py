@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from cachefs.client import MountError, MountProcess  # noqa: E402
 from cachefs.errors import OrderError  # noqa: E402
-from cachefs.order import scan_source, source_file_count  # noqa: E402
+from cachefs.order import rank_of_file_name, scan_source, source_file_count  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -429,7 +429,12 @@ def cachefs_mount(source: Path, mountpoint: Path, state_dir: Path, *, ram_bytes:
     mount = MountProcess(source, mountpoint, state_dir, args)
     mount.stop()  # a stale mount of an interrupted run
     state_dir.mkdir(parents=True, exist_ok=True)
-    (state_dir / "order.npz").unlink(missing_ok=True)  # no order left over from a last run
+    # no order left over from a last run: the plain order file, and any rank files, which the
+    # daemon would merge until the first publication
+    plain = state_dir / "order.npz"
+    for path in state_dir.iterdir():
+        if path == plain or rank_of_file_name(plain, path.name) is not None:
+            path.unlink()
     try:
         try:
             mount.start()
