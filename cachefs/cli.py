@@ -93,9 +93,11 @@ def cli():
               help="Seconds the kernel caches entries and attributes.")
 @click.option("--fuse-tasks", type=click.IntRange(min=1), default=16, show_default=True,
               help="Concurrent FUSE requests.")
+@click.option("--kernel-cache/--no-kernel-cache", default=True, show_default=True,
+              help="Serve cached files from the kernel's page cache.")
 def mount(source, mountpoint, foreground, debug, fuse_options, order_file, state_dir,
           ram_cache, block_size, lookahead, source_threads, ssd_cache, ssd_size,
-          source_delay_ms, metadata_ttl, kernel_timeout, fuse_tasks):
+          source_delay_ms, metadata_ttl, kernel_timeout, fuse_tasks, kernel_cache):
     """Mount SOURCE read-only at MOUNTPOINT."""
     unknown = [opt for opt in fuse_options if opt != "allow_other"]
     if unknown:
@@ -112,7 +114,7 @@ def mount(source, mountpoint, foreground, debug, fuse_options, order_file, state
             prefetch=PrefetchConfig(lookahead_items=lookahead, source_threads=source_threads),
             allow_other="allow_other" in fuse_options, debug=debug, fuse_tasks=fuse_tasks,
             kernel_timeout_s=kernel_timeout, metadata_ttl_s=metadata_ttl,
-            source_delay_s=source_delay_ms / 1000.0)
+            source_delay_s=source_delay_ms / 1000.0, kernel_cache=kernel_cache)
     except ValueError as exc:
         raise click.UsageError(str(exc))
     if foreground:

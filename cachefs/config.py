@@ -97,6 +97,9 @@ class MountConfig:
     fuse_tasks: int = 16  # pyfuse3 worker tasks: a miss holds one; hits never await
     kernel_timeout_s: float = 300.0  # entry/attribute cache in the kernel (read-only data)
     metadata_ttl_s: float = 1.0  # how old a source stat may be when a file is opened
+    # the kernel's page cache serves cached files (cachefs/pagecache.py); off: every READ
+    # reaches the daemon and no page is kept across opens
+    kernel_cache: bool = True
     source_delay_s: float = 0.0  # testing aid: added latency per source open and read
 
     def __post_init__(self):

@@ -8,12 +8,15 @@ its traceback, EIO. Write-like operations answer EROFS (the mount is also made w
 the kernel usually answers them itself).
 
 Attributes and entries are cached by the kernel for `kernel_timeout_s` (the data set is
-read-only while mounted), so a walk over 100k files reaches the daemon once per file. Data is
-not kept in the kernel page cache across opens (`keep_cache=False`): every read of an order
-file reaches the reader, so consumption and hits are counted exactly and a block is not held
-twice in memory (once in the RAM tier, once in the page cache). Opening a file revalidates its
-source identity when the one we know is older than `metadata_ttl_s`; a changed file drops its
-cached copies and the kernel's attributes for it.
+read-only while mounted), so a walk over 100k files reaches the daemon once per file.
+
+The kernel's page cache serves cached bytes (cachefs/pagecache.py, reader.py): an open is
+answered with keep_cache when the pages the kernel may hold of the file are of the version
+opened (`InodeEntry.page_identity`), and then a file the kernel holds whole is read with no
+READ. An open that must drop the kernel's pages (a first open, or the file changed) first
+waits for stores already queued for the inode, so no store of older bytes lands after it.
+Opening a file revalidates its source identity when the one we know is older than
+`metadata_ttl_s`; a changed file drops its cached copies and the kernel's attributes and pages.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import trio
 from cachefs import errors
 from cachefs.ctrl import Control
 from cachefs.inodes import ROOT_INODE, InodeTable
+from cachefs.pagecache import KernelPages
 from cachefs.reader import OpenFile, Reader
 from cachefs.source import Source, SourceIdentity
 
@@ -71,15 +75,16 @@ class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, source: Source, reader: Reader, control: Control, *,
-                 kernel_timeout_s: float, metadata_ttl_s: float):
+    def __init__(self, source: Source, reader: Reader, control: Control, inodes: InodeTable,
+                 kernel: KernelPages | None, *, kernel_timeout_s: float, metadata_ttl_s: float):
         super().__init__()
         self.source = source
         self.reader = reader
         self.control = control
+        self.kernel = kernel
         self.kernel_timeout_s = kernel_timeout_s
         self.metadata_ttl_s = metadata_ttl_s
-        self.inodes = InodeTable(os.lstat(source.root))
+        self.inodes = inodes
         self._files: dict[int, OpenFile] = {}
         # open directories: fh -> (relpath, sorted entries read at opendir)
         self._dirs: dict[int, tuple[bytes, list[tuple[bytes, os.stat_result]]]] = {}
@@ -137,7 +142,9 @@ class Operations(pyfuse3.Operations):
 
     def forget(self, inode_list):
         for inode, count in inode_list:
-            self.inodes.forget(inode, count)
+            relpath = self.inodes.forget(inode, count)
+            if relpath is not None:  # the kernel's pages of it went with the inode
+                self.reader.tiered.kernel_pages_gone(relpath)
 
     @_guarded
     async def readlink(self, inode, ctx):
@@ -188,17 +195,33 @@ class Operations(pyfuse3.Operations):
         if not stat.S_ISREG(entry.stat.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(entry.stat.st_mode)
                                     else errno.EINVAL)
+        entry.open_handles += 1  # from here on, nothing is pushed to the inode (inodes.py)
+        try:
+            return await self._open(inode, entry)
+        except BaseException:
+            entry.open_handles -= 1
+            raise
+
+    async def _open(self, inode: int, entry) -> pyfuse3.FileInfo:
         item = self._item_of(entry)
         given = self.source.identity_of(entry.stat)  # what the kernel was told of the file
         recent = time.monotonic() - entry.stat_time_s <= self.metadata_ttl_s
-        handle = await self.reader.open(inode, entry.relpath, item, given if recent else None)
+        pages_of = entry.page_identity if self.kernel is not None else None
+        handle = await self.reader.open(inode, entry.relpath, item, given if recent else None,
+                                        pages_of)
         if handle.identity != given:
             # the file changed since the kernel was given its attributes
             self.reader.tiered.source_changed(entry.relpath, handle.identity)
             self.inodes.update_stat(inode, await self.source.lstat(entry.relpath))
+        if not handle.keep_cache and self.kernel is not None:
+            # The kernel drops the inode's pages when this open is answered: stores of the
+            # pages of another version still queued must land before that, not after.
+            if entry.page_identity not in (None, handle.identity):
+                await self.kernel.drain()
+            entry.page_identity = handle.identity
         fh = self._new_fh()
         self._files[fh] = handle
-        return pyfuse3.FileInfo(fh=fh, keep_cache=False)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=handle.keep_cache)
 
     def _item_of(self, entry) -> int:
         """The file's index in the order's manifest, searched once per manifest."""
@@ -219,7 +242,9 @@ class Operations(pyfuse3.Operations):
     async def release(self, fh):
         handle = self._files.pop(fh, None)
         if handle is not None:
-            self.reader.release(handle)
+            entry = self.inodes.get(handle.inode)  # the kernel holds the inode while it is open
+            entry.open_handles -= 1
+            self.reader.release(handle, last=entry.open_handles == 0)
 
     async def flush(self, fh):
         # Nothing to flush on a read-only mount; ENOSYS makes the kernel stop sending FLUSH
@@ -256,7 +281,12 @@ class Operations(pyfuse3.Operations):
     def _source_changed(self, relpath: bytes, identity: SourceIdentity) -> None:
         """Drop the kernel's cached attributes and pages of a file that changed."""
         inode = self.inodes.inode_of(relpath)
-        if inode is not None and self._nursery is not None:
+        if inode is None:
+            return
+        self.inodes.get(inode).page_identity = None
+        if self.kernel is not None:
+            self.kernel.invalidate(inode)  # after any store queued before: one FIFO
+        elif self._nursery is not None:
             self._nursery.start_soon(self._invalidate, inode)
 
     async def _invalidate(self, inode: int) -> None:

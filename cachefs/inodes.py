@@ -7,6 +7,13 @@ saw with the monotonic time it was taken. That time is how `fuse_ops` decides wh
 identity must be re-checked at open (`metadata_ttl_s`): a changed source file is never served
 from a cache, yet an unchanged one costs no extra round trip to the source.
 
+It is also the daemon's record of what the kernel holds of each inode, for the kernel data
+plane (cachefs/pagecache.py): whether the kernel has the inode at all (a lookup count above
+zero), the handles open on it, and `page_identity`, the version of the file whose pages the kernel may hold (set when
+a file is opened or pushed, cleared when the source file changed). `store_target` is the one
+check before pages are stored: the kernel holds the inode, with attributes of the version
+stored (a store past the size the kernel holds would extend it) and no pages of another one.
+
 Invariant: `_inode_by_path[p] == i` iff `_entries[i].relpath == p`.
 """
 
@@ -29,10 +36,14 @@ class InodeEntry:
     # does not search the manifest again; a new manifest object means ask again.
     manifest: object = None
     manifest_index: int = -1
+    page_identity: object = None  # SourceIdentity of the pages the kernel may hold, or None
+    open_handles: int = 0  # opens answered or in progress, not yet released
 
 
 class InodeTable:
-    def __init__(self, root_stat: os.stat_result):
+    def __init__(self, root_stat: os.stat_result, identity_of=None):
+        # identity_of(stat) -> SourceIdentity: the source's (Source.identity_of)
+        self._identity_of = identity_of
         self._entries: dict[int, InodeEntry] = {
             ROOT_INODE: InodeEntry(b"", root_stat, time.monotonic(), lookups=1)}
         self._inode_by_path: dict[bytes, int] = {b"": ROOT_INODE}
@@ -81,12 +92,36 @@ class InodeTable:
         entry.stat = st
         entry.stat_time_s = time.monotonic() if stat_time_s is None else stat_time_s
 
-    def forget(self, inode: int, count: int) -> None:
+    def forget(self, inode: int, count: int) -> bytes | None:
+        """The kernel dropped `count` references; the relpath if it holds the inode no more
+        (and so none of its pages)."""
         entry = self._entries.get(inode)
         if entry is None or inode == ROOT_INODE:
-            return
+            return None
         entry.lookups -= count
-        if entry.lookups <= 0:
-            del self._entries[inode]
-            if self._inode_by_path.get(entry.relpath) == inode:
-                del self._inode_by_path[entry.relpath]
+        if entry.lookups > 0:
+            return None
+        del self._entries[inode]
+        if self._inode_by_path.get(entry.relpath) == inode:
+            del self._inode_by_path[entry.relpath]
+        return entry.relpath
+
+    # -- what the kernel holds (KernelInodes, cachefs.cache.tiered) ---------------------------
+
+    def store_target(self, relpath: bytes, identity) -> int | None:
+        inode = self._inode_by_path.get(relpath)
+        if inode is None:
+            return None
+        entry = self._entries[inode]
+        if entry.lookups <= 0 or self._identity_of(entry.stat) != identity:
+            return None
+        if entry.open_handles:
+            # An open answered without keep_cache makes the kernel drop the pages when it
+            # gets the answer, which a store queued now may precede or follow: the reader
+            # would read pages with no READ that the daemon can count. Push when no one reads.
+            return None
+        if entry.page_identity is None:
+            entry.page_identity = identity
+        elif entry.page_identity != identity:
+            return None
+        return inode

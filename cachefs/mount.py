@@ -30,8 +30,10 @@ from cachefs.client import mounted_paths, mountinfo
 from cachefs.config import MountConfig
 from cachefs.ctrl import Control
 from cachefs.fuse_ops import Operations
+from cachefs.inodes import InodeTable
 from cachefs.order import Manifest, load_order, scan_source
 from cachefs.order_watch import OrderWatcher
+from cachefs.pagecache import KernelPages
 from cachefs.reader import build_read_path
 from cachefs.source import Source
 from cachefs.stats import Stats
@@ -98,12 +100,17 @@ class Mount:
         if cache.ssd_dir is not None:
             from cachefs.cache.ssd import SsdTier  # only mounts with an SSD tier need it
             self.ssd = SsdTier(cache.ssd_dir, cache.ssd_bytes, cache.block_bytes)
+        self.inodes = InodeTable(os.lstat(self.source.root), self.source.identity_of)
+        # the kernel data plane; its thread starts once the FUSE session exists (serve)
+        self.kernel = (KernelPages(pyfuse3.notify_store, pyfuse3.invalidate_inode)
+                       if config.kernel_cache else None)
         self.reader = build_read_path(
             self.source, self.stats, RamTier(cache.ram_bytes), self.ssd,
             block_bytes=cache.block_bytes, source_threads=config.prefetch.source_threads,
             lookahead_items=config.prefetch.lookahead_items,
             metadata_ttl_s=config.metadata_ttl_s,
-            sequential_blocks=config.prefetch.sequential_blocks)
+            sequential_blocks=config.prefetch.sequential_blocks,
+            kernel=self.kernel, kernel_inodes=self.inodes)
         self.tiered = self.reader.tiered
         self.ram = self.tiered.ram
         self.prefetcher = self.reader.prefetcher
@@ -116,7 +123,7 @@ class Mount:
                              order_paths=self._order_paths,
                              all_paths=lambda: list(self.source_manifest.get().paths))
         self.control = Control(self.snapshot, config.order_file, self.warmer.request)
-        self.ops = Operations(self.source, self.reader, self.control,
+        self.ops = Operations(self.source, self.reader, self.control, self.inodes, self.kernel,
                               kernel_timeout_s=config.kernel_timeout_s,
                               metadata_ttl_s=config.metadata_ttl_s)
 
@@ -157,9 +164,17 @@ class Mount:
             "ram": self.ram.stats(),
             "ssd": ssd,
             "prefetch": self.prefetcher.status(),
+            "kernel": self._kernel_status(),
             "source": self.source.status(),
             "warm": self.warmer.status(),
         }
+
+    def _kernel_status(self) -> dict | None:
+        """The kernel data plane's counters (man/cachefs-stats.1), None when it is off."""
+        if self.kernel is None:
+            return None
+        return dict(self.kernel.status(), held_bytes=self.ram.kernel_bytes,
+                    whole_file_opens=self.reader.kernel_opens)
 
     async def serve(self) -> None:
         options = set(pyfuse3.default_options)
@@ -173,6 +188,8 @@ class Mount:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             pyfuse3.init(self.ops, str(self.config.mountpoint), options)
             log.info("mounted %s at %s", self.config.source, self.config.mountpoint)
+            if self.kernel is not None:
+                self.kernel.start()
             try:
                 async with trio.open_nursery() as nursery:
                     self.ops.bind(nursery)
@@ -186,6 +203,8 @@ class Mount:
                     await pyfuse3.main(min_tasks=1, max_tasks=self.config.fuse_tasks)
                     nursery.cancel_scope.cancel()
             finally:
+                if self.kernel is not None:
+                    self.kernel.stop()  # before the session its calls go to is closed
                 pyfuse3.close(unmount=True)
                 if self.ssd is not None:
                     self.ssd.close()

@@ -49,6 +49,10 @@ from cachefs.stats import Stats
 
 log = logging.getLogger(__name__)
 
+# Files pushed into the kernel's page cache ahead of each reader (_push_near): the pusher
+# thread stores a 110 KB file in tens of microseconds, a reader served by the kernel takes
+# about a hundred per file, so a lead of a few files keeps it ahead
+PUSH_AHEAD_ITEMS = 8
 # Files read ahead whose manifest index is remembered for their open (RecentMap): a window is
 # tens of files, opened within a window's time of their read-ahead.
 RECENT_ITEMS = 8192
@@ -115,6 +119,7 @@ class Prefetcher:
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.prefetch_errors = 0
+        self._pushed_from = (-1, -1)  # (cursor, front) of the last _push_near
 
     def attach(self, tiered: TieredCache) -> None:
         self.tiered = tiered
@@ -176,6 +181,7 @@ class Prefetcher:
         self._member[order.current] = True
         if order.next is not None:
             self._member[order.next] = True
+        self._pushed_from = (-1, -1)
         if self.planner.set_order(order):
             self.stats.start_epoch(order.epoch)
         self._size_window()
@@ -233,9 +239,13 @@ class Prefetcher:
     def consumed(self, item: int) -> None:
         if not self.planner.active or item < 0:
             return
+        position = int(self.planner.pos_cur[item]) if item < len(self.planner.pos_cur) else -1
         completed = self.planner.consume(item)
         self._rerank(item)
+        if position >= 0 and self.tiered.kernel is not None:
+            self._push_near(position + 1)  # this reader's next files
         if completed and self.planner.switch_to_next():
+            self._pushed_from = (-1, -1)
             self.stats.start_epoch(self.planner.epoch)
             self._member[:] = False
             self._member[self.planner.current] = True
@@ -260,6 +270,11 @@ class Prefetcher:
         # The window depends on file sizes, and at set_order none may be known yet:
         # recompute it as sizes become known.
         self._size_window()
+        if self.tiered.kernel is not None and self._pushed_from != (planner.cursor,
+                                                                   planner.front):
+            self._pushed_from = (planner.cursor, planner.front)
+            self._push_near(planner.cursor)
+            self._push_near(planner.front)
         estimate = self.meta.mean_size(self.block_bytes)
         for position, item in planner.window():
             if len(self._inflight_items) >= self.max_inflight:
@@ -271,7 +286,7 @@ class Prefetcher:
                     # An item kept in RAM (the next epoch's head) has an identity from
                     # the last epoch; without this re-stat off the reader's path, the reader's
                     # open pays a source round trip for every RAM hit (fuse_ops.open).
-                    # _fetch_item stats it and finds its blocks resident.
+                    # _fetch_item stats it, finds its blocks resident and pushes them.
                     self._inflight_items.add(item)
                     self._nursery.start_soon(self._fetch_item, item)
             else:
@@ -327,13 +342,17 @@ class Prefetcher:
                 self.poke()
             for block_index in range(first_block, block_count(identity.size, self.block_bytes)):
                 key = (relpath, block_index)
-                if self.tiered.lookup(key, identity) is not None:
+                if self.tiered.holds(key, identity):
                     continue
                 fetched = await self.tiered.fetch(key, identity, item, demand=False)
                 if fetched is None:
                     self._revisit(item, block_index, identity)
                     break
-                self.meta.record(item, fetched.identity)
+                identity = fetched.identity
+                self.meta.record(item, identity)
+            else:
+                if self.tiered.kernel is not None and self._near_reader(item):
+                    self._push_item(item)  # a reader is about to open it
         except OSError as exc:
             # the reader will hit the same error on demand and get its errno
             self.prefetch_errors += 1
@@ -341,6 +360,43 @@ class Prefetcher:
         finally:
             self._inflight_items.discard(item)
             self.poke()
+
+    # -- the kernel's page cache ------------------------------------------------------------
+    #
+    # Files a reader opens next are stored into the kernel's page cache (TieredCache.push)
+    # before it opens them: the next PUSH_AHEAD_ITEMS unconsumed positions after each
+    # position consumed (the same reader's, or the same DataLoader worker's, next files), and
+    # after the cursor and the front (a worker starting its next batch starts there). Why
+    # not the whole window: the daemon keeps its own copy of a pushed file until the reader
+    # lets go of it (the kernel may drop pages at any time, and a file kept for the next
+    # epoch must outlive the epoch), so a file pushed early is a file held twice for longer.
+
+    def _push_near(self, position: int) -> None:
+        """Push the files of the next PUSH_AHEAD_ITEMS unconsumed positions from `position`."""
+        planner = self.planner
+        n = planner.length
+        end = min(position + PUSH_AHEAD_ITEMS, planner.window_end())
+        while position < end:
+            if position >= n or not planner.consumed[position]:
+                self._push_item(planner.item_at(position))
+            position += 1
+
+    def _push_item(self, item: int) -> None:
+        identity = self.meta.identity(item, self.metadata_ttl_s)
+        if item >= 0 and identity is not None and self._resident(item):
+            self.tiered.push(self._manifest.path(item), identity,
+                             range(block_count(identity.size, self.block_bytes)))
+
+    def _near_reader(self, item: int) -> bool:
+        """The item's next position is among those _push_near covers right now."""
+        planner = self.planner
+        position = int(planner.pos_cur[item]) if item < len(planner.pos_cur) else -1
+        if position < 0:
+            return False
+        if (planner.cursor <= position < planner.cursor + PUSH_AHEAD_ITEMS
+                or planner.front <= position < planner.front + PUSH_AHEAD_ITEMS):
+            return True
+        return bool(planner.consumed[max(0, position - PUSH_AHEAD_ITEMS):position].any())
 
     def _revisit(self, item: int, block_index: int, identity: SourceIdentity | None) -> None:
         """A fetch came back without reading: if the block is worth keeping, RAM had no room

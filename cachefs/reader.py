@@ -10,19 +10,32 @@ The prefetcher is told, and moves the window. Each handle is classified once, at
 into the stats' per-epoch counters (see stats.py for the classes).
 
 A file read sequentially (block n right after block n-1) gets its next blocks read ahead even
-without an order, so large files (shards, HDF5, .npy) stream at source bandwidth.
+without an order, so large files (shards, HDF5, .npy) stream at source bandwidth; those of the
+next blocks already in RAM are stored into the kernel's page cache ahead of the reader.
+
+The kernel's page cache (cachefs/pagecache.py). `open` lets the kernel keep the pages it holds
+of the file (`keep_cache`) when they are of the version being opened and the whole file
+(`kernel_whole`: every block is a kernel copy in the RAM tier); otherwise the kernel drops them
+and the reader's READs come to the daemon. A kept file is read with no READ reaching the daemon, so its hits are counted at open (each block
+classified as a READ would have been) and its consumption at release: the stats of a pass are
+the same whichever way the bytes went. At release the kernel's copy is settled: a file with no
+known future that a reader read whole stays in the kernel only (the daemon's copy goes, LRU
+among such files); any other file's pages are dropped, so that the kernel holds nothing the
+RAM budget does not count (a file of the order is pushed again when the window reaches it).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import trio
 
 from cachefs import stats as stats_mod
 from cachefs.cache.ram import RamTier
-from cachefs.cache.tiered import TieredCache, block_count
+from cachefs.cache.tiered import KernelInodes, TieredCache, block_count
+from cachefs.pagecache import KernelPages
 from cachefs.planner import Planner
 from cachefs.prefetch import Prefetcher
 from cachefs.source import SourceIdentity
@@ -50,6 +63,11 @@ class OpenFile:
     # the automatic switch to the next order is no new order (a worker may open the next
     # epoch's first file while another finishes this epoch's last)
     order_serial: int = -1
+    # The kernel keeps the pages it holds of the file at this open, and they are the whole
+    # file (no READ needs to come). Only then: pages of part of a file would let a reader
+    # read with no READ that the daemon could count, or with one it could not place.
+    keep_cache: bool = False
+    kernel_whole: bool = False
 
 
 class Reader:
@@ -60,9 +78,11 @@ class Reader:
         self.stats = stats
         self.block_bytes = block_bytes
         self.sequential_blocks = sequential_blocks
+        self.kernel_opens = 0  # opens of files the kernel held whole (no READ needed)
 
     async def open(self, inode: int, relpath: bytes, item: int,
-                   recent: SourceIdentity | None) -> OpenFile:
+                   recent: SourceIdentity | None, pages_of: SourceIdentity | None = None
+                   ) -> OpenFile:
         """A handle on one file, with its current source identity.
 
         The identity is the one the prefetcher saw within the metadata TTL, else `recent`
@@ -70,6 +90,9 @@ class Reader:
         file's first block if one is in flight, or an open and fstat. Waiting for the source
         here is a stall like any other. Waiting for the file's data in flight makes it a miss;
         a RAM hit that only needed a fresh stat stays a RAM hit.
+
+        `pages_of`: the version of the file whose pages the kernel may hold (None: none). The
+        kernel keeps them if they are of the version opened (see the module docstring).
         """
         identity = self.prefetcher.known_identity(item) or recent
         handle = OpenFile(inode, relpath, identity, item, epoch_record=self.stats.current,
@@ -81,7 +104,22 @@ class Reader:
             if waited_for_data:
                 handle.origin = stats_mod.ORIGIN_MISS
             self.prefetcher.record_identity(item, handle.identity)
+        if pages_of is not None and pages_of == handle.identity:
+            blocks = self.tiered.file_blocks(relpath, handle.identity)
+            if blocks is not None and all(block.in_kernel for _, block in blocks):
+                handle.keep_cache = handle.kernel_whole = True
+                self.kernel_opens += 1
+                for key, block in blocks:
+                    self._served(handle, key, block)
         return handle
+
+    def _served(self, handle: OpenFile, key, block) -> None:
+        """A block of the tier reaches the reader (through a READ, or the kernel's pages):
+        the handle's class counts where it came from, once per load (stats.py)."""
+        origin = stats_mod.ORIGIN_RAM if block.served else block.origin
+        block.served = True
+        self.tiered.ram.touch(key, block)
+        handle.origin = max(handle.origin, origin)
 
     async def read(self, handle: OpenFile, offset: int, size: int) -> bytes:
         handle.read_called = True
@@ -113,10 +151,7 @@ class Reader:
         key = (handle.relpath, block_index)
         block = self.tiered.lookup(key, handle.identity)
         if block is not None:  # the hot path: no await
-            origin = stats_mod.ORIGIN_RAM if block.served else block.origin
-            block.served = True
-            self.tiered.ram.touch(key, block)
-            handle.origin = max(handle.origin, origin)
+            self._served(handle, key, block)
             return block.data
         # trio's clock (time.monotonic in a mount) so the simulator's virtual clock measures
         # stalls too
@@ -141,6 +176,8 @@ class Reader:
         total = block_count(handle.identity.size, self.block_bytes)
         wanted = range(last_block + 1, min(total, last_block + 1 + self.sequential_blocks))
         self.prefetcher.read_ahead(handle.relpath, handle.identity, handle.item, wanted)
+        # those already in RAM go to the kernel's pages: the reader finds them there
+        self.tiered.push(handle.relpath, handle.identity, wanted)
 
     def _consume(self, handle: OpenFile) -> None:
         if handle.consumed:
@@ -152,24 +189,43 @@ class Reader:
         # else the order it was read for was replaced while it was open: it counts in the
         # epoch it was opened in and consumes nothing of the new order
 
-    def release(self, handle: OpenFile) -> None:
-        if not handle.read_called:
+    def release(self, handle: OpenFile, last: bool = True) -> None:
+        """The reader let go of `handle`; `last`: no other handle of the file is open."""
+        if handle.kernel_whole:
+            # the kernel served what no READ asked for: the whole file, as far as we can tell
+            # (a reader that opens a file and reads nothing is counted as reading it)
+            handle.bytes_served = max(handle.bytes_served, handle.identity.size)
+        elif not handle.read_called:
             return
         if handle.bytes_served:
             self._consume(handle)
         self.stats.file_read(handle.origin, handle.stall_s, handle.bytes_served,
                              record=handle.epoch_record)
+        if last:
+            self._settle_pages(handle)
+
+    def _settle_pages(self, handle: OpenFile) -> None:
+        """What the kernel keeps of a file the last reader let go (module docstring)."""
+        read_whole = handle.bytes_served >= handle.identity.size
+        unordered = self.prefetcher.priority_of(handle.item, 0, handle.identity) == math.inf
+        if read_whole and unordered:
+            self.tiered.hand_to_kernel(handle.relpath, handle.identity)
+        elif handle.read_called or handle.kernel_whole:
+            self.tiered.drop_pages(handle.relpath, handle.identity.size)
 
 
 def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, *, block_bytes: int,
                     source_threads: int, lookahead_items: int, metadata_ttl_s: float,
-                    sequential_blocks: int) -> Reader:
+                    sequential_blocks: int, kernel: KernelPages | None = None,
+                    kernel_inodes: KernelInodes | None = None) -> Reader:
     """Planner, prefetcher, tiered cache and reader, wired; the one wiring used by the mount
-    and the simulator, so that what the simulator tests is what the mount runs."""
+    and the simulator, so that what the simulator tests is what the mount runs. `kernel` and
+    `kernel_inodes`: the kernel data plane (None: the daemon serves every READ)."""
     prefetcher = Prefetcher(Planner(lookahead_items or 1), ram, source, stats,
                             block_bytes=block_bytes, source_threads=source_threads,
                             lookahead_items=lookahead_items, metadata_ttl_s=metadata_ttl_s)
-    tiered = TieredCache(ram, source, stats, block_bytes, prefetcher.priority_of, ssd=ssd)
+    tiered = TieredCache(ram, source, stats, block_bytes, prefetcher.priority_of, ssd=ssd,
+                         kernel=kernel, kernel_inodes=kernel_inodes)
     prefetcher.attach(tiered)
     return Reader(tiered, prefetcher, stats, block_bytes=block_bytes,
                   sequential_blocks=sequential_blocks)

@@ -17,6 +17,10 @@ What is real and what is simulated. `simulate` builds the real `Planner`, `RamTi
 - `SimSsd` has the interface of `cachefs.cache.ssd.SsdTier` (`contains`,
   `holds_other_version`, `read`, `admit`, `has_room`, `drop_file`, `stats`, `close`): in
   memory, cache-once within a byte budget.
+- The kernel's page cache is `KernelPages` with fake kernel calls that only count, and
+  `SimKernelInodes`, a kernel that holds every file's inode: the read path decides what to
+  push and drop exactly as in a mount, and a file whose open finds it whole in the kernel is
+  read with no request (`Reader.open`'s `kernel_whole`), as the kernel would serve it.
 - Time is trio's virtual clock (`MockClock(autojump_threshold=0)`): whenever every task waits,
   the clock jumps to the next deadline, so three epochs of thousands of items take well under
   a second. A real worker thread would let the clock jump while it runs, so during a run the
@@ -57,6 +61,7 @@ from cachefs.cache.ram import RamTier
 from cachefs.cache.tiered import block_length
 from cachefs.config import KIB, MIB
 from cachefs.order import Manifest, Order, permutation
+from cachefs.pagecache import KernelPages
 from cachefs.reader import build_read_path
 from cachefs.source import BlockData, SourceIdentity
 from cachefs.stats import Stats
@@ -94,6 +99,7 @@ class SimConfig:
     request_bytes: int = 128 * KIB  # one kernel read request
     metadata_ttl_s: float = 1.0  # MountConfig's default
     check_identity_at_open: bool = True  # model fuse_ops.open's identity check
+    kernel_cache: bool = True  # the kernel data plane (cachefs mount --kernel-cache)
     seed: int = 0
 
     def sizes(self) -> np.ndarray:
@@ -224,6 +230,19 @@ class SimSource:
         length = block_length(identity, block_index, block_bytes)
         await self._request(length)
         return BlockData(payload(relpath, block_index, length), identity)
+
+
+class SimKernelInodes:
+    """A kernel that has looked up every file of the data set (`KernelInodes`)."""
+
+    def __init__(self, manifest: Manifest):
+        self._inodes = {manifest.path(i): i + 2 for i in range(len(manifest))}
+
+    def inode_of(self, relpath: bytes) -> int | None:
+        return self._inodes.get(relpath)
+
+    def store_target(self, relpath: bytes, identity: SourceIdentity) -> int | None:
+        return self._inodes.get(relpath)
 
 
 class SimSsd:
@@ -377,10 +396,13 @@ class _Sim:
                                 bandwidth_bytes_s=config.bandwidth_bytes_s)
         self.ssd = SimSsd(config.ssd_bytes) if config.ssd_bytes else None
         self.ram = _ObservedRamTier(config.ram_bytes)
+        self.kernel = (KernelPages(lambda inode, offset, data: None, lambda inode: None)
+                       if config.kernel_cache else None)
         self.reader = build_read_path(
             self.source, self.stats, self.ram, self.ssd, block_bytes=config.block_bytes,
             source_threads=config.parallelism, lookahead_items=config.lookahead_items,
-            metadata_ttl_s=config.metadata_ttl_s, sequential_blocks=config.sequential_blocks)
+            metadata_ttl_s=config.metadata_ttl_s, sequential_blocks=config.sequential_blocks,
+            kernel=self.kernel, kernel_inodes=SimKernelInodes(self.manifest))
         self.tiered = self.reader.tiered
         self.prefetcher = self.reader.prefetcher
         self.planner = self.prefetcher.planner
@@ -441,7 +463,8 @@ class _Sim:
             await trio.sleep(self.jitter_s[epoch - 1, position])
         handle = await self._open(item, result)
         size = handle.identity.size
-        offset = 0
+        # a file the kernel holds whole is read from its pages: no request reaches the daemon
+        offset = size if handle.kernel_whole else 0
         while offset < size:
             request = min(config.request_bytes, size - offset)
             data = await self.reader.read(handle, offset, request)
@@ -461,7 +484,9 @@ class _Sim:
         relpath = self.paths[item]
         recent = None if self.config.check_identity_at_open else self.source.identity(relpath)
         started_s = trio.current_time()
-        handle = await self.reader.open(item + 2, relpath, item, recent)
+        # the kernel's pages are of the source's version (simulated files never change)
+        handle = await self.reader.open(item + 2, relpath, item, recent,
+                                        self.source.identity(relpath))
         result.open_wait_s += trio.current_time() - started_s
         return handle
 

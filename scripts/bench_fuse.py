@@ -1,35 +1,45 @@
-"""The FUSE hot path alone: cachefs with everything in its RAM tier vs. direct page-cache reads.
+"""The FUSE hot path: cachefs against direct reads and the bare pyfuse3 passthrough, warm.
 
-Issue 2's figures. The data set (default 20,000 files of 110 KB and one 1 GiB file) is read
-once directly and once through the mount before anything is timed, so the source is in the
-page cache and every block is in cachefs's RAM tier (its budget is larger than the data set).
-Then, for each mount configuration, `--passes` rounds alternate direct and mount passes of each
-case in the same run, swapping which goes first every round, and the medians are compared:
+What it answers: how close cachefs serves cached files to a local page-cache read, and to the
+ceiling of its own stack (pyfuse3 + trio). The data set (default 10,000 files of 110 KB and one
+1 GiB file) is generated once; every contender gets a warm pass first (the source is in the
+page cache, cachefs's RAM tier holds everything: its budget is larger than the data set), then
+`--passes` rounds in which each case is read directly and through the mount, alternating which
+goes first. Medians are compared, so each ratio comes from passes taken minutes apart at most.
 
-- files/s reading every small file whole (1 MiB reads), with 1 and 4 reader processes (worker
-  i of n takes every n-th file of a fixed permutation);
-- MB/s reading the big file sequentially in 1 MiB reads;
-- entries/s of one os.walk over the whole tree.
+Contenders (one mount at a time, `--contenders` picks):
+- `bare`: scripts/passthrough.py, open/read/release, nothing else;
+- `bare-keep`: the same answering OPEN with keep_cache (the kernel serves second passes);
+- `cachefs`: `cachefs mount`, no order (the LRU baseline users compare with);
+- `cachefs-order`: the same with the pass's order published before each pass of small files
+  (a new shuffled permutation per pass, the next pass's as `next`).
 
-Each timed mount pass also checks what the daemon saw (stats deltas): in a warm pass every
-read should be a RAM hit, and the report says if it was not.
+Cases: files/s reading every small file whole (1 MiB reads) by `--readers` processes, worker i
+of n taking every n-th file of the pass's permutation, as DataLoader workers do; MB/s reading the
+big file sequentially in 1 MiB reads.
 
-Configurations: one mount per `--fuse-tasks` value (pyfuse3's max_tasks), and one per entry of
-`--metadata-ttl` (how long an open trusts the known source identity before re-checking it in a
-worker thread), plus anything in `--mount-args`. The daemon's defaults are used otherwise.
+Reported per contender: the medians, the ratio to direct reads, the ratio to both bare
+passthroughs when they ran, the daemon's resident memory (VmRSS) and the page cache the kernel
+holds for the mount after the passes (mincore(2) over every file through the mount, which opens
+each file once more), and for cachefs what its stats say of the timed passes (RAM hits, files
+the kernel served whole).
 
 Usage:
-    python scripts/bench_fuse.py [--files 20000] [--file-kb 110] [--big-mb 1024] [--passes 5]
-        [--readers 1 4] [--fuse-tasks 1 4 16] [--metadata-ttl 1 3600] [--workdir DIR]
-        [--json out.json] [--markdown out.md] [--smoke]
+    python scripts/bench_fuse.py [--files 10000] [--file-kb 110] [--big-mb 1024] [--passes 5]
+        [--readers 4] [--contenders bare bare-keep cachefs cachefs-order] [--workdir DIR]
+        [--mount-args '...'] [--json out.json] [--markdown out.md] [--smoke]
 Prints a Markdown table; writes every pass to the JSON file.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import logging
+import mmap
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,32 +49,31 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import benchlib  # noqa: E402
-from benchlib import (GIB, KIB, MIB, BenchError, DatasetSpec, Manifest, PassResult,  # noqa: E402
+from benchlib import (GIB, KIB, MIB, BenchError, DatasetSpec, Manifest,  # noqa: E402
                       ReaderPool, ReadTask)
-from cachefs.client import stats_delta  # noqa: E402
+from cachefs.client import mounted_paths, stats_delta  # noqa: E402
+from cachefs.order import permutation, publish  # noqa: E402
 
 log = logging.getLogger("bench_fuse")
 
-SMOKE = {"files": 60, "file_kb": 8, "big_mb": 4, "passes": 1, "readers": [1, 2],
-         "fuse_tasks": [1, 16], "metadata_ttl": [None]}
+CONTENDERS = ("bare", "bare-keep", "cachefs", "cachefs-order")
+SMOKE = {"files": 60, "file_kb": 8, "big_mb": 4, "passes": 1, "readers": [2]}
+MOUNT_WAIT_S = 30.0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--files", type=int, default=20_000, help="small files")
+    parser.add_argument("--files", type=int, default=10_000, help="small files")
     parser.add_argument("--file-kb", type=int, default=110, help="size of a small file, KB")
     parser.add_argument("--big-mb", type=int, default=1024, help="size of the big file, MiB")
     parser.add_argument("--passes", type=int, default=5, help="timed rounds per case")
-    parser.add_argument("--readers", type=int, nargs="+", default=[1, 4],
+    parser.add_argument("--readers", type=int, nargs="+", default=[4],
                         help="reader process counts for the small files")
-    parser.add_argument("--fuse-tasks", type=int, nargs="+", default=[1, 4, 16],
-                        help="one mount per value of cachefs mount --fuse-tasks")
-    parser.add_argument("--metadata-ttl", type=float, nargs="+", default=[None],
-                        help="one mount per value of --metadata-ttl (with the first "
-                             "--fuse-tasks value); default: the daemon's")
+    parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS),
+                        choices=CONTENDERS, help="mounts to measure, in this order")
     parser.add_argument("--mount-args", default="",
-                        help="extra arguments for every cachefs mount, e.g. '--block-size 1MiB'")
+                        help="extra arguments for every cachefs mount, e.g. '--fuse-tasks 4'")
     parser.add_argument("--read-kb", type=int, default=1024, help="read request size, KiB")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/cachefs-bench-fuse"),
                         help="data set, mount point and state (the data set is reused)")
@@ -79,96 +88,201 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def mount_configs(args) -> list[tuple[str, list[str]]]:
-    """(name, extra mount arguments) for every mount to measure."""
-    extra = args.mount_args.split()
-    configs = [(f"fuse-tasks={tasks}", ["--fuse-tasks", str(tasks), *extra])
-               for tasks in args.fuse_tasks]
-    for ttl in args.metadata_ttl:
-        if ttl is not None:
-            configs.append((f"fuse-tasks={args.fuse_tasks[0]},metadata-ttl={ttl:g}",
-                            ["--fuse-tasks", str(args.fuse_tasks[0]), "--metadata-ttl",
-                             f"{ttl:g}", *extra]))
-    return configs
+# -- the bare passthrough ------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def passthrough_mount(source: Path, mountpoint: Path, keep_cache: bool):
+    """scripts/passthrough.py in a subprocess; always unmounted on the way out."""
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(Path(__file__).with_name("passthrough.py")), str(source),
+           str(mountpoint), *(["--keep-cache"] if keep_cache else [])]
+    process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + MOUNT_WAIT_S
+        while str(mountpoint) not in mounted_paths():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise BenchError(f"the passthrough did not mount (exit {process.poll()})")
+            time.sleep(0.02)
+        yield process.pid
+    finally:
+        if str(mountpoint) in mounted_paths():
+            subprocess.run(["fusermount3", "-u", str(mountpoint)], capture_output=True)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def page_cache_bytes(root: bytes, relpaths: list[bytes]) -> int:
+    """Bytes of the files' pages in the page cache, by mincore(2) on a mapping of each (which
+    faults nothing in; through a FUSE mount, each file gets one more open)."""
+    page = mmap.PAGESIZE
+    total = 0
+    for relpath in relpaths:
+        fd = os.open(root + b"/" + relpath, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            if not size:
+                continue
+            address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if address in (None, _MAP_FAILED):
+                raise OSError(ctypes.get_errno(), "mmap failed", relpath)
+            try:
+                pages = (size + page - 1) // page
+                vector = (ctypes.c_ubyte * pages)()
+                if _libc.mincore(address, size, vector) != 0:
+                    raise OSError(ctypes.get_errno(), "mincore failed", relpath)
+                total += sum(1 for flag in vector if flag & 1) * page
+            finally:
+                _libc.munmap(address, size)
+        finally:
+            os.close(fd)
+    return total
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * KIB
+    return 0
+
+
+# -- the run -------------------------------------------------------------------------------------
 
 class Cases:
-    """The timed cases of one round: each takes a root (the source or the mount point)."""
+    """The timed cases of one round; small-file passes use one permutation per pass."""
 
     def __init__(self, args, manifest: Manifest, pool: ReaderPool):
         self.pool = pool
         self.read_bytes = args.read_kb * KIB
-        small = manifest.indices_under("small/")
-        self.small_order = np.random.default_rng(0).permutation(small)
-        self.big_order = manifest.indices_under("big/")
+        self.small = manifest.indices_under("small/")
+        self.big = manifest.indices_under("big/")
         self.readers = args.readers
 
     def names(self) -> list[str]:
         return [f"files/s, {r} reader{'s' if r > 1 else ''}" for r in self.readers] + [
-            "big file MB/s", "os.walk entries/s"]
+            "big file MB/s"]
 
-    def run(self, name: str, root: Path) -> float:
+    def permutation(self, pass_index: int) -> np.ndarray:
+        return permutation(len(self.small), 0, pass_index)
+
+    def run(self, name: str, root: Path, pass_index: int) -> float:
         root_bytes = os.fsencode(root)
         if name.startswith("files/s"):
             readers = int(name.split(", ")[1].split()[0])
-            result = self.pool.run(ReadTask(root_bytes, self.small_order, workers=readers,
-                                            read_bytes=self.read_bytes))
-            return result.files_per_s
-        if name == "big file MB/s":
-            result = self.pool.run(ReadTask(root_bytes, self.big_order,
-                                            read_bytes=self.read_bytes))
-            return result.mb_per_s
-        started_s = time.perf_counter()
-        entries = benchlib.walk_entries(root)
-        return entries / (time.perf_counter() - started_s)
-
-    def warm(self, root: Path) -> PassResult:
-        everything = np.concatenate([self.small_order, self.big_order])
-        return self.pool.run(ReadTask(os.fsencode(root), everything,
-                                      workers=max(self.readers), read_bytes=self.read_bytes))
+            order = self.small[self.permutation(pass_index)]
+            return self.pool.run(ReadTask(root_bytes, order, workers=readers,
+                                          read_bytes=self.read_bytes)).files_per_s
+        return self.pool.run(ReadTask(root_bytes, self.big,
+                                      read_bytes=self.read_bytes)).mb_per_s
 
 
-def measure_config(args, cases: Cases, source: Path, ram_bytes: int, name: str,
-                   extra: list[str]) -> dict:
-    mountpoint, state_dir = args.workdir / "mnt", args.workdir / "state"
-    log.info("mount %s", name)
-    with benchlib.cachefs_mount(source, mountpoint, state_dir, ram_bytes=ram_bytes,
-                                extra_args=extra) as mount:
-        benchlib.wait_for_manifest(mount)
-        cases.warm(source)
-        warm = cases.warm(mountpoint)  # fills the RAM tier
-        log.info("warm pass through the mount: %.0f files/s", warm.files_per_s)
+def measure(args, cases: Cases, manifest: Manifest, source: Path, ram_bytes: int,
+            contender: str) -> dict:
+    mountpoint = args.workdir / "mnt"
+    cachefs = contender.startswith("cachefs")
+    if cachefs:
+        mount_cm = benchlib.cachefs_mount(source, mountpoint, args.workdir / "state",
+                                          ram_bytes=ram_bytes,
+                                          extra_args=args.mount_args.split())
+    else:
+        mount_cm = passthrough_mount(source, mountpoint, keep_cache=contender == "bare-keep")
+    log.info("contender %s", contender)
+    passes = 0
+    with mount_cm as mount:
+        pid = benchlib.daemon_pid(mount) if cachefs else mount
+        ordered = contender == "cachefs-order"
+        if cachefs:
+            benchlib.wait_for_manifest(mount)
+
+        def pass_through(case: str) -> float:
+            nonlocal passes
+            if ordered and case.startswith("files/s"):
+                # the manifest is every file, sorted: the small files' indices in it
+                publish(mountpoint, passes, cases.small[cases.permutation(passes)],
+                        next=cases.small[cases.permutation(passes + 1)])
+            figure = cases.run(case, mountpoint, passes)
+            if case.startswith("files/s"):
+                passes += 1
+            return figure
+
+        for case in cases.names():  # warm: source in the page cache, every block cached
+            cases.run(case, source, 0)
+            pass_through(case)
         figures = {case: {"direct": [], "mount": []} for case in cases.names()}
-        before = mount.totals()
+        before = mount.totals() if cachefs else None
         for round_index in range(args.passes):
             for case in cases.names():
                 sides = ["direct", "mount"] if round_index % 2 == 0 else ["mount", "direct"]
                 for side in sides:
-                    root = source if side == "direct" else mountpoint
-                    figures[case][side].append(cases.run(case, root))
-        delta = stats_delta(before, mount.totals())
-        ram = mount.stats()["ram"]
+                    figure = (cases.run(case, source, passes) if side == "direct"
+                              else pass_through(case))
+                    figures[case][side].append(figure)
+        result = {"contender": contender, "cases": figures}
+        if cachefs:
+            snapshot = mount.stats()
+            result["stats_delta_timed"] = stats_delta(before, mount.totals())
+            result["kernel"] = snapshot.get("kernel")
+            result["ram"] = snapshot["ram"]
+        result["daemon_rss_bytes"] = rss_bytes(pid)
+        result["page_cache_bytes"] = page_cache_bytes(os.fsencode(mountpoint),
+                                                      manifest.relpaths)
     for case, sides in figures.items():
         sides["direct_median"] = benchlib.median(sides["direct"])
         sides["mount_median"] = benchlib.median(sides["mount"])
-        sides["ratio"] = sides["mount_median"] / sides["direct_median"]
-    return {"name": name, "mount_args": extra, "warm_files_per_s": warm.files_per_s,
-            "cases": figures, "stats_delta_timed": delta,
-            "ram_hit_fraction": delta["hits_ram"] / delta["reads"] if delta["reads"] else None,
-            "ram": ram}
+        sides["ratio_direct"] = sides["mount_median"] / sides["direct_median"]
+    return result
 
 
-def report_table(results: list[dict]) -> str:
+def add_bare_ratios(results: list[dict]) -> None:
+    """cachefs's medians against each bare passthrough's, where they ran."""
+    bare = {r["contender"]: r for r in results if r["contender"].startswith("bare")}
+    for result in results:
+        for case, sides in result["cases"].items():
+            for name, other in bare.items():
+                sides[f"ratio_{name}"] = (sides["mount_median"]
+                                          / other["cases"][case]["mount_median"])
+
+
+def report_table(results: list[dict], ram_bytes: int) -> str:
+    bare_names = [r["contender"] for r in results if r["contender"].startswith("bare")]
     rows = []
-    for config in results:
-        for case, sides in config["cases"].items():
-            rows.append([config["name"], case, sides["direct_median"], sides["mount_median"],
-                         f"{sides['ratio']:.3f}"])
-    table = benchlib.markdown_table(["mount", "case", "direct", "cachefs", "cachefs/direct"],
-                                    rows)
-    hits = ", ".join(f"{c['name']}: {c['ram_hit_fraction']:.3f}" for c in results
-                     if c["ram_hit_fraction"] is not None)
-    return f"{table}\n\nRAM-hit fraction of the timed mount reads: {hits}"
+    for result in results:
+        for case, sides in result["cases"].items():
+            rows.append([result["contender"], case, sides["direct_median"],
+                         sides["mount_median"], f"{sides['ratio_direct']:.3f}",
+                         *[f"{sides[f'ratio_{name}']:.2f}" for name in bare_names]])
+    table = benchlib.markdown_table(
+        ["contender", "case", "direct", "mount", "mount/direct",
+         *[f"mount/{name}" for name in bare_names]], rows)
+    memory_rows = []
+    for result in results:
+        delta = result.get("stats_delta_timed")
+        kernel = result.get("kernel") or {}
+        reads = delta["reads"] if delta else 0
+        memory_rows.append([
+            result["contender"], f"{result['daemon_rss_bytes'] / MIB:.0f}",
+            f"{result['page_cache_bytes'] / MIB:.0f}",
+            f"{(result['daemon_rss_bytes'] + result['page_cache_bytes']) / MIB:.0f}",
+            f"{delta['hits_ram'] / reads:.3f}" if reads else "-",
+            kernel.get("whole_file_opens", "-")])
+    memory = benchlib.markdown_table(
+        ["contender", "daemon RSS MiB", "page cache MiB", "sum MiB", "RAM-hit fraction",
+         "opens served whole by the kernel (all passes)"], memory_rows)
+    return (f"{table}\n\nMemory after the passes (--ram-cache {ram_bytes / MIB:.0f} MiB) and "
+            f"what cachefs counted in the timed passes:\n\n{memory}")
 
 
 def main(argv=None) -> int:
@@ -184,15 +298,16 @@ def main(argv=None) -> int:
     try:
         with ReaderPool(manifest, max(args.readers)) as pool:
             cases = Cases(args, manifest, pool)
-            for name, extra in mount_configs(args):
-                results.append(measure_config(args, cases, source, ram_bytes, name, extra))
+            for contender in args.contenders:
+                results.append(measure(args, cases, manifest, source, ram_bytes, contender))
     except BenchError as exc:
         print(f"bench_fuse: {exc}", file=sys.stderr)
         return 1
-    table = report_table(results)
+    add_bare_ratios(results)
+    table = report_table(results, ram_bytes)
     header = (f"FUSE hot path: {args.files} files of {args.file_kb} KB and a {args.big_mb} MiB "
-              f"file, warm (page cache and RAM tier of {ram_bytes / GIB:.2f} GiB), medians of "
-              f"{args.passes} alternating passes, {args.read_kb} KiB reads")
+              f"file, warm (page cache, and cachefs's RAM tier of {ram_bytes / GIB:.2f} GiB), "
+              f"medians of {args.passes} alternating passes, {args.read_kb} KiB reads")
     print(f"{header}\n\n{table}")
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
@@ -203,7 +318,7 @@ def main(argv=None) -> int:
             "args": {k: v for k, v in vars(args).items()},
             "dataset": {"files": args.files, "file_bytes": args.file_kb * 1000,
                         "big_bytes": args.big_mb * MIB, "total_bytes": manifest.total_bytes},
-            "ram_cache_bytes": ram_bytes, "configs": results})
+            "ram_cache_bytes": ram_bytes, "contenders": results})
     return 0
 
 

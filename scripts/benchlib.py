@@ -391,12 +391,19 @@ def median(values) -> float:
 
 # -- cachefs mounts ------------------------------------------------------------------------------
 
+def daemon_pid(mount: MountProcess) -> int:
+    """The mount's daemon, from its pid file."""
+    try:
+        return json.loads((mount.state_dir / "pid").read_text())["pid"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise BenchError(f"no daemon pid for {mount.mountpoint}: {exc}") from None
+
+
 def daemon_cpu_s(mount: MountProcess) -> float | None:
     """CPU seconds (user + system) the mount's daemon has used so far, from its pid file."""
     try:
-        pid = json.loads((mount.state_dir / "pid").read_text())["pid"]
-        return process_cpu_s(pid)
-    except (OSError, ValueError, KeyError):
+        return process_cpu_s(daemon_pid(mount))
+    except (OSError, BenchError):
         return None
 
 

@@ -16,7 +16,17 @@ Priorities change when an item is consumed or an epoch switches. The eviction he
 every change pushes a new (priority, lru_seq) tuple, and a popped tuple that no longer matches
 its block is skipped. `rebuild` redoes the heap when every priority changes at once.
 
-Invariant: `used_bytes == sum(len(b.data) for resident b) + reserved_bytes <= budget_bytes`.
+Kernel copies (the data plane, cachefs/pagecache.py). A block whose bytes the kernel's page
+cache holds for the mount is marked `in_kernel`: the kernel's pages of a file are a view of the
+tier's blocks, never of anything else. A block is held by the daemon (`data`), by the kernel,
+or by both, and is charged its `nbytes` once either way. Both hold it only between a push and
+the release of the reader it was pushed for (a few files per reader: prefetch.PUSH_AHEAD_ITEMS),
+after which the kernel's pages are dropped or the daemon's copy is (a block held only by the
+kernel, `data` None, is a file with no known future that a reader read whole). Removing a block
+the kernel holds calls `on_kernel_drop`, which drops the kernel's pages of that file, so the
+kernel holds nothing of the mount's that the budget does not count.
+
+Invariant: `used_bytes == sum(nbytes of resident b) + reserved_bytes <= budget_bytes`.
 """
 
 from __future__ import annotations
@@ -37,13 +47,20 @@ BlockKey = tuple  # (relpath: bytes, block_index: int)
 
 @dataclass(eq=False)
 class RamBlock:
-    data: bytes
+    data: bytes | None  # None: only the kernel's page cache holds the bytes
     identity: SourceIdentity
     item: int  # manifest index of the file, -1 if not in the manifest
     origin: int  # stats.ORIGIN_*: how it got here (prefetched from source, or from SSD)
     priority: float = math.inf
     served: bool = False  # returned to a reader at least once since it was loaded
     lru_seq: int = field(default=0)
+    in_kernel: bool = False  # the kernel's page cache holds these bytes for the mount
+    nbytes: int = -1  # the block's length; set from `data` at construction
+
+    def __post_init__(self):
+        if self.nbytes < 0:
+            self.nbytes = len(self.data)
+
 
 
 class RamTier:
@@ -55,6 +72,9 @@ class RamTier:
         self._heap: list[tuple[float, int, BlockKey]] = []
         self._seq = itertools.count()
         self.evictions = 0
+        self.kernel_bytes = 0  # of resident_bytes, the blocks the kernel's page cache holds
+        # called with (key, block) after a block the kernel holds left the tier
+        self.on_kernel_drop: Callable[[BlockKey, RamBlock], None] = lambda key, block: None
 
     @property
     def used_bytes(self) -> int:
@@ -107,7 +127,7 @@ class RamTier:
         old = self.blocks.get(key)
         if old is not None:
             self._remove(key)
-        extra = len(block.data)
+        extra = block.nbytes
         if not self.reserve(extra, block.priority):
             return False
         self.reserved_bytes -= extra
@@ -135,6 +155,8 @@ class RamTier:
         """Give every block a new priority; `None` drops the block."""
         self._heap = []
         for key, block in list(self.blocks.items()):
+            if self.blocks.get(key) is not block:
+                continue  # left with a sibling whose kernel copy went (on_kernel_drop)
             priority = priority_of(key, block)
             if priority is None:
                 self._remove(key)
@@ -150,12 +172,40 @@ class RamTier:
             self._heap = [(-b.priority, b.lru_seq, k) for k, b in self.blocks.items()]
             heapq.heapify(self._heap)
 
-    def _remove(self, key: BlockKey) -> None:
+    # -- kernel copies ----------------------------------------------------------------------
+
+    def add_kernel_copy(self, key: BlockKey, block: RamBlock) -> None:
+        """The kernel's page cache holds (or is being given) a copy of the block."""
+        if not block.in_kernel:
+            block.in_kernel = True
+            self.kernel_bytes += block.nbytes
+
+    def hand_to_kernel(self, key: BlockKey, block: RamBlock) -> None:
+        """The kernel holds the bytes (a reader read them whole): the daemon's copy goes."""
+        self.add_kernel_copy(key, block)
+        block.data = None
+
+    def drop_kernel_copy(self, key: BlockKey, block: RamBlock) -> None:
+        """The kernel no longer holds the bytes (its pages were or are being dropped)."""
+        if not block.in_kernel:
+            return
+        if block.data is None:
+            self._remove(key, notify=False)
+            return
+        block.in_kernel = False
+        self.kernel_bytes -= block.nbytes
+
+    def _remove(self, key: BlockKey, notify: bool = True) -> None:
         block = self.blocks.pop(key)
-        self.resident_bytes -= len(block.data)
+        self.resident_bytes -= block.nbytes
+        if block.in_kernel:
+            self.kernel_bytes -= block.nbytes
+            if notify:
+                self.on_kernel_drop(key, block)
 
     def stats(self) -> dict:
         return {"bytes": self.resident_bytes, "reserved": self.reserved_bytes,
+                "kernel_bytes": self.kernel_bytes,
                 "budget": self.budget_bytes, "blocks": len(self.blocks),
                 "evictions": self.evictions}
 

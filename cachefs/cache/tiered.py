@@ -15,6 +15,13 @@ A block read from the source whose identity differs from the one the caller expe
 file changed: every cached copy of the file is dropped (`on_source_changed`) and the new bytes
 are served.
 
+The kernel's page cache is the fastest tier (cachefs/pagecache.py carries out the stores and
+drops): `push` stores blocks held in RAM into it for the kernel to serve without a READ, and
+every copy it holds is a RAM-tier block marked `in_kernel`, charged to the budget. When such a
+block leaves the tier, the kernel's pages of its file are dropped (`_kernel_dropped`).
+`KernelInodes` is what this module needs to know of the kernel's inodes (fuse_ops's table
+implements it): which inode to store into, if the kernel holds one with this file's identity.
+
 In-flight fetches are never cancelled when the plan changes (an epoch switch, a new order): a
 reader may be waiting on any of them, and a finished fetch is simply kept or dropped by the
 priorities in force when it lands.
@@ -25,12 +32,13 @@ from __future__ import annotations
 import errno
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import trio
 
 from cachefs import stats as stats_mod
 from cachefs.cache.ram import BlockKey, RamBlock, RamTier
+from cachefs.pagecache import KernelPages
 from cachefs.source import Source, SourceIdentity
 
 log = logging.getLogger(__name__)
@@ -63,10 +71,30 @@ def block_count(size_bytes: int, block_bytes: int) -> int:
     return max(1, -(-size_bytes // block_bytes))
 
 
+class KernelInodes(Protocol):
+    def inode_of(self, relpath: bytes) -> int | None:
+        """The inode the kernel knows the file by, if any."""
+
+    def store_target(self, relpath: bytes, identity: SourceIdentity) -> int | None:
+        """The inode to store pages of this version of the file into, or None: the kernel
+        does not hold the file, or holds other attributes or pages of another version."""
+
+
+class NoKernelInodes:
+    """A read path with no kernel data plane: nothing is ever stored."""
+
+    def inode_of(self, relpath: bytes) -> int | None:
+        return None
+
+    def store_target(self, relpath: bytes, identity: SourceIdentity) -> int | None:
+        return None
+
+
 class TieredCache:
     def __init__(self, ram: RamTier, source: Source, stats: stats_mod.Stats, block_bytes: int,
                  priority_of: Callable[[int, int, SourceIdentity], float | None],
-                 ssd=None, ssd_threads: int = 4):
+                 ssd=None, ssd_threads: int = 4, kernel: KernelPages | None = None,
+                 kernel_inodes: KernelInodes | None = None):
         self.ram = ram
         self.source = source
         self.stats = stats
@@ -80,6 +108,9 @@ class TieredCache:
         self.admissions_skipped = 0
         self._admit_send, self._admit_recv = trio.open_memory_channel(ADMISSION_QUEUE_BLOCKS)
         self._nursery: trio.Nursery | None = None
+        self.kernel = kernel
+        self.kernel_inodes = kernel_inodes if kernel is not None else NoKernelInodes()
+        ram.on_kernel_drop = self._kernel_dropped
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
         """SSD admission workers; also the nursery for background tier work."""
@@ -102,7 +133,17 @@ class TieredCache:
         if block.identity != identity:
             self.ram.drop(key)
             return None
+        if block.data is None:
+            return None  # only the kernel holds it, and it asked us: its pages went
         return block
+
+    def holds(self, key: BlockKey, identity: SourceIdentity) -> bool:
+        """The tier holds this version of the block, in the daemon or the kernel."""
+        block = self.ram.get(key)
+        if block is not None and block.identity != identity:
+            self.ram.drop(key)
+            return False
+        return block is not None
 
     async def fetch(self, key: BlockKey, identity: SourceIdentity | None, item: int,
                     *, demand: bool, expected_bytes: int | None = None) -> Fetched | None:
@@ -206,6 +247,85 @@ class TieredCache:
         self._queue_admission(key, block.identity, block.data)
         origin = stats_mod.ORIGIN_MISS if demand else stats_mod.ORIGIN_PREFETCHED
         return Fetched(block.data, block.identity, origin, True)
+
+    # -- the kernel's page cache ------------------------------------------------------------
+
+    def file_blocks(self, relpath: bytes, identity: SourceIdentity
+                    ) -> list[tuple[BlockKey, RamBlock]] | None:
+        """Every block of this version of the file, if the tier holds them all (in the
+        daemon or the kernel), else None."""
+        blocks = []
+        for block_index in range(block_count(identity.size, self.block_bytes)):
+            key = (relpath, block_index)
+            block = self.ram.get(key)
+            if block is None or block.identity != identity:
+                return None
+            blocks.append((key, block))
+        return blocks
+
+    def push(self, relpath: bytes, identity: SourceIdentity, block_indices) -> int:
+        """Store blocks the daemon holds into the kernel's page cache, ahead of the reader;
+        the number of blocks queued. Nothing if the kernel does not hold the inode with this
+        identity."""
+        if self.kernel is None:
+            return 0
+        inode = self.kernel_inodes.store_target(relpath, identity)
+        if inode is None:
+            return 0
+        pushed = 0
+        for block_index in block_indices:
+            key = (relpath, block_index)
+            block = self.ram.get(key)
+            if (block is None or block.in_kernel or block.data is None
+                    or block.identity != identity):
+                continue
+            self.ram.add_kernel_copy(key, block)
+            self.kernel.store(inode, block_index * self.block_bytes, block.data)
+            pushed += 1
+        return pushed
+
+    def hand_to_kernel(self, relpath: bytes, identity: SourceIdentity) -> bool:
+        """A reader read this file whole: the kernel holds its pages, so the daemon's copy
+        goes (the RAM tier charges the kernel's instead). False
+        (and the kernel's pages dropped) if the tier does not hold the whole file: pages the
+        budget does not count are not left in the kernel."""
+        if self.kernel is None:
+            return False
+        blocks = self.file_blocks(relpath, identity)
+        if blocks is None:
+            self.drop_pages(relpath)
+            return False
+        for key, block in blocks:
+            self.ram.hand_to_kernel(key, block)
+        return True
+
+    def drop_pages(self, relpath: bytes, size_bytes: int | None = None) -> None:
+        """Drop the kernel's pages of a file (the daemon keeps its own copy, if any).
+        `size_bytes`: the file's size, if its first block may have left the tier."""
+        if self.kernel is None:
+            return
+        inode = self.kernel_inodes.inode_of(relpath)
+        if inode is not None:
+            self.kernel.invalidate(inode)
+        self.kernel_pages_gone(relpath, size_bytes)
+
+    def kernel_pages_gone(self, relpath: bytes, size_bytes: int | None = None) -> None:
+        """The kernel holds no page of `relpath` any more (dropped, or the inode forgotten)."""
+        if size_bytes is None:
+            first = self.ram.get((relpath, 0))
+            if first is None:
+                return
+            size_bytes = first.identity.size
+        for block_index in range(block_count(size_bytes, self.block_bytes)):
+            key = (relpath, block_index)
+            block = self.ram.get(key)
+            if block is not None:
+                self.ram.drop_kernel_copy(key, block)
+
+    def _kernel_dropped(self, key: BlockKey, block: RamBlock) -> None:
+        """A block the kernel held left the tier: the kernel drops the file's pages (there is
+        no dropping a part of them), and the file's other kernel copies go with them."""
+        self.drop_pages(key[0], block.identity.size)
 
     # -- changes ---------------------------------------------------------------------------
 

@@ -1,0 +1,153 @@
+"""The kernel's page cache as the mount's data plane: one worker thread stores and drops pages.
+
+Why. Serving a cached file through the daemon costs a READ request per file on top of OPEN and
+RELEASE, 60-85 us of pyfuse3/trio CPU each. The kernel serves bytes it holds in its page cache
+with no request at all. So the daemon decides what the kernel holds (docs in
+man/cachefs-mount.1, "KERNEL PAGE CACHE"), and this module carries those decisions out:
+
+- `store(inode, offset, data)` queues `pyfuse3.notify_store`: the bytes become page-cache pages
+  of the inode, so a reader whose open is answered with keep_cache reads them with no READ;
+- `invalidate(inode)` queues `pyfuse3.invalidate_inode`: the kernel drops the inode's pages
+  (and its cached attributes, which it then asks for again);
+- `drain()` waits until everything queued before it has run.
+
+Both kernel calls run in one worker thread, never on the trio thread: a store waits on the lock
+of each page it fills, and a READ pending in the kernel holds that lock until the trio thread
+answers it (a store from the trio thread can deadlock). The trio thread only appends to a queue
+(no lock is shared with the thread that calls the kernel, DESIGN.md §5). One thread, one FIFO:
+a store queued before an invalidation always lands before it, so an invalidation (or a `drain`
+before an open that drops the pages) can never be overtaken by a store of older bytes.
+
+A store for an inode the kernel does not hold (never looked up, or forgotten) fails with
+ENOENT; that costs nothing but the attempt: the reader's READs are then served by the daemon
+as before. Failures are counted, not raised. The kernel calls are injected (`store_fn`,
+`invalidate_fn`), so the simulator runs the same decisions with fakes that record them.
+
+Counters are plain ints written by the worker thread and read by the trio thread for stats
+(a torn read of a Python int cannot happen under the GIL).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import queue
+import threading
+from typing import Callable
+
+import trio
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class KernelPages:
+    """Stores into and drops from the kernel's page cache, in FIFO order, in one thread."""
+
+    def __init__(self, store_fn: Callable[[int, int, bytes], None],
+                 invalidate_fn: Callable[[int], None]):
+        self._store_fn = store_fn
+        self._invalidate_fn = invalidate_fn
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.queued = 0  # jobs handed to the thread (trio thread writes)
+        self.done = 0  # jobs finished (worker thread writes)
+        self.stores = 0
+        self.stored_bytes = 0
+        self.store_failures = 0  # ENOENT (the kernel forgot the inode) and other errors
+        self.invalidations = 0
+        self.invalidate_failures = 0
+
+    # -- the thread ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._work, name="cachefs-pagecache",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Finish what is queued and end the thread (the mount is going down). A store can
+        wait on a page whose READ nobody answers any more (pyfuse3.main has returned): after
+        `timeout_s` the thread is left to the unmount, which ends that wait."""
+        if self._thread is not None:
+            self._jobs.put(_STOP)
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("page cache thread still busy at unmount; leaving it")
+            self._thread = None
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not _STOP:
+            kind, inode, offset, data = job
+            try:
+                if kind == "store":
+                    self._store(inode, offset, data)
+                elif kind == "invalidate":
+                    self._invalidate(inode)
+                else:  # a drain marker: `data` wakes the waiting task
+                    data()
+            except Exception:  # noqa: BLE001 - the thread must keep serving the mount
+                log.exception("page cache job %s(%d) failed", kind, inode)
+            finally:
+                self.done += 1
+
+    def _store(self, inode: int, offset: int, data) -> None:
+        try:
+            self._store_fn(inode, offset, data)
+        except OSError as exc:
+            self.store_failures += 1
+            if exc.errno != errno.ENOENT:
+                log.warning("notify_store(%d) failed: %s", inode, exc)
+            return
+        self.stores += 1
+        self.stored_bytes += len(data)
+
+    def _invalidate(self, inode: int) -> None:
+        try:
+            self._invalidate_fn(inode)
+        except OSError as exc:
+            # ENOENT: the kernel holds no such inode, so it holds none of its pages either
+            if exc.errno != errno.ENOENT:
+                self.invalidate_failures += 1
+                log.warning("invalidate_inode(%d) failed: %s", inode, exc)
+            return
+        self.invalidations += 1
+
+    # -- the trio side ---------------------------------------------------------------------
+
+    def _put(self, job: tuple) -> None:
+        if self._thread is None:
+            # not started (a simulator run or a unit test): run the job inline; the fakes do
+            # not block
+            self.queued += 1
+            self._jobs.put(job)
+            self._jobs.put(_STOP)
+            self._work()
+            return
+        self.queued += 1
+        self._jobs.put(job)
+
+    def store(self, inode: int, offset: int, data) -> None:
+        self._put(("store", inode, offset, data))
+
+    def invalidate(self, inode: int) -> None:
+        self._put(("invalidate", inode, 0, None))
+
+    @property
+    def pending(self) -> int:
+        return self.queued - self.done
+
+    async def drain(self) -> None:
+        """Return once every job queued before this call has run."""
+        if self._thread is None or not self.pending:
+            return
+        token = trio.lowlevel.current_trio_token()
+        ran = trio.Event()
+        self._put(("drain", 0, 0, lambda: token.run_sync_soon(ran.set)))
+        await ran.wait()
+
+    def status(self) -> dict:
+        return {"stores": self.stores, "stored_bytes": self.stored_bytes,
+                "store_failures": self.store_failures, "invalidations": self.invalidations,
+                "pending": self.pending}
