@@ -86,8 +86,8 @@ def cli():
               help="Budget of the SSD tier.")
 @click.option("--source-delay-ms", type=click.FloatRange(min=0), default=0.0,
               help="Testing aid: latency added to every source open and read.")
-@click.option("--metadata-ttl", type=click.FloatRange(min=0), default=1.0,
-              show_default=True, help="Seconds a source stat is trusted at open.")
+@click.option("--metadata-ttl", type=click.FloatRange(min=0), default=60.0,
+              show_default=True, help="Seconds a checked source identity is trusted.")
 @click.option("--kernel-timeout", type=click.FloatRange(min=0),
               default=300.0, show_default=True,
               help="Seconds the kernel caches entries and attributes.")

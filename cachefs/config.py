@@ -96,7 +96,8 @@ class MountConfig:
     debug: bool = False
     fuse_tasks: int = 16  # pyfuse3 worker tasks: a miss holds one; hits never await
     kernel_timeout_s: float = 300.0  # entry/attribute cache in the kernel (read-only data)
-    metadata_ttl_s: float = 1.0  # how old a source stat may be when a file is opened
+    # how long a checked source identity is trusted (the freshness contract, revalidate.py)
+    metadata_ttl_s: float = 60.0
     # the kernel's page cache serves cached files (cachefs/pagecache.py); off: every READ
     # reaches the daemon and no page is kept across opens
     kernel_cache: bool = True

@@ -35,6 +35,7 @@ from cachefs.order import Manifest, load_order, scan_source
 from cachefs.order_watch import OrderWatcher
 from cachefs.pagecache import KernelPages
 from cachefs.reader import build_read_path
+from cachefs.revalidate import Revalidator
 from cachefs.source import Source
 from cachefs.stats import Stats
 from cachefs.warm import Warmer
@@ -122,6 +123,8 @@ class Mount:
                              threads=config.prefetch.source_threads,
                              order_paths=self._order_paths,
                              all_paths=lambda: list(self.source_manifest.get().paths))
+        self.revalidator = Revalidator(self.source, self.tiered, self.prefetcher, self.inodes,
+                                       metadata_ttl_s=config.metadata_ttl_s)
         self.control = Control(self.snapshot, config.order_file, self.warmer.request)
         self.ops = Operations(self.source, self.reader, self.control, self.inodes, self.kernel,
                               kernel_timeout_s=config.kernel_timeout_s,
@@ -165,6 +168,7 @@ class Mount:
             "ssd": ssd,
             "prefetch": self.prefetcher.status(),
             "kernel": self._kernel_status(),
+            "revalidation": self.revalidator.status(),
             "source": self.source.status(),
             "warm": self.warmer.status(),
         }
@@ -198,6 +202,7 @@ class Mount:
                     await nursery.start(self.prefetcher.run)
                     await nursery.start(self.watcher.run)
                     await nursery.start(self.warmer.run)
+                    await nursery.start(self.revalidator.run)
                     nursery.start_soon(trio.to_thread.run_sync, self.source_manifest.get)
                     nursery.start_soon(_raise_read_ahead, self.config.mountpoint)
                     await pyfuse3.main(min_tasks=1, max_tasks=self.config.fuse_tasks)

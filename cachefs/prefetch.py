@@ -49,10 +49,15 @@ from cachefs.stats import Stats
 
 log = logging.getLogger(__name__)
 
-# Files pushed into the kernel's page cache ahead of each reader (_push_near): the pusher
-# thread stores a 110 KB file in tens of microseconds, a reader served by the kernel takes
-# about a hundred per file, so a lead of a few files keeps it ahead
-PUSH_AHEAD_ITEMS = 8
+# Positions past the front whose files are pushed into the kernel's page cache (_push_to):
+# with several readers, each is only a few of these ahead of its own next file, and the
+# pusher thread must store them (tens of microseconds for a 110 KB file) before it gets there
+PUSH_AHEAD_ITEMS = 32
+# A file of the order stays in the kernel's page cache only (no daemon copy) if its next use
+# is due within this many seconds (kernel_may_keep): well under the idle age at which these VMs
+# reclaim page cache (about 60 s)
+KERNEL_KEEP_S = 20.0
+RATE_WEIGHT = 0.01  # of each new gap between consumptions in the smoothed rate
 # Files read ahead whose manifest index is remembered for their open (RecentMap): a window is
 # tens of files, opened within a window's time of their read-ahead.
 RECENT_ITEMS = 8192
@@ -119,7 +124,10 @@ class Prefetcher:
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.prefetch_errors = 0
-        self._pushed_from = (-1, -1)  # (cursor, front) of the last _push_near
+        self._push_front = 0  # positions below it were pushed, if they could be (_push_to)
+        # seconds between consumptions, smoothed (kernel_may_keep); None until two are seen
+        self._s_per_item: float | None = None
+        self._last_consumed_s: float | None = None
 
     def attach(self, tiered: TieredCache) -> None:
         self.tiered = tiered
@@ -181,7 +189,7 @@ class Prefetcher:
         self._member[order.current] = True
         if order.next is not None:
             self._member[order.next] = True
-        self._pushed_from = (-1, -1)
+        self._push_front = 0
         if self.planner.set_order(order):
             self.stats.start_epoch(order.epoch)
         self._size_window()
@@ -239,13 +247,16 @@ class Prefetcher:
     def consumed(self, item: int) -> None:
         if not self.planner.active or item < 0:
             return
-        position = int(self.planner.pos_cur[item]) if item < len(self.planner.pos_cur) else -1
+        now_s = trio.current_time()
+        if self._last_consumed_s is not None:
+            gap_s = now_s - self._last_consumed_s
+            self._s_per_item = (gap_s if self._s_per_item is None
+                                else self._s_per_item + RATE_WEIGHT * (gap_s - self._s_per_item))
+        self._last_consumed_s = now_s
         completed = self.planner.consume(item)
         self._rerank(item)
-        if position >= 0 and self.tiered.kernel is not None:
-            self._push_near(position + 1)  # this reader's next files
         if completed and self.planner.switch_to_next():
-            self._pushed_from = (-1, -1)
+            self._push_front = 0
             self.stats.start_epoch(self.planner.epoch)
             self._member[:] = False
             self._member[self.planner.current] = True
@@ -270,11 +281,8 @@ class Prefetcher:
         # The window depends on file sizes, and at set_order none may be known yet:
         # recompute it as sizes become known.
         self._size_window()
-        if self.tiered.kernel is not None and self._pushed_from != (planner.cursor,
-                                                                   planner.front):
-            self._pushed_from = (planner.cursor, planner.front)
-            self._push_near(planner.cursor)
-            self._push_near(planner.front)
+        if self.tiered.kernel is not None:
+            self._push_to(max(planner.cursor, planner.front) + PUSH_AHEAD_ITEMS)
         estimate = self.meta.mean_size(self.block_bytes)
         for position, item in planner.window():
             if len(self._inflight_items) >= self.max_inflight:
@@ -351,7 +359,7 @@ class Prefetcher:
                 identity = fetched.identity
                 self.meta.record(item, identity)
             else:
-                if self.tiered.kernel is not None and self._near_reader(item):
+                if self.tiered.kernel is not None and self._passed_by_push(item):
                     self._push_item(item)  # a reader is about to open it
         except OSError as exc:
             # the reader will hit the same error on demand and get its errno
@@ -363,23 +371,47 @@ class Prefetcher:
 
     # -- the kernel's page cache ------------------------------------------------------------
     #
-    # Files a reader opens next are stored into the kernel's page cache (TieredCache.push)
-    # before it opens them: the next PUSH_AHEAD_ITEMS unconsumed positions after each
-    # position consumed (the same reader's, or the same DataLoader worker's, next files), and
-    # after the cursor and the front (a worker starting its next batch starts there). Why
-    # not the whole window: the daemon keeps its own copy of a pushed file until the reader
-    # lets go of it (the kernel may drop pages at any time, and a file kept for the next
-    # epoch must outlive the epoch), so a file pushed early is a file held twice for longer.
+    # Files the readers open next are stored into the kernel's page cache (TieredCache.push)
+    # before they open them: every position up to PUSH_AHEAD_ITEMS past the front (the
+    # furthest position consumed), which covers each DataLoader worker's batch in progress as
+    # well as the next files of a single reader. `_push_front` is where the last push ended:
+    # each consumption pushes the few positions it moves the front by, not the whole lead
+    # again. A file not read ahead yet when its position is passed is pushed when its read
+    # lands (`_fetch_item`). Why not the whole window: the daemon keeps its own copy of a
+    # pushed file until its reader lets go of it (the kernel may drop pages at any time, and a
+    # file kept for the next epoch must outlive the epoch), so a file pushed early is held
+    # twice for longer.
 
-    def _push_near(self, position: int) -> None:
-        """Push the files of the next PUSH_AHEAD_ITEMS unconsumed positions from `position`."""
+    def kernel_may_keep(self, item: int, identity: SourceIdentity) -> bool:
+        """Whether the kernel's pages of a file a reader just read whole may be its only copy
+        (the daemon's goes): yes for a file with no known future (LRU among such files, as
+        the RAM tier ranks them); for a file of the order, if it stays cached and its next
+        use is due within KERNEL_KEEP_S at the rate files are being consumed. Longer, the
+        daemon keeps its own copy and the kernel's pages are dropped: idle page cache may be
+        reclaimed before then (these VMs page out memory idle for about 60 s), and a file
+        kept for the next epoch must survive it."""
+        priority = self.priority_of(item, 0, identity)
+        if priority is None:
+            return False
+        if math.isinf(priority):
+            return True
+        if self._s_per_item is None:
+            return False
+        return (priority - self.planner.cursor) * self._s_per_item <= KERNEL_KEEP_S
+
+    def _push_to(self, end: int) -> None:
+        """Push the files of the unconsumed positions from `_push_front` up to `end`."""
         planner = self.planner
+        position = max(self._push_front, planner.cursor)
+        end = min(end, planner.window_end())
+        if position >= end:
+            return
         n = planner.length
-        end = min(position + PUSH_AHEAD_ITEMS, planner.window_end())
         while position < end:
             if position >= n or not planner.consumed[position]:
                 self._push_item(planner.item_at(position))
             position += 1
+        self._push_front = end
 
     def _push_item(self, item: int) -> None:
         identity = self.meta.identity(item, self.metadata_ttl_s)
@@ -387,16 +419,11 @@ class Prefetcher:
             self.tiered.push(self._manifest.path(item), identity,
                              range(block_count(identity.size, self.block_bytes)))
 
-    def _near_reader(self, item: int) -> bool:
-        """The item's next position is among those _push_near covers right now."""
+    def _passed_by_push(self, item: int) -> bool:
+        """The item's next position is one `_push_to` went past already."""
         planner = self.planner
         position = int(planner.pos_cur[item]) if item < len(planner.pos_cur) else -1
-        if position < 0:
-            return False
-        if (planner.cursor <= position < planner.cursor + PUSH_AHEAD_ITEMS
-                or planner.front <= position < planner.front + PUSH_AHEAD_ITEMS):
-            return True
-        return bool(planner.consumed[max(0, position - PUSH_AHEAD_ITEMS):position].any())
+        return planner.cursor <= position < self._push_front
 
     def _revisit(self, item: int, block_index: int, identity: SourceIdentity | None) -> None:
         """A fetch came back without reading: if the block is worth keeping, RAM had no room

@@ -18,10 +18,12 @@ of the file (`keep_cache`) when they are of the version being opened and the who
 (`kernel_whole`: every block is a kernel copy in the RAM tier); otherwise the kernel drops them
 and the reader's READs come to the daemon. A kept file is read with no READ reaching the daemon, so its hits are counted at open (each block
 classified as a READ would have been) and its consumption at release: the stats of a pass are
-the same whichever way the bytes went. At release the kernel's copy is settled: a file with no
-known future that a reader read whole stays in the kernel only (the daemon's copy goes, LRU
-among such files); any other file's pages are dropped, so that the kernel holds nothing the
-RAM budget does not count (a file of the order is pushed again when the window reaches it).
+the same whichever way the bytes went. At release the kernel's copy is settled
+(`Prefetcher.kernel_may_keep`): a file a reader read whole whose next use is soon, or unknown
+(no order: LRU among such files), stays in the kernel only, and the daemon's copy goes; any
+other file's pages are dropped, so that the kernel holds nothing the RAM budget does not count
+and nothing it may lose before it is needed (a file of the order is pushed again when the
+window reaches it).
 """
 
 from __future__ import annotations
@@ -207,8 +209,7 @@ class Reader:
     def _settle_pages(self, handle: OpenFile) -> None:
         """What the kernel keeps of a file the last reader let go (module docstring)."""
         read_whole = handle.bytes_served >= handle.identity.size
-        unordered = self.prefetcher.priority_of(handle.item, 0, handle.identity) == math.inf
-        if read_whole and unordered:
+        if read_whole and self.prefetcher.kernel_may_keep(handle.item, handle.identity):
             self.tiered.hand_to_kernel(handle.relpath, handle.identity)
         elif handle.read_called or handle.kernel_whole:
             self.tiered.drop_pages(handle.relpath, handle.identity.size)

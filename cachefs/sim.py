@@ -97,7 +97,7 @@ class SimConfig:
     lookahead_items: int = 0  # --lookahead; 0: automatic
     sequential_blocks: int = 4
     request_bytes: int = 128 * KIB  # one kernel read request
-    metadata_ttl_s: float = 1.0  # MountConfig's default
+    metadata_ttl_s: float = 60.0  # MountConfig's default
     check_identity_at_open: bool = True  # model fuse_ops.open's identity check
     kernel_cache: bool = True  # the kernel data plane (cachefs mount --kernel-cache)
     seed: int = 0
@@ -552,7 +552,7 @@ def main(argv=None) -> None:
                   help="Files a worker takes at a time and reads in order (a DataLoader batch).")
     @click.option("--lookahead", default=0, show_default=True, help="0: automatic.")
     @click.option("--block-kib", default=4096, show_default=True)
-    @click.option("--metadata-ttl-s", default=1.0, show_default=True)
+    @click.option("--metadata-ttl-s", default=60.0, show_default=True)
     @click.option("--seed", default=0, show_default=True)
     def command(items, item_kb, ram_fraction, ssd_fraction, epochs, latency_ms, parallelism,
                 bandwidth_mbs, consume_ms, jitter_ms, workers, batch_items, lookahead,

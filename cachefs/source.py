@@ -121,6 +121,28 @@ class Source:
     def _remember(self, relpath: bytes, st: os.stat_result, asked_s: float) -> None:
         self._recent_stats.put(relpath, (st, asked_s))
 
+    async def lstat_many(self, relpaths: list[bytes]
+                         ) -> list[tuple[bytes, os.stat_result | OSError]]:
+        """lstat of each path in one worker-thread call (a batch costs one hop, not one per
+        file); a path that fails gets its OSError in place of the stat. Remembered as
+        `lstat`'s are."""
+        asked_s = time.monotonic()
+        self.requests["lstat"] += len(relpaths)
+        results = await self._run(self._lstat_many, relpaths, background=True)
+        for relpath, st in results:
+            if not isinstance(st, OSError):
+                self._remember(relpath, st, asked_s)
+        return results
+
+    def _lstat_many(self, relpaths: list[bytes]) -> list[tuple[bytes, os.stat_result | OSError]]:
+        results = []
+        for relpath in relpaths:
+            try:
+                results.append((relpath, os.lstat(self.full_path(relpath))))
+            except OSError as exc:
+                results.append((relpath, exc))
+        return results
+
     def _scandir(self, relpath: bytes) -> list[tuple[bytes, os.stat_result]]:
         entries = []
         with os.scandir(self.full_path(relpath)) as it:

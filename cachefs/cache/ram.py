@@ -125,15 +125,22 @@ class RamTier:
         """Turn a reservation into a resident block. False (nothing kept) if it cannot fit."""
         self.unreserve(reserved_bytes)
         old = self.blocks.get(key)
+        # The kernel asked for part of a block it holds (it dropped some pages): the READ's
+        # answer gives them back, so the kernel keeps holding the block, now beside the daemon
+        kernel_keeps = old is not None and old.in_kernel and old.identity == block.identity
         if old is not None:
-            self._remove(key)
+            self._remove(key, notify=not kernel_keeps)
         extra = block.nbytes
         if not self.reserve(extra, block.priority):
+            if kernel_keeps:
+                self.on_kernel_drop(key, old)
             return False
         self.reserved_bytes -= extra
         self.resident_bytes += extra
         self.blocks[key] = block
         self._push(key, block)
+        if kernel_keeps:
+            self.add_kernel_copy(key, block)
         return True
 
     def set_priority(self, key: BlockKey, priority: float) -> None:

@@ -1,0 +1,99 @@
+"""Keeps the source identities of cached files fresh, in batches, off the readers' path.
+
+The freshness contract (man/cachefs-mount.1, "Changed source files"): a source file's identity
+(size, modification time, inode number) is trusted for `--metadata-ttl` seconds after it was
+checked; a file whose bytes the mount holds (the RAM tier, or the kernel's page cache for it)
+is served only while its identity is trusted, and a change found drops every cached copy and
+the kernel's attributes and pages of the file before another open can keep them.
+
+Where the checks happen, so that an open waits for none of them:
+- the read-ahead re-checks the files of the order before the reader gets to them (prefetch.py);
+- this task re-checks every other file the RAM tier holds once its identity is half a TTL old:
+  every quarter of a TTL it collects them and lstats them in batches of `BATCH_FILES`, one
+  worker-thread hop per batch (not one per file, and none on an open);
+- an open of a cached file whose identity has expired anyway (this task fell behind, or the
+  TTL is 0) checks it itself, one source round trip (fuse_ops.open, reader.Reader.open).
+
+Cost: about 2 x (files held) / TTL lstats a second; the default TTL (60 s, as gcsfuse's stat
+cache) keeps that small for data sets that do not change while mounted, which is what cachefs
+expects of a training set.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import trio
+
+from cachefs.source import Source, SourceIdentity
+
+log = logging.getLogger(__name__)
+
+BATCH_FILES = 512  # lstats per worker-thread hop
+MIN_INTERVAL_S = 0.25
+GONE = SourceIdentity(-1, 0, 0)  # the identity of a file the source no longer has
+
+
+class Revalidator:
+    def __init__(self, source: Source, tiered, prefetcher, inodes, *, metadata_ttl_s: float):
+        self.source = source
+        self.tiered = tiered
+        self.prefetcher = prefetcher
+        self.inodes = inodes
+        self.metadata_ttl_s = metadata_ttl_s
+        self.sweeps = 0
+        self.checked = 0
+        self.changed = 0
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
+        task_status.started()
+        if self.metadata_ttl_s <= 0:
+            return  # every open checks its file
+        interval_s = max(MIN_INTERVAL_S, self.metadata_ttl_s / 4)
+        while True:
+            await trio.sleep(interval_s)
+            await self.sweep()
+
+    def _due(self) -> list[bytes]:
+        """Files the RAM tier holds whose identity is over half a TTL old. A file the kernel
+        has no inode for is skipped: the lookup that must come before its open stats it."""
+        now_s = time.monotonic()
+        limit_s = self.metadata_ttl_s / 2
+        due = []
+        for relpath, block_index in list(self.tiered.ram.blocks):
+            if block_index:
+                continue
+            inode = self.inodes.inode_of(relpath)
+            if inode is not None and now_s - self.inodes.get(inode).stat_time_s > limit_s:
+                due.append(relpath)
+        return due
+
+    async def sweep(self) -> None:
+        due = self._due()
+        for start in range(0, len(due), BATCH_FILES):
+            asked_s = time.monotonic()
+            results = await self.source.lstat_many(due[start:start + BATCH_FILES])
+            for relpath, st in results:
+                self._apply(relpath, st, asked_s)
+        self.sweeps += 1
+        self.checked += len(due)
+
+    def _apply(self, relpath: bytes, st, asked_s: float) -> None:
+        """Record one fresh stat; a file that changed or went loses its cached copies."""
+        if isinstance(st, OSError):
+            identity = GONE
+        else:
+            identity = self.source.identity_of(st)
+            inode = self.inodes.inode_of(relpath)
+            if inode is not None:
+                self.inodes.update_stat(inode, st, asked_s)
+            self.prefetcher.record_identity(self.prefetcher.item_of(relpath), identity)
+        block = self.tiered.ram.get((relpath, 0))
+        if block is not None and block.identity != identity:
+            log.info("source file changed: %r", relpath)
+            self.changed += 1
+            self.tiered.source_changed(relpath, identity)
+
+    def status(self) -> dict:
+        return {"sweeps": self.sweeps, "checked": self.checked, "changed": self.changed}
