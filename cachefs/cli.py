@@ -21,7 +21,7 @@ import click
 
 from cachefs import __version__, errors
 from cachefs.client import mounted_paths
-from cachefs.config import (CacheConfig, MountConfig, PrefetchConfig, default_state_dir,
+from cachefs.config import (DATA_PLANES, CacheConfig, MountConfig, PrefetchConfig, default_state_dir,
                             parse_size)
 
 MOUNT_WAIT_S = 60.0
@@ -93,11 +93,12 @@ def cli():
               help="Seconds the kernel caches entries and attributes.")
 @click.option("--fuse-tasks", type=click.IntRange(min=1), default=16, show_default=True,
               help="Concurrent FUSE requests.")
-@click.option("--kernel-cache/--no-kernel-cache", default=True, show_default=True,
-              help="Serve cached files from the kernel's page cache.")
+@click.option("--data-plane", type=click.Choice(DATA_PLANES), default="auto",
+              show_default=True, help="Who serves cached bytes: the kernel's page cache "
+                                      "with no request, with OPEN/RELEASE, or the daemon.")
 def mount(source, mountpoint, foreground, debug, fuse_options, order_file, state_dir,
           ram_cache, block_size, lookahead, source_threads, ssd_cache, ssd_size,
-          source_delay_ms, metadata_ttl, kernel_timeout, fuse_tasks, kernel_cache):
+          source_delay_ms, metadata_ttl, kernel_timeout, fuse_tasks, data_plane):
     """Mount SOURCE read-only at MOUNTPOINT."""
     unknown = [opt for opt in fuse_options if opt != "allow_other"]
     if unknown:
@@ -114,7 +115,7 @@ def mount(source, mountpoint, foreground, debug, fuse_options, order_file, state
             prefetch=PrefetchConfig(lookahead_items=lookahead, source_threads=source_threads),
             allow_other="allow_other" in fuse_options, debug=debug, fuse_tasks=fuse_tasks,
             kernel_timeout_s=kernel_timeout, metadata_ttl_s=metadata_ttl,
-            source_delay_s=source_delay_ms / 1000.0, kernel_cache=kernel_cache)
+            source_delay_s=source_delay_ms / 1000.0, data_plane=data_plane)
     except ValueError as exc:
         raise click.UsageError(str(exc))
     if foreground:

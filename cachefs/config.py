@@ -49,6 +49,9 @@ def default_state_dir(mountpoint: Path) -> Path:
     return base / digest
 
 
+DATA_PLANES = ("auto", "no-open", "keep-cache", "daemon")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Budgets and the unit of caching."""
@@ -98,13 +101,16 @@ class MountConfig:
     kernel_timeout_s: float = 300.0  # entry/attribute cache in the kernel (read-only data)
     # how long a checked source identity is trusted (the freshness contract, revalidate.py)
     metadata_ttl_s: float = 60.0
-    # the kernel's page cache serves cached files (cachefs/pagecache.py); off: every READ
-    # reaches the daemon and no page is kept across opens
-    kernel_cache: bool = True
+    # who serves cached bytes (man/cachefs-mount.1, KERNEL PAGE CACHE): "auto" (the
+    # zero-request mode where the kernel and privileges allow, else "keep-cache"),
+    # "no-open", "keep-cache", or "daemon" (every READ reaches the daemon)
+    data_plane: str = "auto"
     source_delay_s: float = 0.0  # testing aid: added latency per source open and read
 
     def __post_init__(self):
         if self.fuse_tasks < 1:
             raise ValueError("--fuse-tasks must be >= 1")
+        if self.data_plane not in DATA_PLANES:
+            raise ValueError(f"--data-plane must be one of {', '.join(DATA_PLANES)}")
         if self.metadata_ttl_s < 0 or self.kernel_timeout_s < 0 or self.source_delay_s < 0:
             raise ValueError("timeouts and delays must not be negative")

@@ -17,6 +17,13 @@ READ. An open that must drop the kernel's pages (a first open, or the file chang
 waits for stores already queued for the inode, so no store of older bytes lands after it.
 Opening a file revalidates its source identity when the one we know is older than
 `metadata_ttl_s`; a changed file drops its cached copies and the kernel's attributes and pages.
+
+The zero-request mode (`start_without_open`, mount.py decides): OPEN is answered ENOSYS, after
+which the kernel sends no OPEN or RELEASE on this connection and keeps every file's pages
+across opens, so a file it holds costs the daemon no request at all. READs of pages it does
+not hold come with the inode instead of a handle (a patched pyfuse3, scripts/patches/), and
+are served through a handle made at the first of them (`_without_open`); what was read, and
+when, the daemon learns from close events (cachefs/fanotify.py, `closed`).
 """
 
 from __future__ import annotations
@@ -90,6 +97,10 @@ class Operations(pyfuse3.Operations):
         self._dirs: dict[int, tuple[bytes, list[tuple[bytes, os.stat_result]]]] = {}
         self._next_fh = 1
         self._nursery: trio.Nursery | None = None
+        self.no_open = False  # the zero-request mode is on (start_without_open)
+        # the zero-request mode's handles, by inode: made at a file's first READ, released
+        # when a close of it is reported
+        self._without_open: dict[int, OpenFile] = {}
         reader.tiered.on_source_changed.append(self._source_changed)
 
     def bind(self, nursery: trio.Nursery) -> None:
@@ -191,6 +202,9 @@ class Operations(pyfuse3.Operations):
     async def open(self, inode, flags, ctx):
         if flags & _WRITE_FLAGS:
             raise pyfuse3.FUSEError(errno.EROFS)
+        if self.no_open:
+            # the kernel stops sending OPEN and RELEASE for this connection from now on
+            raise pyfuse3.FUSEError(errno.ENOSYS)
         entry = self._entry(inode)
         if not stat.S_ISREG(entry.stat.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(entry.stat.st_mode)
@@ -233,10 +247,40 @@ class Operations(pyfuse3.Operations):
 
     @_guarded
     async def read(self, fh, offset, size):
-        handle = self._files.get(fh)
+        handle = self._files.get(fh) if not self.no_open else self._read_without_open(fh)
         if handle is None:
             raise pyfuse3.FUSEError(errno.EBADF)
         return await self.reader.read(handle, offset, size)
+
+    def _read_without_open(self, inode: int) -> OpenFile:
+        """The handle of a READ that came with no OPEN: `fh` is the inode (patched pyfuse3)."""
+        handle = self._without_open.get(inode)
+        if handle is None:
+            entry = self._entry(inode)
+            handle = self.reader.handle_without_open(
+                inode, entry.relpath, self._item_of(entry), self.source.identity_of(entry.stat))
+            self._without_open[inode] = handle
+        return handle
+
+    def start_without_open(self) -> None:
+        """Answer OPEN with ENOSYS from now on (the zero-request mode; module docstring)."""
+        self.no_open = True
+
+    def closed(self, inodes: list[int]) -> None:
+        """Files were closed (fanotify, in the zero-request mode): account for each, as a
+        RELEASE would, whether READs came for it or the kernel's pages served it all."""
+        for inode in inodes:
+            handle = self._without_open.pop(inode, None)
+            if handle is not None:
+                self.reader.release(handle)
+                continue
+            try:
+                entry = self.inodes.get(inode)
+            except KeyError:
+                continue  # forgotten since; nothing of it is held
+            if stat.S_ISREG(entry.stat.st_mode):
+                self.reader.closed_without_reads(inode, entry.relpath, self._item_of(entry),
+                                                 self.source.identity_of(entry.stat))
 
     @_guarded
     async def release(self, fh):

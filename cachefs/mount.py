@@ -12,6 +12,7 @@ Daemonizing is the CLI's job (it starts this in a child process and waits for th
 
 from __future__ import annotations
 
+import errno as errno_mod
 import json
 import logging
 import os
@@ -33,6 +34,8 @@ from cachefs.fuse_ops import Operations
 from cachefs.inodes import InodeTable
 from cachefs.order import Manifest, load_order, scan_source
 from cachefs.order_watch import OrderWatcher
+from cachefs import fanotify
+from cachefs.fanotify import CloseWatcher, open_close_events
 from cachefs.pagecache import KernelPages
 from cachefs.reader import build_read_path
 from cachefs.revalidate import Revalidator
@@ -64,6 +67,10 @@ def check_startup(config: MountConfig) -> None:
     if shutil.which("fusermount3") is None:
         raise errors.StartupError("fusermount3 is missing (install the fuse3 package)",
                                   errors.EXIT_NO_FUSE)
+    if config.data_plane == "no-open":
+        reason = zero_request_unavailable()
+        if reason is not None:
+            raise errors.StartupError(f"--data-plane no-open: {reason}", errors.EXIT_USAGE)
 
 
 class SourceManifest:
@@ -104,7 +111,9 @@ class Mount:
         self.inodes = InodeTable(os.lstat(self.source.root), self.source.identity_of)
         # the kernel data plane; its thread starts once the FUSE session exists (serve)
         self.kernel = (KernelPages(pyfuse3.notify_store, pyfuse3.invalidate_inode)
-                       if config.kernel_cache else None)
+                       if config.data_plane != "daemon" else None)
+        self.data_plane = "daemon" if self.kernel is None else "keep-cache"  # until no-open
+        self.close_watcher: CloseWatcher | None = None
         self.reader = build_read_path(
             self.source, self.stats, RamTier(cache.ram_bytes), self.ssd,
             block_bytes=cache.block_bytes, source_threads=config.prefetch.source_threads,
@@ -177,8 +186,13 @@ class Mount:
         """The kernel data plane's counters (man/cachefs-stats.1), None when it is off."""
         if self.kernel is None:
             return None
-        return dict(self.kernel.status(), held_bytes=self.ram.kernel_bytes,
-                    whole_file_opens=self.reader.kernel_opens)
+        status = dict(self.kernel.status(), mode=self.data_plane,
+                      held_bytes=self.ram.kernel_bytes,
+                      whole_file_opens=self.reader.kernel_opens)
+        if self.close_watcher is not None:
+            status.update(close_events=self.close_watcher.events,
+                          close_event_overflows=self.close_watcher.overflows)
+        return status
 
     async def serve(self) -> None:
         options = set(pyfuse3.default_options)
@@ -205,15 +219,62 @@ class Mount:
                     await nursery.start(self.revalidator.run)
                     nursery.start_soon(trio.to_thread.run_sync, self.source_manifest.get)
                     nursery.start_soon(_raise_read_ahead, self.config.mountpoint)
+                    if self.config.data_plane in ("auto", "no-open"):
+                        nursery.start_soon(self._start_zero_request)
                     await pyfuse3.main(min_tasks=1, max_tasks=self.config.fuse_tasks)
                     nursery.cancel_scope.cancel()
             finally:
+                if self.close_watcher is not None:
+                    self.close_watcher.stop()
                 if self.kernel is not None:
                     self.kernel.stop()  # before the session its calls go to is closed
                 pyfuse3.close(unmount=True)
                 if self.ssd is not None:
                     self.ssd.close()
                 log.info("unmounted %s", self.config.mountpoint)
+
+
+    async def _start_zero_request(self) -> None:
+        """The zero-request mode (fuse_ops), where the kernel and privileges allow it:
+        pyfuse3 must pass the inode to read() (scripts/patches/), and fanotify, which needs
+        CAP_SYS_ADMIN, must report the mount's closes. Otherwise the mount stays in the
+        keep-cache mode (OPEN and RELEASE per file), and says why. The fanotify mark is made
+        once the mount answers (marking resolves the mount point, which asks this daemon)."""
+        reason = zero_request_unavailable()
+        fd = None
+        if reason is None:
+            try:
+                await trio.to_thread.run_sync(os.stat, self.config.mountpoint,
+                                              abandon_on_cancel=True)
+                fd = await trio.to_thread.run_sync(
+                    open_close_events, os.fsencode(self.config.mountpoint))
+            except OSError as exc:
+                reason = f"fanotify: {exc.strerror}"
+        if fd is None:
+            log.warning("zero-request mode unavailable (%s): every file costs an OPEN and a "
+                        "RELEASE (keep-cache mode)", reason)
+            return
+        token = trio.lowlevel.current_trio_token()
+        self.close_watcher = CloseWatcher(
+            fd, lambda inodes: token.run_sync_soon(self.ops.closed, inodes))
+        self.close_watcher.start()
+        self.ops.start_without_open()
+        self.data_plane = "no-open"
+        log.info("zero-request mode: files the kernel holds are read with no request")
+
+
+def zero_request_unavailable() -> str | None:
+    """Why this process cannot run the zero-request mode, or None if it can."""
+    if not getattr(pyfuse3, "READ_FH_IS_INODE_WITHOUT_OPEN", False):
+        return ("the installed pyfuse3 does not pass the inode to read() without an open; "
+                "scripts/setup.sh builds one that does")
+    try:
+        fanotify.check_available()
+    except OSError as exc:
+        if exc.errno == errno_mod.EPERM:
+            return "fanotify needs CAP_SYS_ADMIN (run as root)"
+        return f"fanotify: {exc.strerror}"
+    return None
 
 
 async def _terminate_on_signal(signals) -> None:

@@ -49,15 +49,12 @@ from cachefs.stats import Stats
 
 log = logging.getLogger(__name__)
 
-# Positions past the front whose files are pushed into the kernel's page cache (_push_to):
-# with several readers, each is only a few of these ahead of its own next file, and the
-# pusher thread must store them (tens of microseconds for a 110 KB file) before it gets there
-PUSH_AHEAD_ITEMS = 32
 # A file of the order stays in the kernel's page cache only (no daemon copy) if its next use
 # is due within this many seconds (kernel_may_keep): well under the idle age at which these VMs
 # reclaim page cache (about 60 s)
 KERNEL_KEEP_S = 20.0
 RATE_WEIGHT = 0.01  # of each new gap between consumptions in the smoothed rate
+MAX_GAP_S = 0.05  # a longer gap between two consumptions counts as this much
 # Files read ahead whose manifest index is remembered for their open (RecentMap): a window is
 # tens of files, opened within a window's time of their read-ahead.
 RECENT_ITEMS = 8192
@@ -124,7 +121,6 @@ class Prefetcher:
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.prefetch_errors = 0
-        self._push_front = 0  # positions below it were pushed, if they could be (_push_to)
         # seconds between consumptions, smoothed (kernel_may_keep); None until two are seen
         self._s_per_item: float | None = None
         self._last_consumed_s: float | None = None
@@ -189,7 +185,6 @@ class Prefetcher:
         self._member[order.current] = True
         if order.next is not None:
             self._member[order.next] = True
-        self._push_front = 0
         if self.planner.set_order(order):
             self.stats.start_epoch(order.epoch)
         self._size_window()
@@ -249,14 +244,14 @@ class Prefetcher:
             return
         now_s = trio.current_time()
         if self._last_consumed_s is not None:
-            gap_s = now_s - self._last_consumed_s
+            # a pause (validation, a checkpoint, the trainer between epochs) is not the rate
+            gap_s = min(now_s - self._last_consumed_s, MAX_GAP_S)
             self._s_per_item = (gap_s if self._s_per_item is None
                                 else self._s_per_item + RATE_WEIGHT * (gap_s - self._s_per_item))
         self._last_consumed_s = now_s
         completed = self.planner.consume(item)
         self._rerank(item)
         if completed and self.planner.switch_to_next():
-            self._push_front = 0
             self.stats.start_epoch(self.planner.epoch)
             self._member[:] = False
             self._member[self.planner.current] = True
@@ -281,8 +276,7 @@ class Prefetcher:
         # The window depends on file sizes, and at set_order none may be known yet:
         # recompute it as sizes become known.
         self._size_window()
-        if self.tiered.kernel is not None:
-            self._push_to(max(planner.cursor, planner.front) + PUSH_AHEAD_ITEMS)
+        kernel = self.tiered.kernel is not None
         estimate = self.meta.mean_size(self.block_bytes)
         for position, item in planner.window():
             if len(self._inflight_items) >= self.max_inflight:
@@ -290,13 +284,16 @@ class Prefetcher:
             if item in self._inflight_items:
                 pass
             elif self._resident(item):
-                if self.meta.identity(item, self._refresh_age_s()) is None:
+                identity = self.meta.identity(item, self._refresh_age_s())
+                if identity is None:
                     # An item kept in RAM (the next epoch's head) has an identity from
                     # the last epoch; without this re-stat off the reader's path, the reader's
                     # open pays a source round trip for every RAM hit (fuse_ops.open).
                     # _fetch_item stats it, finds its blocks resident and pushes them.
                     self._inflight_items.add(item)
                     self._nursery.start_soon(self._fetch_item, item)
+                elif kernel:
+                    self._push(item, identity)
             else:
                 size = int(self.meta.size[item])
                 need = min(size if size >= 0 else estimate, self.block_bytes)
@@ -359,8 +356,8 @@ class Prefetcher:
                 identity = fetched.identity
                 self.meta.record(item, identity)
             else:
-                if self.tiered.kernel is not None and self._passed_by_push(item):
-                    self._push_item(item)  # a reader is about to open it
+                if self.tiered.kernel is not None:
+                    self._push(item, identity)  # a reader is about to open it
         except OSError as exc:
             # the reader will hit the same error on demand and get its errno
             self.prefetch_errors += 1
@@ -371,26 +368,21 @@ class Prefetcher:
 
     # -- the kernel's page cache ------------------------------------------------------------
     #
-    # Files the readers open next are stored into the kernel's page cache (TieredCache.push)
-    # before they open them: every position up to PUSH_AHEAD_ITEMS past the front (the
-    # furthest position consumed), which covers each DataLoader worker's batch in progress as
-    # well as the next files of a single reader. `_push_front` is where the last push ended:
-    # each consumption pushes the few positions it moves the front by, not the whole lead
-    # again. A file not read ahead yet when its position is passed is pushed when its read
-    # lands (`_fetch_item`). Why not the whole window: the daemon keeps its own copy of a
-    # pushed file until its reader lets go of it (the kernel may drop pages at any time, and a
-    # file kept for the next epoch must outlive the epoch), so a file pushed early is held
-    # twice for longer.
+    # The files of the window are stored into the kernel's page cache (TieredCache.push) as
+    # the window reaches them (a file kept in RAM) or as their read lands, so a reader opens
+    # them with no READ to send. The daemon keeps its own copy of a pushed file until its
+    # reader lets go of it (the kernel may drop pages at any time); then `kernel_may_keep`
+    # decides which copy stays.
 
-    def kernel_may_keep(self, item: int, identity: SourceIdentity) -> bool:
+    def kernel_may_keep(self, item: int, priority: float | None) -> bool:
         """Whether the kernel's pages of a file a reader just read whole may be its only copy
         (the daemon's goes): yes for a file with no known future (LRU among such files, as
         the RAM tier ranks them); for a file of the order, if it stays cached and its next
         use is due within KERNEL_KEEP_S at the rate files are being consumed. Longer, the
         daemon keeps its own copy and the kernel's pages are dropped: idle page cache may be
         reclaimed before then (these VMs page out memory idle for about 60 s), and a file
-        kept for the next epoch must survive it."""
-        priority = self.priority_of(item, 0, identity)
+        kept for the next epoch must survive it. `priority`: the file's first block's in the
+        RAM tier (None: not kept)."""
         if priority is None:
             return False
         if math.isinf(priority):
@@ -399,31 +391,9 @@ class Prefetcher:
             return False
         return (priority - self.planner.cursor) * self._s_per_item <= KERNEL_KEEP_S
 
-    def _push_to(self, end: int) -> None:
-        """Push the files of the unconsumed positions from `_push_front` up to `end`."""
-        planner = self.planner
-        position = max(self._push_front, planner.cursor)
-        end = min(end, planner.window_end())
-        if position >= end:
-            return
-        n = planner.length
-        while position < end:
-            if position >= n or not planner.consumed[position]:
-                self._push_item(planner.item_at(position))
-            position += 1
-        self._push_front = end
-
-    def _push_item(self, item: int) -> None:
-        identity = self.meta.identity(item, self.metadata_ttl_s)
-        if item >= 0 and identity is not None and self._resident(item):
-            self.tiered.push(self._manifest.path(item), identity,
-                             range(block_count(identity.size, self.block_bytes)))
-
-    def _passed_by_push(self, item: int) -> bool:
-        """The item's next position is one `_push_to` went past already."""
-        planner = self.planner
-        position = int(planner.pos_cur[item]) if item < len(planner.pos_cur) else -1
-        return planner.cursor <= position < self._push_front
+    def _push(self, item: int, identity: SourceIdentity) -> None:
+        self.tiered.push(self._manifest.path(item), identity,
+                         range(block_count(identity.size, self.block_bytes)))
 
     def _revisit(self, item: int, block_index: int, identity: SourceIdentity | None) -> None:
         """A fetch came back without reading: if the block is worth keeping, RAM had no room

@@ -106,14 +106,37 @@ class Reader:
             if waited_for_data:
                 handle.origin = stats_mod.ORIGIN_MISS
             self.prefetcher.record_identity(item, handle.identity)
-        if pages_of is not None and pages_of == handle.identity:
-            blocks = self.tiered.file_blocks(relpath, handle.identity)
-            if blocks is not None and all(block.in_kernel for _, block in blocks):
-                handle.keep_cache = handle.kernel_whole = True
-                self.kernel_opens += 1
-                for key, block in blocks:
-                    self._served(handle, key, block)
+        if pages_of is not None and pages_of == handle.identity and self._kernel_holds(handle):
+            handle.keep_cache = True
         return handle
+
+    def _kernel_holds(self, handle: OpenFile) -> bool:
+        """If the kernel holds the whole file, mark the handle served from its pages (each
+        block counted as a READ would count it) and say so."""
+        blocks = self.tiered.file_blocks(handle.relpath, handle.identity)
+        if blocks is None or not all(block.in_kernel for _, block in blocks):
+            return False
+        handle.kernel_whole = True
+        self.kernel_opens += 1
+        for key, block in blocks:
+            self._served(handle, key, block)
+        return True
+
+    def handle_without_open(self, inode: int, relpath: bytes, item: int,
+                            identity: SourceIdentity) -> OpenFile:
+        """A handle for reads that came with no OPEN (the zero-request mode, fuse_ops): the
+        file's last known identity; its READs check it against the source's as they read."""
+        return OpenFile(inode, relpath, identity, item, epoch_record=self.stats.current,
+                        order_serial=self.prefetcher.planner.order_serial)
+
+    def closed_without_reads(self, inode: int, relpath: bytes, item: int,
+                             identity: SourceIdentity) -> None:
+        """A file was opened and closed with no READ reaching the daemon (the zero-request
+        mode): read from the kernel's pages if it held the whole file, and counted so; else
+        nothing was read (an open for a stat, or a mapping never touched)."""
+        handle = self.handle_without_open(inode, relpath, item, identity)
+        if self._kernel_holds(handle):
+            self.release(handle)
 
     def _served(self, handle: OpenFile, key, block) -> None:
         """A block of the tier reaches the reader (through a READ, or the kernel's pages):
@@ -209,7 +232,9 @@ class Reader:
     def _settle_pages(self, handle: OpenFile) -> None:
         """What the kernel keeps of a file the last reader let go (module docstring)."""
         read_whole = handle.bytes_served >= handle.identity.size
-        if read_whole and self.prefetcher.kernel_may_keep(handle.item, handle.identity):
+        first = self.tiered.ram.get((handle.relpath, 0))
+        priority = first.priority if first is not None else None
+        if read_whole and self.prefetcher.kernel_may_keep(handle.item, priority):
             self.tiered.hand_to_kernel(handle.relpath, handle.identity)
         elif handle.read_called or handle.kernel_whole:
             self.tiered.drop_pages(handle.relpath, handle.identity.size)

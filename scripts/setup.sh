@@ -4,12 +4,26 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
-if ! command -v fusermount3 >/dev/null || ! pkg-config --exists fuse3 2>/dev/null; then
+PYFUSE3_VERSION=3.5.0
+if ! command -v fusermount3 >/dev/null || ! pkg-config --exists fuse3 2>/dev/null \
+    || ! command -v patch >/dev/null; then
   apt-get update -q
-  apt-get install -y -q --no-install-recommends fuse3 libfuse3-dev pkg-config >/dev/null
+  apt-get install -y -q --no-install-recommends fuse3 libfuse3-dev pkg-config patch >/dev/null
 fi
 extras=${1:-}
 pip_install() { python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore "$@"; }
+# pyfuse3 built from its source distribution with scripts/patches/pyfuse3-read-inode-without-
+# open.patch: read() gets the inode when the kernel sends no handle, which the zero-request
+# data plane needs (the daemon checks for it at start and falls back without it).
+if ! python3 -c "import pyfuse3, sys; sys.exit(not getattr(pyfuse3, 'READ_FH_IS_INODE_WITHOUT_OPEN', 0))" 2>/dev/null; then
+  work=$(mktemp -d)
+  python3 -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
+    -d "$work" "pyfuse3==$PYFUSE3_VERSION"
+  tar xzf "$work/pyfuse3-$PYFUSE3_VERSION.tar.gz" -C "$work"
+  patch -s -d "$work/pyfuse3-$PYFUSE3_VERSION" -p1 < scripts/patches/pyfuse3-read-inode-without-open.patch
+  pip_install "$work/pyfuse3-$PYFUSE3_VERSION"
+  rm -rf "$work"
+fi
 pip_install -e ".${extras:+[$extras]}"
 if [[ ",$extras," == *",test,"* ]]; then
   # The PyTorch tests need torch's CPU build, which these machines keep as a local wheel.

@@ -19,14 +19,15 @@ its block is skipped. `rebuild` redoes the heap when every priority changes at o
 Kernel copies (the data plane, cachefs/pagecache.py). A block whose bytes the kernel's page
 cache holds for the mount is marked `in_kernel`: the kernel's pages of a file are a view of the
 tier's blocks, never of anything else. A block is held by the daemon (`data`), by the kernel,
-or by both, and is charged its `nbytes` once either way. Both hold it only between a push and
+or by both, and is charged once either way: its `nbytes` while the daemon holds it, its pages
+(`nbytes` rounded up to whole pages) when only the kernel does. Both hold it only between a push and
 the release of the reader it was pushed for (a few files per reader: prefetch.PUSH_AHEAD_ITEMS),
 after which the kernel's pages are dropped or the daemon's copy is (a block held only by the
 kernel, `data` None, is a file with no known future that a reader read whole). Removing a block
 the kernel holds calls `on_kernel_drop`, which drops the kernel's pages of that file, so the
 kernel holds nothing of the mount's that the budget does not count.
 
-Invariant: `used_bytes == sum(nbytes of resident b) + reserved_bytes <= budget_bytes`.
+Invariant: `used_bytes == sum(charge of resident b) + reserved_bytes <= budget_bytes`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import heapq
 import itertools
 import logging
 import math
+import mmap
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -43,6 +45,7 @@ from cachefs.source import SourceIdentity
 log = logging.getLogger(__name__)
 
 BlockKey = tuple  # (relpath: bytes, block_index: int)
+PAGE_BYTES = mmap.PAGESIZE
 
 
 @dataclass(eq=False)
@@ -61,6 +64,16 @@ class RamBlock:
         if self.nbytes < 0:
             self.nbytes = len(self.data)
 
+    @property
+    def charge(self) -> int:
+        """Bytes of the budget it takes: the daemon's copy, else the kernel's pages."""
+        return self.nbytes if self.data is not None else page_bytes(self.nbytes)
+
+
+def page_bytes(nbytes: int) -> int:
+    """The page cache's size for `nbytes` of a file: whole pages."""
+    return -(-nbytes // PAGE_BYTES) * PAGE_BYTES
+
 
 
 class RamTier:
@@ -72,7 +85,7 @@ class RamTier:
         self._heap: list[tuple[float, int, BlockKey]] = []
         self._seq = itertools.count()
         self.evictions = 0
-        self.kernel_bytes = 0  # of resident_bytes, the blocks the kernel's page cache holds
+        self.kernel_bytes = 0  # pages of the blocks the kernel's page cache holds
         # called with (key, block) after a block the kernel holds left the tier
         self.on_kernel_drop: Callable[[BlockKey, RamBlock], None] = lambda key, block: None
 
@@ -130,7 +143,7 @@ class RamTier:
         kernel_keeps = old is not None and old.in_kernel and old.identity == block.identity
         if old is not None:
             self._remove(key, notify=not kernel_keeps)
-        extra = block.nbytes
+        extra = block.charge
         if not self.reserve(extra, block.priority):
             if kernel_keeps:
                 self.on_kernel_drop(key, old)
@@ -182,15 +195,27 @@ class RamTier:
     # -- kernel copies ----------------------------------------------------------------------
 
     def add_kernel_copy(self, key: BlockKey, block: RamBlock) -> None:
-        """The kernel's page cache holds (or is being given) a copy of the block."""
+        """The kernel's page cache holds (or is being given) a copy of the block; while the
+        daemon keeps its own, that copy is not charged (module docstring)."""
         if not block.in_kernel:
             block.in_kernel = True
-            self.kernel_bytes += block.nbytes
+            self.kernel_bytes += page_bytes(block.nbytes)
 
-    def hand_to_kernel(self, key: BlockKey, block: RamBlock) -> None:
-        """The kernel holds the bytes (a reader read them whole): the daemon's copy goes."""
+    def hand_to_kernel(self, key: BlockKey, block: RamBlock) -> bool:
+        """The kernel holds the bytes (a reader read them whole): the daemon's copy goes and
+        the kernel's pages are charged instead. False if the budget has no free room for
+        the pages' rounding (the daemon keeps its copy then)."""
+        if block.data is None:
+            return True
+        extra = page_bytes(block.nbytes) - block.nbytes
+        if self.used_bytes + extra > self.budget_bytes:
+            # Only into free room: the hand-over saves the daemon work, never at the price
+            # of a block someone will read (a file of the read-ahead window read twice)
+            return False
+        self.resident_bytes += extra
         self.add_kernel_copy(key, block)
         block.data = None
+        return True
 
     def drop_kernel_copy(self, key: BlockKey, block: RamBlock) -> None:
         """The kernel no longer holds the bytes (its pages were or are being dropped)."""
@@ -200,13 +225,13 @@ class RamTier:
             self._remove(key, notify=False)
             return
         block.in_kernel = False
-        self.kernel_bytes -= block.nbytes
+        self.kernel_bytes -= page_bytes(block.nbytes)
 
     def _remove(self, key: BlockKey, notify: bool = True) -> None:
         block = self.blocks.pop(key)
-        self.resident_bytes -= block.nbytes
+        self.resident_bytes -= block.charge
         if block.in_kernel:
-            self.kernel_bytes -= block.nbytes
+            self.kernel_bytes -= page_bytes(block.nbytes)
             if notify:
                 self.on_kernel_drop(key, block)
 

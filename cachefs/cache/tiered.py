@@ -292,11 +292,10 @@ class TieredCache:
         if self.kernel is None:
             return False
         blocks = self.file_blocks(relpath, identity)
-        if blocks is None:
-            self.drop_pages(relpath)
+        if blocks is None or not all(self.ram.hand_to_kernel(key, block)
+                                     for key, block in blocks):
+            self.drop_pages(relpath, identity.size)
             return False
-        for key, block in blocks:
-            self.ram.hand_to_kernel(key, block)
         return True
 
     def drop_pages(self, relpath: bytes, size_bytes: int | None = None) -> None:

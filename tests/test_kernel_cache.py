@@ -1,0 +1,204 @@
+"""The kernel data plane through real mounts: files served from the kernel's page cache.
+
+What a user sees: the same bytes as the source whether the kernel or the daemon serves them,
+hits counted the same (the simulator on the same order agrees), no stale bytes after a source
+file changes (within --metadata-ttl), memory within --ram-cache, numpy.memmap working, and a
+kernel that forgot an inode costing nothing but speed.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cachefs.cache.ram import page_bytes
+from cachefs.sim import SimConfig, simulate
+from conftest import epoch_record, make_flat_dataset, read_epoch, write_file
+
+N_FILES = 120
+FILE_BYTES = 50_000
+
+
+@pytest.fixture
+def dataset(tmp_path) -> tuple[Path, list[str]]:
+    src = tmp_path / "src"
+    return src, make_flat_dataset(src, N_FILES, FILE_BYTES, vary=False)
+
+
+def read_all(mount, relpaths: list[str]) -> None:
+    """Read every file once, with no order published, checking each against the source."""
+    for relpath in relpaths:
+        assert (mount.mountpoint / relpath).read_bytes() == (mount.source / relpath).read_bytes()
+
+
+def kernel(mount) -> dict:
+    return mount.stats()["kernel"]
+
+
+def settled(mount, key: str, minimum: int, timeout_s: float = 10.0) -> dict:
+    """The kernel counters once `key` reached `minimum` (the pusher thread runs behind)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = kernel(mount)
+        if status[key] >= minimum or time.monotonic() > deadline:
+            return status
+        time.sleep(0.02)
+
+
+def test_pushed_files_are_read_with_the_source_bytes(dataset, mounter):
+    src, relpaths = dataset
+    mount = mounter(src, "--ram-cache", N_FILES * FILE_BYTES * 2)
+    read_epoch(mount, relpaths, 0)  # read ahead, kept: every file is due in the next epoch
+    opens_before = kernel(mount)["whole_file_opens"]
+    for epoch in (1, 2):
+        record = read_epoch(mount, relpaths, epoch)  # compares every file with the source
+        assert record["hits_ram"] == N_FILES and record["misses"] == 0
+    status = kernel(mount)
+    # epochs 1 and 2 were served by the kernel: no READ reached the daemon for them
+    assert status["whole_file_opens"] - opens_before == 2 * N_FILES
+    assert status["held_bytes"] == N_FILES * page_bytes(FILE_BYTES)  # whole pages
+
+
+def test_files_pushed_ahead_of_the_reader_are_stored_and_dropped_once_read(dataset, mounter):
+    src, relpaths = dataset
+    # room for a quarter of the files: the next epoch's head is kept, the rest dropped
+    mount = mounter(src, "--ram-cache", N_FILES * FILE_BYTES // 4, "--source-threads", 4)
+    os.listdir(mount.mountpoint)  # the kernel learns every inode (readdirplus): pushes can land
+    for name in {r.split("/")[0] for r in relpaths}:
+        os.listdir(mount.mountpoint / name)
+    for epoch in range(3):
+        read_epoch(mount, relpaths, epoch)
+    status = settled(mount, "stores", 1)
+    assert status["stores"] > 0 and status["store_failures"] == 0
+    assert status["invalidations"] > 0  # consumed files the next epoch does not need soon
+    assert status["whole_file_opens"] > 0
+    assert mount.stats()["ram"]["bytes"] <= N_FILES * FILE_BYTES // 4
+
+
+@pytest.mark.parametrize("publish", [True, False], ids=["order", "no-order"])
+def test_a_rewritten_source_file_is_never_served_stale(dataset, mounter, publish):
+    src, relpaths = dataset
+    mount = mounter(src, "--ram-cache", N_FILES * FILE_BYTES * 2, "--metadata-ttl", 1)
+    for epoch in range(2):  # the second pass is served by the kernel
+        if publish:
+            read_epoch(mount, relpaths, epoch)
+        else:
+            read_all(mount, relpaths)
+    changed = relpaths[:3]
+    write_file(src / changed[0], FILE_BYTES, seed=999)  # same size, new bytes
+    write_file(src / changed[1], FILE_BYTES // 2, seed=998)  # shorter
+    write_file(src / changed[2], FILE_BYTES * 3, seed=997)  # longer
+    time.sleep(1.6)  # past --metadata-ttl: the revalidation has seen the change
+    for relpath in changed:
+        assert (mount.mountpoint / relpath).read_bytes() == (src / relpath).read_bytes()
+        assert os.stat(mount.mountpoint / relpath).st_size == os.stat(src / relpath).st_size
+    assert mount.stats()["revalidation"]["changed"] >= 3
+
+
+def test_with_metadata_ttl_0_a_change_is_seen_at_the_next_open(dataset, mounter):
+    src, relpaths = dataset
+    mount = mounter(src, "--ram-cache", N_FILES * FILE_BYTES * 2, "--metadata-ttl", 0)
+    for _ in range(2):
+        read_all(mount, relpaths)
+    write_file(src / relpaths[5], FILE_BYTES, seed=12345)
+    assert (mount.mountpoint / relpaths[5]).read_bytes() == (src / relpaths[5]).read_bytes()
+
+
+def test_stats_with_pushed_files_match_the_simulator(tmp_path, mounter):
+    """One reader in the order over a fast source, RAM for half the files: the RAM hits per
+    epoch the mount counts (the kernel serving most files) are those the simulator counts for
+    the same order, budget and block size."""
+    src = tmp_path / "src"
+    n, size = 200, 40_000
+    relpaths = make_flat_dataset(src, n, size, vary=False)
+    ram_bytes = n * size // 2
+    mount = mounter(src, "--ram-cache", ram_bytes)
+    mounted = [read_epoch(mount, relpaths, epoch) for epoch in range(3)]
+    simulated = simulate(SimConfig(items=n, item_bytes=size, ram_bytes=ram_bytes, epochs=3,
+                                   latency_s=0.0001, consume_s=0.0002, seed=0))
+    assert kernel(mount)["whole_file_opens"] > n  # the kernel served the later epochs
+    for record, sim in zip(mounted, simulated.epochs):
+        assert record["reads"] == sim.reads == n
+        # the mount reads epochs 0, 1, 2 and the simulator 1, 2, 3 of the same seed: the
+        # retained head is as long either way
+        assert abs(record["hits_ram"] - sim.hits_ram) <= 2, (record, sim.row())
+
+
+def test_memory_stays_within_the_budget(dataset, mounter):
+    src, relpaths = dataset
+    ram_bytes = N_FILES * FILE_BYTES // 3
+    mount = mounter(src, "--ram-cache", ram_bytes)
+    read_all(mount, relpaths)  # no order: LRU
+    for epoch in range(2):
+        read_epoch(mount, relpaths, epoch)
+    stats = mount.stats()
+    assert stats["ram"]["bytes"] <= ram_bytes
+    assert stats["kernel"]["held_bytes"] <= stats["ram"]["bytes"]
+    # what the kernel holds for the mount, counted by the kernel (this opens each file again)
+    assert page_cache_bytes(mount.mountpoint, relpaths) <= ram_bytes
+
+
+def page_cache_bytes(root: Path, relpaths: list[str]) -> int:
+    """Bytes of the files' pages the kernel holds, by mincore(2) on a mapping of each."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    total = 0
+    for relpath in relpaths:
+        fd = os.open(root / relpath, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            pages = -(-size // mmap.PAGESIZE)
+            vector = (ctypes.c_ubyte * pages)()
+            assert libc.mincore(address, size, vector) == 0
+            libc.munmap(address, size)
+            total += sum(flag & 1 for flag in vector) * mmap.PAGESIZE
+        finally:
+            os.close(fd)
+    return total
+
+
+def test_numpy_memmap_of_a_file_the_kernel_holds(dataset, mounter):
+    src, relpaths = dataset
+    mount = mounter(src, "--ram-cache", N_FILES * FILE_BYTES * 2)
+    for epoch in range(2):
+        read_epoch(mount, relpaths, epoch)
+    before = kernel(mount)["whole_file_opens"]
+    for relpath in relpaths[:10]:
+        mapped = np.memmap(mount.mountpoint / relpath, dtype=np.uint8, mode="r")
+        assert mapped.tobytes() == (src / relpath).read_bytes()
+        del mapped
+    assert kernel(mount)["whole_file_opens"] >= before + 10
+
+
+def test_a_kernel_that_forgot_the_inodes_is_served_by_the_daemon(dataset, mounter):
+    src, relpaths = dataset
+    mount = mounter(src, "--ram-cache", N_FILES * FILE_BYTES * 2)
+    for epoch in range(2):
+        read_epoch(mount, relpaths, epoch)
+    # drop the kernel's dentries, inodes and page cache: every inode is forgotten (FORGET),
+    # with its pages; pushes for them would fail (ENOENT) and none may be assumed to hold
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    deadline = time.monotonic() + 10
+    while kernel(mount)["held_bytes"] and time.monotonic() < deadline:
+        os.stat(mount.mountpoint)  # FORGETs arrive in batches, with other requests
+        time.sleep(0.05)
+    assert kernel(mount)["held_bytes"] == 0
+    record = read_epoch(mount, relpaths, 2)  # every byte compared with the source
+    # what only the kernel held went with it, and is read again: counted, never assumed
+    assert record["reads"] == N_FILES
+    assert record["hits_ram"] + record["prefetched"] + record["misses"] == N_FILES
+    assert record["backend_bytes"] > 0
