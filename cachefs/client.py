@@ -27,6 +27,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 
 MOUNT_WAIT_S = 90.0  # `cachefs mount` gives up after 60 s itself
 UMOUNT_WAIT_S = 30.0
+SETTLE_S = 5.0  # how long settled_totals waits for the last closes of a pass to be counted
+SETTLE_POLL_S = 0.01
 # the per-epoch counters of `cachefs stats` (man/cachefs-stats.1), summed by stats_totals
 COUNTERS = ("reads", "hits_ram", "hits_ssd", "prefetched", "misses", "backend_bytes",
             "stall_s")
@@ -136,6 +139,17 @@ class MountProcess:
 
     def totals(self) -> dict:
         return stats_totals(self.stats())
+
+    def settled_totals(self, before: dict, reads: int, timeout_s: float = SETTLE_S) -> dict:
+        """Totals once the daemon has counted `reads` more reads than `before`, or whatever
+        it has counted after `timeout_s`: a file is counted when the kernel reports its close
+        (a RELEASE, or a fanotify event), shortly after the reader's close() returned."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            totals = self.totals()
+            if totals["reads"] - before["reads"] >= reads or time.monotonic() > deadline:
+                return totals
+            time.sleep(SETTLE_POLL_S)
 
     def stop(self) -> None:
         """Unmount (see the module docstring); nothing to do if nothing is mounted."""

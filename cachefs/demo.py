@@ -62,8 +62,6 @@ log = logging.getLogger(__name__)
 SOURCE_BLOCK_BYTES = 4 * 1024 * 1024  # the daemon's default block: one delay per block read
 READ_BUFFER_BYTES = 1024 * 1024
 CLASS_DIRS = 10
-STATS_SETTLE_S = 5.0  # how long to wait for the kernel's last releases of an epoch
-STATS_POLL_S = 0.01
 JOIN_POLL_S = 0.1
 JSON_NAME = "cachefs-demo.json"
 PNG_NAME = "cachefs-demo.png"
@@ -280,17 +278,6 @@ def read_epoch(paths: list[bytes], workers: int, delay_s: float,
 
 # -- the mount -----------------------------------------------------------------------------------
 
-def _settled_totals(mount: MountProcess, before: dict, reads: int) -> dict:
-    """Totals once the daemon has counted `reads` more reads (the kernel releases a file
-    shortly after close), or whatever it has counted after STATS_SETTLE_S."""
-    deadline = time.monotonic() + STATS_SETTLE_S
-    while True:
-        totals = mount.totals()
-        if totals["reads"] - before["reads"] >= reads or time.monotonic() > deadline:
-            return totals
-        time.sleep(STATS_POLL_S)
-
-
 # -- the run -------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
@@ -339,7 +326,7 @@ def _run_cachefs(result: DemoResult, mount: MountProcess, manifest_paths: np.nda
         publish_s = time.perf_counter() - started
         read = read_epoch(_epoch_paths(mount.mountpoint, manifest_paths, current),
                           config.workers, 0.0, stop)
-        after = _settled_totals(mount, before, n)
+        after = mount.settled_totals(before, n)
         delta = stats_delta(before, after)
         figures = EpochFigures(epoch=epoch, time_s=publish_s + read.time_s, files=n,
                                bytes=read.bytes, io_s=read.io_s, reads=delta["reads"],

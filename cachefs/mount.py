@@ -241,6 +241,8 @@ class Mount:
         keep-cache mode (OPEN and RELEASE per file), and says why. The fanotify mark is made
         once the mount answers (marking resolves the mount point, which asks this daemon)."""
         reason = zero_request_unavailable()
+        if self.config.data_plane == "auto" and self.config.metadata_ttl_s == 0:
+            reason = "--metadata-ttl 0 asks for a check at every open, and it has no open"
         fd = None
         if reason is None:
             try:

@@ -11,8 +11,10 @@ Where the checks happen, so that an open waits for none of them:
 - this task re-checks every other file the RAM tier holds once its identity is half a TTL old:
   every quarter of a TTL it collects them and lstats them in batches of `BATCH_FILES`, one
   worker-thread hop per batch (not one per file, and none on an open);
-- an open of a cached file whose identity has expired anyway (this task fell behind, or the
-  TTL is 0) checks it itself, one source round trip (fuse_ops.open, reader.Reader.open).
+- in the keep-cache mode, an open of a cached file whose identity has expired anyway (this
+  task fell behind, or the TTL is 0) checks it itself, one source round trip (fuse_ops.open,
+  reader.Reader.open). The zero-request mode has no open: there the sweeps are the contract,
+  every max(TTL / 4, MIN_INTERVAL_S) seconds.
 
 Cost: about 2 x (files held) / TTL lstats a second; the default TTL (60 s, as gcsfuse's stat
 cache) keeps that small for data sets that do not change while mounted, which is what cachefs
@@ -48,8 +50,8 @@ class Revalidator:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
         task_status.started()
-        if self.metadata_ttl_s <= 0:
-            return  # every open checks its file
+        # with a TTL of 0 opens check their file in the keep-cache mode; the zero-request
+        # mode has no open to check at, so the sweeps run as often as they may
         interval_s = max(MIN_INTERVAL_S, self.metadata_ttl_s / 4)
         while True:
             await trio.sleep(interval_s)

@@ -221,7 +221,7 @@ class Run:
                 result, cpu_ms = self._read_pass(ReadTask(
                     os.fsencode(mountpoint), self.orders[epoch], workers=args.readers,
                     read_bytes=args.read_kb * KIB, batch_files=args.batch_files))
-                delta = stats_delta(before, mount.totals())
+                delta = stats_delta(before, mount.settled_totals(before, result.files))
                 cpu_after_s = benchlib.daemon_cpu_s(mount)
                 if cpu_before_s is not None and cpu_after_s is not None and result.files:
                     # what the daemon costs per file read, read-ahead and serving together

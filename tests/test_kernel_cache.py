@@ -102,8 +102,11 @@ def test_a_rewritten_source_file_is_never_served_stale(dataset, mounter, publish
 
 
 def test_with_metadata_ttl_0_a_change_is_seen_at_the_next_open(dataset, mounter):
+    """In the keep-cache mode every open of a cached file checks it (the zero-request mode
+    has no open; its re-checks are the sweeps the test above waits for)."""
     src, relpaths = dataset
-    mount = mounter(src, "--ram-cache", N_FILES * FILE_BYTES * 2, "--metadata-ttl", 0)
+    mount = mounter(src, "--ram-cache", N_FILES * FILE_BYTES * 2, "--metadata-ttl", 0,
+                    "--data-plane", "keep-cache")
     for _ in range(2):
         read_all(mount, relpaths)
     write_file(src / relpaths[5], FILE_BYTES, seed=12345)
