@@ -11,8 +11,9 @@ per file closed, from any process.
 How. One thread reads events in batches (a read of the fanotify fd returns as many as fit in
 the buffer), takes the inode number of each event's file with fstat(2) (it is the daemon's own
 inode number: the kernel's attributes come from the daemon, and in no_open mode the fd the
-kernel opens for the event sends no request), closes the fd, and hands the batch to the trio
-thread with one `run_sync_soon` call. The fd the kernel gives us is opened with FMODE_NONOTIFY,
+kernel opens for the event sends no request), and hands the batch to `deliver`, which returns
+once the trio thread has accounted for it; only then are the fds closed. An open fd pins the
+inode: the kernel cannot forget it (FORGET) before the daemon has looked it up. The fd the kernel gives us is opened with FMODE_NONOTIFY,
 so closing it makes no event of its own. Directories report nothing (no FAN_ONDIR).
 
 fanotify needs CAP_SYS_ADMIN: `open_close_events` raises OSError without it (EPERM), and the
@@ -82,7 +83,8 @@ class CloseWatcher:
 
     def __init__(self, fd: int, deliver: Callable[[list[int]], None]):
         self._fd = fd
-        self._deliver = deliver  # called in this thread; must hand over to the trio thread
+        # called in this thread with a batch of inode numbers; returns once they are accounted
+        self._deliver = deliver
         self._thread: threading.Thread | None = None
         self._stop_read, self._stop_write = os.pipe()
         self.events = 0
@@ -118,15 +120,19 @@ class CloseWatcher:
                     continue
                 log.error("fanotify read failed: %s; close events are lost from now on", exc)
                 return
-            inodes = self._parse(buffer)
-            if inodes:
-                try:
+            fds, inodes = self._parse(buffer)
+            try:
+                if inodes:
                     self._deliver(inodes)
-                except Exception:  # noqa: BLE001 - the trio loop is gone (unmounting)
-                    return
+            except Exception:  # noqa: BLE001 - the trio loop is gone (unmounting)
+                return
+            finally:
+                for fd in fds:
+                    os.close(fd)
 
-    def _parse(self, buffer: bytes) -> list[int]:
-        inodes = []
+    def _parse(self, buffer: bytes) -> tuple[list[int], list[int]]:
+        """The events' fds (for the caller to close) and their files' inode numbers."""
+        fds, inodes = [], []
         offset = 0
         while offset + _METADATA.size <= len(buffer):
             event_len, _vers, _reserved, _meta_len, mask, fd, _pid = \
@@ -136,11 +142,10 @@ class CloseWatcher:
                 self.overflows += 1
             if fd == FAN_NOFD or fd < 0:
                 continue
+            fds.append(fd)
             try:
                 inodes.append(os.fstat(fd).st_ino)
             except OSError:
                 pass
-            finally:
-                os.close(fd)
         self.events += len(inodes)
-        return inodes
+        return fds, inodes

@@ -18,7 +18,7 @@ waits for stores already queued for the inode, so no store of older bytes lands 
 Opening a file revalidates its source identity when the one we know is older than
 `metadata_ttl_s`; a changed file drops its cached copies and the kernel's attributes and pages.
 
-The zero-request mode (`start_without_open`, mount.py decides): OPEN is answered ENOSYS, after
+The zero-request mode (`decide_mode`, mount.py decides before the first OPEN is answered): OPEN is answered ENOSYS, after
 which the kernel sends no OPEN or RELEASE on this connection and keeps every file's pages
 across opens, so a file it holds costs the daemon no request at all. READs of pages it does
 not hold come with the inode instead of a handle (a patched pyfuse3, scripts/patches/), and
@@ -97,7 +97,11 @@ class Operations(pyfuse3.Operations):
         self._dirs: dict[int, tuple[bytes, list[tuple[bytes, os.stat_result]]]] = {}
         self._next_fh = 1
         self._nursery: trio.Nursery | None = None
-        self.no_open = False  # the zero-request mode is on (start_without_open)
+        self.no_open = False  # the zero-request mode is on (decide_mode)
+        # Set once the mode is decided (mount.py): no OPEN is answered before, so no file is
+        # opened with a handle that a READ of the zero-request mode (an inode where the
+        # handle would be) could be mistaken for.
+        self.mode_decided = trio.Event()
         # the zero-request mode's handles, by inode: made at a file's first READ, released
         # when a close of it is reported
         self._without_open: dict[int, OpenFile] = {}
@@ -202,6 +206,7 @@ class Operations(pyfuse3.Operations):
     async def open(self, inode, flags, ctx):
         if flags & _WRITE_FLAGS:
             raise pyfuse3.FUSEError(errno.EROFS)
+        await self.mode_decided.wait()
         if self.no_open:
             # the kernel stops sending OPEN and RELEASE for this connection from now on
             raise pyfuse3.FUSEError(errno.ENOSYS)
@@ -262,9 +267,11 @@ class Operations(pyfuse3.Operations):
             self._without_open[inode] = handle
         return handle
 
-    def start_without_open(self) -> None:
-        """Answer OPEN with ENOSYS from now on (the zero-request mode; module docstring)."""
-        self.no_open = True
+    def decide_mode(self, no_open: bool) -> None:
+        """Answer OPEN with ENOSYS from now on (the zero-request mode; module docstring), or
+        normally; OPENs waiting for the decision go on."""
+        self.no_open = no_open
+        self.mode_decided.set()
 
     def closed(self, inodes: list[int]) -> None:
         """Files were closed (fanotify, in the zero-request mode): account for each, as a

@@ -221,6 +221,8 @@ class Mount:
                     nursery.start_soon(_raise_read_ahead, self.config.mountpoint)
                     if self.config.data_plane in ("auto", "no-open"):
                         nursery.start_soon(self._start_zero_request)
+                    else:
+                        self.ops.decide_mode(no_open=False)
                     await pyfuse3.main(min_tasks=1, max_tasks=self.config.fuse_tasks)
                     nursery.cancel_scope.cancel()
             finally:
@@ -239,11 +241,21 @@ class Mount:
         pyfuse3 must pass the inode to read() (scripts/patches/), and fanotify, which needs
         CAP_SYS_ADMIN, must report the mount's closes. Otherwise the mount stays in the
         keep-cache mode (OPEN and RELEASE per file), and says why. The fanotify mark is made
-        once the mount answers (marking resolves the mount point, which asks this daemon)."""
+        once the mount answers (marking resolves the mount point, which asks this daemon).
+        OPENs wait for the decision, whatever happens here."""
+        try:
+            self.ops.decide_mode(no_open=await self._watch_closes())
+        finally:
+            if not self.ops.mode_decided.is_set():
+                self.ops.decide_mode(no_open=False)
+
+    async def _watch_closes(self) -> bool:
+        """Start the fanotify close watcher; False (and a log line saying why) if it cannot."""
         reason = zero_request_unavailable()
         if self.config.data_plane == "auto" and self.config.metadata_ttl_s == 0:
             reason = "--metadata-ttl 0 asks for a check at every open, and it has no open"
         fd = None
+        trio_token = trio.lowlevel.current_trio_token()
         if reason is None:
             try:
                 await trio.to_thread.run_sync(os.stat, self.config.mountpoint,
@@ -255,14 +267,14 @@ class Mount:
         if fd is None:
             log.warning("zero-request mode unavailable (%s): every file costs an OPEN and a "
                         "RELEASE (keep-cache mode)", reason)
-            return
-        token = trio.lowlevel.current_trio_token()
+            return False
         self.close_watcher = CloseWatcher(
-            fd, lambda inodes: token.run_sync_soon(self.ops.closed, inodes))
+            fd, lambda inodes: trio.from_thread.run_sync(self.ops.closed, inodes,
+                                                         trio_token=trio_token))
         self.close_watcher.start()
-        self.ops.start_without_open()
         self.data_plane = "no-open"
         log.info("zero-request mode: files the kernel holds are read with no request")
+        return True
 
 
 def zero_request_unavailable() -> str | None:
@@ -274,7 +286,7 @@ def zero_request_unavailable() -> str | None:
         fanotify.check_available()
     except OSError as exc:
         if exc.errno == errno_mod.EPERM:
-            return "fanotify needs CAP_SYS_ADMIN (run as root)"
+            return "fanotify needs CAP_SYS_ADMIN, as root has it"
         return f"fanotify: {exc.strerror}"
     return None
 

@@ -423,7 +423,7 @@ class Prefetcher:
             return
         for block_index in block_indices:
             key = (relpath, block_index)
-            if key not in self.tiered.inflight and self.tiered.lookup(key, identity) is None:
+            if key not in self.tiered.inflight and not self.tiered.holds(key, identity):
                 self._nursery.start_soon(self._read_ahead_block, key, identity, item)
 
     async def _read_ahead_block(self, key, identity: SourceIdentity, item: int) -> None:

@@ -70,6 +70,10 @@ class OpenFile:
     # read with no READ that the daemon could count, or with one it could not place.
     keep_cache: bool = False
     kernel_whole: bool = False
+    # consumed at release only, not at the READ of its last byte: the zero-request mode's
+    # handles, whose reader may read the file again from the kernel's pages, which the
+    # consumption may drop (a READ then comes, and the file is read from the source twice)
+    consume_at_release: bool = False
 
 
 class Reader:
@@ -127,7 +131,8 @@ class Reader:
         """A handle for reads that came with no OPEN (the zero-request mode, fuse_ops): the
         file's last known identity; its READs check it against the source's as they read."""
         return OpenFile(inode, relpath, identity, item, epoch_record=self.stats.current,
-                        order_serial=self.prefetcher.planner.order_serial)
+                        order_serial=self.prefetcher.planner.order_serial,
+                        consume_at_release=True)
 
     def closed_without_reads(self, inode: int, relpath: bytes, item: int,
                              identity: SourceIdentity) -> None:
@@ -153,7 +158,8 @@ class Reader:
             identity = handle.identity
             end = min(offset + size, identity.size)
             if offset >= end:
-                self._consume(handle)
+                if not handle.consume_at_release:
+                    self._consume(handle)
                 return b""
             parts = []
             for block_index in range(offset // block_bytes, (end - 1) // block_bytes + 1):
@@ -167,7 +173,7 @@ class Reader:
                 break
         result = parts[0] if len(parts) == 1 else b"".join(parts)
         handle.bytes_served += len(result)
-        if end >= identity.size:
+        if end >= identity.size and not handle.consume_at_release:
             self._consume(handle)
         self._read_ahead(handle, offset // block_bytes, (end - 1) // block_bytes)
         return result

@@ -8,9 +8,11 @@ kernel that forgot an inode costing nothing but speed.
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,7 +21,7 @@ import pytest
 
 from cachefs.cache.ram import page_bytes
 from cachefs.sim import SimConfig, simulate
-from conftest import epoch_record, make_flat_dataset, read_epoch, write_file
+from conftest import make_flat_dataset, read_epoch, write_file
 
 N_FILES = 120
 FILE_BYTES = 50_000
@@ -51,9 +53,13 @@ def settled(mount, key: str, minimum: int, timeout_s: float = 10.0) -> dict:
         time.sleep(0.02)
 
 
-def test_pushed_files_are_read_with_the_source_bytes(dataset, mounter):
+PLANES = pytest.mark.parametrize("plane", ["no-open", "keep-cache"])
+
+
+@PLANES
+def test_pushed_files_are_read_with_the_source_bytes(dataset, mounter, plane):
     src, relpaths = dataset
-    mount = mounter(src, "--ram-cache", N_FILES * FILE_BYTES * 2)
+    mount = mounter(src, "--ram-cache", N_FILES * FILE_BYTES * 2, "--data-plane", plane)
     read_epoch(mount, relpaths, 0)  # read ahead, kept: every file is due in the next epoch
     opens_before = kernel(mount)["whole_file_opens"]
     for epoch in (1, 2):
@@ -65,10 +71,13 @@ def test_pushed_files_are_read_with_the_source_bytes(dataset, mounter):
     assert status["held_bytes"] == N_FILES * page_bytes(FILE_BYTES)  # whole pages
 
 
-def test_files_pushed_ahead_of_the_reader_are_stored_and_dropped_once_read(dataset, mounter):
+@PLANES
+def test_files_pushed_ahead_of_the_reader_are_stored_and_dropped_once_read(dataset, mounter,
+                                                                         plane):
     src, relpaths = dataset
     # room for a quarter of the files: the next epoch's head is kept, the rest dropped
-    mount = mounter(src, "--ram-cache", N_FILES * FILE_BYTES // 4, "--source-threads", 4)
+    mount = mounter(src, "--ram-cache", N_FILES * FILE_BYTES // 4, "--source-threads", 4,
+                    "--data-plane", plane)
     os.listdir(mount.mountpoint)  # the kernel learns every inode (readdirplus): pushes can land
     for name in {r.split("/")[0] for r in relpaths}:
         os.listdir(mount.mountpoint / name)
@@ -81,10 +90,12 @@ def test_files_pushed_ahead_of_the_reader_are_stored_and_dropped_once_read(datas
     assert mount.stats()["ram"]["bytes"] <= N_FILES * FILE_BYTES // 4
 
 
+@PLANES
 @pytest.mark.parametrize("publish", [True, False], ids=["order", "no-order"])
-def test_a_rewritten_source_file_is_never_served_stale(dataset, mounter, publish):
+def test_a_rewritten_source_file_is_never_served_stale(dataset, mounter, publish, plane):
     src, relpaths = dataset
-    mount = mounter(src, "--ram-cache", N_FILES * FILE_BYTES * 2, "--metadata-ttl", 1)
+    mount = mounter(src, "--ram-cache", N_FILES * FILE_BYTES * 2, "--metadata-ttl", 1,
+                    "--data-plane", plane)
     for epoch in range(2):  # the second pass is served by the kernel
         if publish:
             read_epoch(mount, relpaths, epoch)
@@ -113,7 +124,8 @@ def test_with_metadata_ttl_0_a_change_is_seen_at_the_next_open(dataset, mounter)
     assert (mount.mountpoint / relpaths[5]).read_bytes() == (src / relpaths[5]).read_bytes()
 
 
-def test_stats_with_pushed_files_match_the_simulator(tmp_path, mounter):
+@PLANES
+def test_stats_with_pushed_files_match_the_simulator(tmp_path, mounter, plane):
     """One reader in the order over a fast source, RAM for half the files: the RAM hits per
     epoch the mount counts (the kernel serving most files) are those the simulator counts for
     the same order, budget and block size."""
@@ -121,10 +133,11 @@ def test_stats_with_pushed_files_match_the_simulator(tmp_path, mounter):
     n, size = 200, 40_000
     relpaths = make_flat_dataset(src, n, size, vary=False)
     ram_bytes = n * size // 2
-    mount = mounter(src, "--ram-cache", ram_bytes)
+    mount = mounter(src, "--ram-cache", ram_bytes, "--data-plane", plane)
     mounted = [read_epoch(mount, relpaths, epoch) for epoch in range(3)]
     simulated = simulate(SimConfig(items=n, item_bytes=size, ram_bytes=ram_bytes, epochs=3,
                                    latency_s=0.0001, consume_s=0.0002, seed=0))
+    assert kernel(mount)["mode"] == plane
     assert kernel(mount)["whole_file_opens"] > n  # the kernel served the later epochs
     for record, sim in zip(mounted, simulated.epochs):
         assert record["reads"] == sim.reads == n
@@ -205,3 +218,85 @@ def test_a_kernel_that_forgot_the_inodes_is_served_by_the_daemon(dataset, mounte
     assert record["reads"] == N_FILES
     assert record["hits_ram"] + record["prefetched"] + record["misses"] == N_FILES
     assert record["backend_bytes"] > 0
+
+
+# -- which data plane runs --------------------------------------------------------------------
+
+def test_auto_runs_the_zero_request_mode_as_root_with_the_patched_pyfuse3(dataset, mounter):
+    src, relpaths = dataset
+    mount = mounter(src, "--ram-cache", N_FILES * FILE_BYTES * 2)
+    read_all(mount, relpaths)
+    read_all(mount, relpaths)  # from the kernel's pages, with no request
+    status = settled(mount, "close_events", 2 * N_FILES)  # reported just after each close
+    assert status["mode"] == "no-open"
+    assert status["close_events"] >= 2 * N_FILES
+    assert status["whole_file_opens"] >= N_FILES
+    assert "zero-request mode: files the kernel holds" in mount.log()
+
+
+# runs the CLI given after it (`-- [python -m cachefs] ARGS`) with pyfuse3's patch mark removed
+UNPATCHED = ("import runpy, sys, pyfuse3; del pyfuse3.READ_FH_IS_INODE_WITHOUT_OPEN; "
+             "args = sys.argv[1:]; "
+             "args = args[args.index('cachefs') + 1:] if 'cachefs' in args else args[1:]; "
+             "sys.argv = ['cachefs', *args]; runpy.run_module('cachefs', run_name='__main__')")
+
+
+def test_an_unpatched_pyfuse3_falls_back_to_the_keep_cache_mode(dataset, mounter):
+    src, relpaths = dataset
+    # the daemon's pyfuse3 lacks the patch's mark, as a stock pyfuse3 does
+    mount = mounter(src, "--ram-cache", N_FILES * FILE_BYTES * 2,
+                    prefix=[sys.executable, "-c", UNPATCHED, "--"])
+    for epoch in range(2):
+        read_epoch(mount, relpaths, epoch)  # bytes compared with the source
+    status = kernel(mount)
+    assert status["mode"] == "keep-cache"
+    assert status["whole_file_opens"] >= N_FILES  # the kernel still served epoch 1
+    assert "zero-request mode unavailable (the installed pyfuse3 does not pass" in mount.log()
+
+
+def test_no_open_asked_for_without_the_patch_is_a_usage_error(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "mnt").mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", UNPATCHED, "--", "mount", "--foreground", tmp_path / "src",
+         tmp_path / "mnt", "--state-dir", tmp_path / "state", "--data-plane", "no-open"],
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "--data-plane no-open: the installed pyfuse3 does not pass" in done.stderr
+
+
+NON_ROOT_RUN = """
+import hashlib, json, subprocess, sys
+from pathlib import Path
+from cachefs import ctrl
+src, mnt, state = map(Path, sys.argv[1:4])
+cachefs = [sys.executable, "-m", "cachefs"]
+subprocess.run([*cachefs, "mount", src, mnt, "--state-dir", state], check=True,
+               stdout=subprocess.DEVNULL)
+try:
+    paths = sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file())
+    same = all((mnt / p).read_bytes() == (src / p).read_bytes() for _ in range(2) for p in paths)
+    print(json.dumps({"same": same, "files": len(paths), "stats": ctrl.read_stats(mnt),
+                      "log": (state / "daemon.log").read_text()}))
+finally:
+    subprocess.run([*cachefs, "umount", mnt, "--state-dir", state], check=True,
+                   stdout=subprocess.DEVNULL)
+"""
+
+
+def test_a_mount_without_cap_sys_admin_falls_back_to_the_keep_cache_mode(tmp_path):
+    """A daemon without CAP_SYS_ADMIN (here: root of a new user namespace, as an unprivileged
+    user's mount is; fanotify needs the capability in the initial one) mounts in the keep-cache
+    mode, says why, and serves the source's bytes."""
+    src = tmp_path / "src"
+    make_flat_dataset(src, 20, 30_000, vary=False)
+    (tmp_path / "mnt").mkdir()
+    done = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", sys.executable,
+                           "-c", NON_ROOT_RUN, src, tmp_path / "mnt", tmp_path / "state"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["same"] and report["files"] == 20
+    assert report["stats"]["kernel"]["mode"] == "keep-cache"
+    assert report["stats"]["kernel"]["whole_file_opens"] >= 20  # the second pass's
+    assert "fanotify needs CAP_SYS_ADMIN" in report["log"]
