@@ -15,7 +15,10 @@ that one piece of code:
   a stuck daemon; `mounted_paths` is its mount points (the daemon also takes a mount's device
   and a source's file system type from it);
 - `stats_totals` sums the per-epoch counters of a `cachefs stats` snapshot (an epoch switch in
-  the middle of a pass splits the pass between two records); `stats_delta` subtracts two sums.
+  the middle of a pass splits the pass between two records); `stats_delta` subtracts two sums;
+  `MountProcess.settled_totals` waits for the last files of a pass to be counted;
+- `page_cache_bytes` asks the kernel (mincore(2)) how much of some files' pages it holds: the
+  memory the kernel data plane uses for a mount, as the benchmarks and tests measure it.
 
 No pyfuse3 import: the CLI's `umount`, the demo and the benchmarks use this without loading
 the FUSE binding.
@@ -23,7 +26,9 @@ the FUSE binding.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 import os
 import subprocess
 import sys
@@ -171,3 +176,41 @@ class MountProcess:
                         (done.stderr or done.stdout).strip())
             subprocess.run(["fusermount3", "-u", "-z", os.path.abspath(self.mountpoint)],
                            capture_output=True, timeout=UMOUNT_WAIT_S)
+
+
+# -- what the kernel holds -----------------------------------------------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def page_cache_bytes(root: bytes, relpaths: list[bytes]) -> int:
+    """Bytes of the files' pages in the page cache, by mincore(2) on a mapping of each (which
+    faults nothing in; through a FUSE mount, each file gets one more open)."""
+    page = mmap.PAGESIZE
+    total = 0
+    for relpath in relpaths:
+        fd = os.open(root + b"/" + relpath, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            if not size:
+                continue
+            address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if address in (None, _MAP_FAILED):
+                raise OSError(ctypes.get_errno(), "mmap failed", relpath)
+            try:
+                pages = (size + page - 1) // page
+                vector = (ctypes.c_ubyte * pages)()
+                if _libc.mincore(address, size, vector) != 0:
+                    raise OSError(ctypes.get_errno(), "mincore failed", relpath)
+                total += sum(1 for flag in vector if flag & 1) * page
+            finally:
+                _libc.munmap(address, size)
+        finally:
+            os.close(fd)
+    return total

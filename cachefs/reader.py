@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 
@@ -74,6 +74,9 @@ class OpenFile:
     # handles, whose reader may read the file again from the kernel's pages, which the
     # consumption may drop (a READ then comes, and the file is read from the source twice)
     consume_at_release: bool = False
+    # blocks READs of this handle returned: the kernel holds their pages now (with the blocks
+    # pushed to it, the whole file, when the reader is done: `_settle_pages`)
+    blocks_read: set = field(default_factory=set)
 
 
 class Reader:
@@ -179,6 +182,7 @@ class Reader:
         return result
 
     async def _block(self, handle: OpenFile, block_index: int) -> bytes:
+        handle.blocks_read.add(block_index)
         key = (handle.relpath, block_index)
         block = self.tiered.lookup(key, handle.identity)
         if block is not None:  # the hot path: no await
@@ -237,11 +241,10 @@ class Reader:
 
     def _settle_pages(self, handle: OpenFile) -> None:
         """What the kernel keeps of a file the last reader let go (module docstring)."""
-        read_whole = handle.bytes_served >= handle.identity.size
         first = self.tiered.ram.get((handle.relpath, 0))
         priority = first.priority if first is not None else None
-        if read_whole and self.prefetcher.kernel_may_keep(handle.item, priority):
-            self.tiered.hand_to_kernel(handle.relpath, handle.identity)
+        if self.prefetcher.kernel_may_keep(handle.item, priority):
+            self.tiered.hand_to_kernel(handle.relpath, handle.identity, handle.blocks_read)
         elif handle.read_called or handle.kernel_whole:
             self.tiered.drop_pages(handle.relpath, handle.identity.size)
 

@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import logging
-import mmap
 import os
 import subprocess
 import sys
@@ -51,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 from benchlib import (GIB, KIB, MIB, BenchError, DatasetSpec, Manifest,  # noqa: E402
                       ReaderPool, ReadTask)
-from cachefs.client import mounted_paths, stats_delta  # noqa: E402
+from cachefs.client import mounted_paths, page_cache_bytes, stats_delta  # noqa: E402
 from cachefs.order import permutation, publish  # noqa: E402
 
 log = logging.getLogger("bench_fuse")
@@ -115,42 +113,6 @@ def passthrough_mount(source: Path, mountpoint: Path, keep_cache: bool):
 
 
 # -- memory --------------------------------------------------------------------------------------
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def page_cache_bytes(root: bytes, relpaths: list[bytes]) -> int:
-    """Bytes of the files' pages in the page cache, by mincore(2) on a mapping of each (which
-    faults nothing in; through a FUSE mount, each file gets one more open)."""
-    page = mmap.PAGESIZE
-    total = 0
-    for relpath in relpaths:
-        fd = os.open(root + b"/" + relpath, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            size = os.fstat(fd).st_size
-            if not size:
-                continue
-            address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            if address in (None, _MAP_FAILED):
-                raise OSError(ctypes.get_errno(), "mmap failed", relpath)
-            try:
-                pages = (size + page - 1) // page
-                vector = (ctypes.c_ubyte * pages)()
-                if _libc.mincore(address, size, vector) != 0:
-                    raise OSError(ctypes.get_errno(), "mincore failed", relpath)
-                total += sum(1 for flag in vector if flag & 1) * page
-            finally:
-                _libc.munmap(address, size)
-        finally:
-            os.close(fd)
-    return total
-
 
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -9,7 +9,6 @@ kernel that forgot an inode costing nothing but speed.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 
 from cachefs.cache.ram import page_bytes
+from cachefs.client import page_cache_bytes
 from cachefs.sim import SimConfig, simulate
 from conftest import make_flat_dataset, read_epoch, write_file
 
@@ -157,33 +157,8 @@ def test_memory_stays_within_the_budget(dataset, mounter):
     assert stats["ram"]["bytes"] <= ram_bytes
     assert stats["kernel"]["held_bytes"] <= stats["ram"]["bytes"]
     # what the kernel holds for the mount, counted by the kernel (this opens each file again)
-    assert page_cache_bytes(mount.mountpoint, relpaths) <= ram_bytes
-
-
-def page_cache_bytes(root: Path, relpaths: list[str]) -> int:
-    """Bytes of the files' pages the kernel holds, by mincore(2) on a mapping of each."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    total = 0
-    for relpath in relpaths:
-        fd = os.open(root / relpath, os.O_RDONLY)
-        try:
-            size = os.fstat(fd).st_size
-            address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            pages = -(-size // mmap.PAGESIZE)
-            vector = (ctypes.c_ubyte * pages)()
-            assert libc.mincore(address, size, vector) == 0
-            libc.munmap(address, size)
-            total += sum(flag & 1 for flag in vector) * mmap.PAGESIZE
-        finally:
-            os.close(fd)
-    return total
+    assert page_cache_bytes(os.fsencode(mount.mountpoint), list(map(os.fsencode, relpaths))) \
+        <= ram_bytes
 
 
 def test_numpy_memmap_of_a_file_the_kernel_holds(dataset, mounter):

@@ -284,16 +284,19 @@ class TieredCache:
             pushed += 1
         return pushed
 
-    def hand_to_kernel(self, relpath: bytes, identity: SourceIdentity) -> bool:
-        """A reader read this file whole: the kernel holds its pages, so the daemon's copy
-        goes (the RAM tier charges the kernel's instead). False
+    def hand_to_kernel(self, relpath: bytes, identity: SourceIdentity,
+                       blocks_read: set[int]) -> bool:
+        """A reader is done with this file: if the kernel holds all of it (every block was
+        pushed to it or returned by a READ, `blocks_read`), the daemon's copy goes (the RAM
+        tier charges the kernel's instead). False
         (and the kernel's pages dropped) if the tier does not hold the whole file: pages the
         budget does not count are not left in the kernel."""
         if self.kernel is None:
             return False
         blocks = self.file_blocks(relpath, identity)
-        if blocks is None or not all(self.ram.hand_to_kernel(key, block)
-                                     for key, block in blocks):
+        if blocks is None or not all(block.in_kernel or key[1] in blocks_read
+                                     for key, block in blocks) \
+                or not all(self.ram.hand_to_kernel(key, block) for key, block in blocks):
             self.drop_pages(relpath, identity.size)
             return False
         return True
