@@ -246,15 +246,17 @@ def report_table(results: list[dict], ram_bytes: int) -> str:
         kernel = result.get("kernel") or {}
         reads = delta["reads"] if delta else 0
         memory_rows.append([
-            result["contender"], f"{result['daemon_rss_bytes'] / MIB:.0f}",
+            result["contender"], kernel.get("mode", "-"),
+            f"{result['daemon_rss_bytes'] / MIB:.0f}",
             f"{result['page_cache_bytes'] / MIB:.0f}",
             f"{(result['daemon_rss_bytes'] + result['page_cache_bytes']) / MIB:.0f}",
             f"{delta['hits_ram'] / reads:.3f}" if reads else "-",
             kernel.get("whole_file_opens", "-")])
     memory = benchlib.markdown_table(
-        ["contender", "daemon RSS MiB", "page cache MiB", "sum MiB", "RAM-hit fraction",
+        ["contender", "data plane", "daemon RSS MiB", "page cache MiB", "sum MiB",
+         "RAM-hit fraction",
          "opens served whole by the kernel (all passes)"], memory_rows)
-    return (f"{table}\n\nMemory after the passes (--ram-cache {ram_bytes / MIB:.0f} MiB) and "
+    return (f"{table}\n\nData plane (cachefs stats' kernel.mode), memory after the passes (--ram-cache {ram_bytes / MIB:.0f} MiB) and "
             f"what cachefs counted in the timed passes:\n\n{memory}")
 
 

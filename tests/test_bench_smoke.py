@@ -64,6 +64,7 @@ def test_bench_fuse_smoke(tmp_path):
         assert delta["hits_ram"] == delta["reads"] and delta["misses"] == 0
         assert delta["backend_bytes"] == 0
         assert contenders[name]["kernel"]["whole_file_opens"] >= 60 + 1
+        assert contenders[name]["kernel"]["mode"] == "no-open"  # root, the patched pyfuse3
     assert (tmp_path / "fuse.md").read_text().startswith("FUSE hot path:")
     assert_no_mount_under(tmp_path)
 
