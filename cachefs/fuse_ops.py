@@ -159,7 +159,7 @@ class Operations(pyfuse3.Operations):
         for inode, count in inode_list:
             relpath = self.inodes.forget(inode, count)
             if relpath is not None:  # the kernel's pages of it went with the inode
-                self.reader.tiered.kernel_pages_gone(relpath)
+                self.reader.tiered.kernel_forgot(relpath)
 
     @_guarded
     async def readlink(self, inode, ctx):

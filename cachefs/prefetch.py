@@ -123,6 +123,7 @@ class Prefetcher:
         self.prefetch_errors = 0
         # seconds between consumptions, smoothed (kernel_may_keep); None until two are seen
         self._s_per_item: float | None = None
+        self.kernel_losses = 0  # files of the order lost with the kernel's pages
         self._last_consumed_s: float | None = None
 
     def attach(self, tiered: TieredCache) -> None:
@@ -375,21 +376,35 @@ class Prefetcher:
     # decides which copy stays.
 
     def kernel_may_keep(self, item: int, priority: float | None) -> bool:
-        """Whether the kernel's pages of a file a reader just read whole may be its only copy
+        """Whether the kernel's pages of a file a reader is done with may be its only copy
         (the daemon's goes): yes for a file with no known future (LRU among such files, as
-        the RAM tier ranks them); for a file of the order, if it stays cached and its next
-        use is due within KERNEL_KEEP_S at the rate files are being consumed. Longer, the
-        daemon keeps its own copy and the kernel's pages are dropped: idle page cache may be
-        reclaimed before then (these VMs page out memory idle for about 60 s), and a file
-        kept for the next epoch must survive it. `priority`: the file's first block's in the
-        RAM tier (None: not kept)."""
+        the RAM tier ranks them), and for one read again within KERNEL_KEEP_S at the rate
+        files are being consumed, the next epoch's head included, as long as the kernel has
+        never lost pages it was trusted with. Page cache is reclaimable (memory pressure,
+        `drop_caches`, these VMs' idle-page reclaim after about 60 s, hence the time limit):
+        once the kernel has forgotten a file kept this way (`note_kernel_loss`), the daemon
+        keeps its own copy of the next epoch's head, and the kernel's pages are dropped,
+        so that the head the policy keeps across the epoch boundary survives.
+        `priority`: the file's first block's in the RAM tier (None: not kept)."""
         if priority is None:
             return False
         if math.isinf(priority):
             return True
-        if self._s_per_item is None:
+        if self._s_per_item is None or (self.kernel_losses
+                                        and priority >= self.planner.length):
             return False
         return (priority - self.planner.cursor) * self._s_per_item <= KERNEL_KEEP_S
+
+    def note_kernel_loss(self) -> None:
+        """The kernel forgot the inode, and the pages, of a file of the manifest that only it
+        held (`drop_caches`, inode reclaim). Pages reclaimed from an inode it keeps show as a
+        READ of a block only the kernel held; those are counted as the misses they are, but
+        do not switch this off: a READ can also come for pages being stored (not yet
+        measured apart)."""
+        if not self.kernel_losses:
+            log.info("the kernel forgot files of the order that only it held: the daemon "
+                     "keeps its own copy of the next epoch's head from now on")
+        self.kernel_losses += 1
 
     def _push(self, item: int, identity: SourceIdentity) -> None:
         self.tiered.push(self._manifest.path(item), identity,
@@ -434,4 +449,5 @@ class Prefetcher:
             log.debug("read-ahead of %r failed: %s", key, exc)
 
     def status(self) -> dict:
-        return {"inflight": len(self._inflight_items), "errors": self.prefetch_errors}
+        return {"inflight": len(self._inflight_items), "errors": self.prefetch_errors,
+                "kernel_losses": self.kernel_losses}

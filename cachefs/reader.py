@@ -261,6 +261,7 @@ def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, *, block_
                             lookahead_items=lookahead_items, metadata_ttl_s=metadata_ttl_s)
     tiered = TieredCache(ram, source, stats, block_bytes, prefetcher.priority_of, ssd=ssd,
                          kernel=kernel, kernel_inodes=kernel_inodes)
+    tiered.on_kernel_loss = prefetcher.note_kernel_loss
     prefetcher.attach(tiered)
     return Reader(tiered, prefetcher, stats, block_bytes=block_bytes,
                   sequential_blocks=sequential_blocks)

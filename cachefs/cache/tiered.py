@@ -110,6 +110,8 @@ class TieredCache:
         self._nursery: trio.Nursery | None = None
         self.kernel = kernel
         self.kernel_inodes = kernel_inodes if kernel is not None else NoKernelInodes()
+        # called when the kernel forgot a file of the manifest that only it held (kernel_forgot)
+        self.on_kernel_loss: Callable[[], None] = lambda: None
         ram.on_kernel_drop = self._kernel_dropped
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
@@ -134,7 +136,7 @@ class TieredCache:
             self.ram.drop(key)
             return None
         if block.data is None:
-            return None  # only the kernel holds it, and it asked us: its pages went
+            return None  # only the kernel holds it, and a READ asks us: its pages went
         return block
 
     def holds(self, key: BlockKey, identity: SourceIdentity) -> bool:
@@ -310,6 +312,14 @@ class TieredCache:
         if inode is not None:
             self.kernel.invalidate(inode)
         self.kernel_pages_gone(relpath, size_bytes)
+
+    def kernel_forgot(self, relpath: bytes) -> None:
+        """The kernel forgot the file's inode, and its pages with it: a loss if only the
+        kernel held some of the file (`on_kernel_loss`)."""
+        block = self.ram.get((relpath, 0))
+        if block is not None and block.data is None and block.item >= 0:
+            self.on_kernel_loss()
+        self.kernel_pages_gone(relpath)
 
     def kernel_pages_gone(self, relpath: bytes, size_bytes: int | None = None) -> None:
         """The kernel holds no page of `relpath` any more (dropped, or the inode forgotten)."""
