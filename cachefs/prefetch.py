@@ -326,6 +326,9 @@ class Prefetcher:
     async def _fetch_item(self, item: int) -> None:
         relpath = self._manifest.path(item)
         self._recent_items.put(relpath, item)
+        # fetched for this epoch's window: if a reader consumes it first (a demand read, or a
+        # close reported while this waited), its blocks are not read again for this epoch
+        for_current = self._unconsumed(item)
         try:
             first_block = 0
             identity = self.meta.identity(item, self._refresh_age_s())
@@ -350,6 +353,8 @@ class Prefetcher:
                 key = (relpath, block_index)
                 if self.tiered.holds(key, identity):
                     continue
+                if for_current and not self._unconsumed(item):
+                    break  # the window reaches it again as the next epoch's
                 fetched = await self.tiered.fetch(key, identity, item, demand=False)
                 if fetched is None:
                     self._revisit(item, block_index, identity)
@@ -405,6 +410,10 @@ class Prefetcher:
             log.info("the kernel forgot files of the order that only it held: the daemon "
                      "keeps its own copy of the next epoch's head from now on")
         self.kernel_losses += 1
+
+    def _unconsumed(self, item: int) -> bool:
+        pos_cur = self.planner.pos_cur
+        return item < len(pos_cur) and pos_cur[item] >= 0
 
     def _push(self, item: int, identity: SourceIdentity) -> None:
         self.tiered.push(self._manifest.path(item), identity,
