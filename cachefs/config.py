@@ -101,7 +101,7 @@ class MountConfig:
     kernel_timeout_s: float = 300.0  # entry/attribute cache in the kernel (read-only data)
     # how long a checked source identity is trusted (the freshness contract, revalidate.py)
     metadata_ttl_s: float = 60.0
-    # who serves cached bytes (man/cachefs-mount.1, KERNEL PAGE CACHE): "auto" (the
+    # who serves cached bytes (man/cachefs-mount.1, "Kernel page cache"): "auto" (the
     # zero-request mode where the kernel and privileges allow, else "keep-cache"),
     # "no-open", "keep-cache", or "daemon" (every READ reaches the daemon)
     data_plane: str = "auto"

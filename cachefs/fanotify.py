@@ -1,7 +1,7 @@
 """Close events of the files read through the mount, from fanotify(7): the zero-request mode's
 accounting.
 
-Why. In the zero-request mode (man/cachefs-mount.1, "KERNEL PAGE CACHE") the daemon answers
+Why. In the zero-request mode (man/cachefs-mount.1, "Kernel page cache") the daemon answers
 OPEN with ENOSYS, the kernel stops sending OPEN and RELEASE, and a file whose pages it holds is
 read with no request at all. The daemon still has to know what was read (consumption moves the
 read-ahead window; hits and stalls are what `cachefs stats` reports), and the kernel tells it:

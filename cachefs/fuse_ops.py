@@ -15,8 +15,9 @@ answered with keep_cache when the pages the kernel may hold of the file are of t
 opened (`InodeEntry.page_identity`), and then a file the kernel holds whole is read with no
 READ. An open that must drop the kernel's pages (a first open, or the file changed) first
 waits for stores already queued for the inode, so no store of older bytes lands after it.
-Opening a file revalidates its source identity when the one we know is older than
-`metadata_ttl_s`; a changed file drops its cached copies and the kernel's attributes and pages.
+In the keep-cache mode, opening a cached file revalidates its source identity when the one we
+know is older than `metadata_ttl_s` (cachefs/revalidate.py keeps that rare); a changed file
+drops its cached copies and the kernel's attributes and pages.
 
 The zero-request mode (`decide_mode`, mount.py decides before the first OPEN is answered): OPEN is answered ENOSYS, after
 which the kernel sends no OPEN or RELEASE on this connection and keeps every file's pages

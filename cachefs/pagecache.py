@@ -3,7 +3,7 @@
 Why. Serving a cached file through the daemon costs a READ request per file on top of OPEN and
 RELEASE, 60-85 us of pyfuse3/trio CPU each. The kernel serves bytes it holds in its page cache
 with no request at all. So the daemon decides what the kernel holds (docs in
-man/cachefs-mount.1, "KERNEL PAGE CACHE"), and this module carries those decisions out:
+man/cachefs-mount.1, "Kernel page cache"), and this module carries those decisions out:
 
 - `store(inode, offset, data)` queues `pyfuse3.notify_store`: the bytes become page-cache pages
   of the inode, so a reader whose open is answered with keep_cache reads them with no READ;

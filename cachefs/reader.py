@@ -16,14 +16,16 @@ next blocks already in RAM are stored into the kernel's page cache ahead of the 
 The kernel's page cache (cachefs/pagecache.py). `open` lets the kernel keep the pages it holds
 of the file (`keep_cache`) when they are of the version being opened and the whole file
 (`kernel_whole`: every block is a kernel copy in the RAM tier); otherwise the kernel drops them
-and the reader's READs come to the daemon. A kept file is read with no READ reaching the daemon, so its hits are counted at open (each block
-classified as a READ would have been) and its consumption at release: the stats of a pass are
-the same whichever way the bytes went. At release the kernel's copy is settled
-(`Prefetcher.kernel_may_keep`): a file a reader read whole whose next use is soon, or unknown
-(no order: LRU among such files), stays in the kernel only, and the daemon's copy goes; any
-other file's pages are dropped, so that the kernel holds nothing the RAM budget does not count
-and nothing it may lose before it is needed (a file of the order is pushed again when the
-window reaches it).
+and the reader's READs come to the daemon. A kept file is read with no READ reaching the
+daemon, so its hits are counted at open (each block classified as a READ would have been) and
+its consumption at release: the stats of a pass are the same whichever way the bytes went. In
+the zero-request mode there is no open: `handle_without_open` serves the READs that come, and
+`closed_without_reads` counts a file the kernel served whole, when its close is reported.
+At release the kernel's copy is settled (`_settle_pages`, `Prefetcher.kernel_may_keep`): a
+file the kernel holds whole whose next use is soon, or unknown (no order: LRU among such
+files), stays in the kernel only, and the daemon's copy goes; any other file's pages are
+dropped, so that the kernel holds nothing the RAM budget does not count and nothing it may lose
+before it is needed (a file of the order is pushed again when the window reaches it).
 """
 
 from __future__ import annotations

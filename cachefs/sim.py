@@ -99,7 +99,7 @@ class SimConfig:
     request_bytes: int = 128 * KIB  # one kernel read request
     metadata_ttl_s: float = 60.0  # MountConfig's default
     check_identity_at_open: bool = True  # model fuse_ops.open's identity check
-    kernel_cache: bool = True  # the kernel data plane (cachefs mount --kernel-cache)
+    kernel_cache: bool = True  # the kernel data plane (cachefs mount --data-plane, not daemon)
     seed: int = 0
 
     def sizes(self) -> np.ndarray:

@@ -20,9 +20,9 @@ Kernel copies (the data plane, cachefs/pagecache.py). A block whose bytes the ke
 cache holds for the mount is marked `in_kernel`: the kernel's pages of a file are a view of the
 tier's blocks, never of anything else. A block is held by the daemon (`data`), by the kernel,
 or by both, and is charged once either way: its `nbytes` while the daemon holds it, its pages
-(`nbytes` rounded up to whole pages) when only the kernel does. Both hold it only between a push and
-the release of the reader it was pushed for (a few files per reader: prefetch.PUSH_AHEAD_ITEMS),
-after which the kernel's pages are dropped or the daemon's copy is (a block held only by the
+(`nbytes` rounded up to whole pages) when only the kernel does. Both hold it only between a push
+(the read-ahead window's files) and the release of its reader, after which the kernel's pages
+are dropped or the daemon's copy is (a block held only by the
 kernel, `data` None, is a file with no known future that a reader read whole). Removing a block
 the kernel holds calls `on_kernel_drop`, which drops the kernel's pages of that file, so the
 kernel holds nothing of the mount's that the budget does not count.
