@@ -168,3 +168,15 @@ def test_readers_split_an_order_as_dataloader_workers_do():
     assert [by_file.share(i).tolist() for i in range(3)] == \
         [order[i::3].tolist() for i in range(3)]
     assert benchlib.ReadTask(b"/", order[:2], workers=4).share(3).tolist() == []
+
+
+def test_bench_offorder_smoke(tmp_path):
+    out = tmp_path / "offorder.json"
+    done = run_script("bench_offorder.py", "--smoke", "--workdir", tmp_path / "work",
+                      "--json", out)
+    assert done.returncode == 0, done.stderr
+    assert "| reader | seconds | / no order |" in done.stdout
+    result = json.loads(out.read_text())
+    assert set(result["seconds"]) == {"direct", "no order", "order"}
+    assert all(len(values) == 1 and values[0] > 0 for values in result["seconds"].values())
+    assert_no_mount_under(tmp_path)
