@@ -233,7 +233,7 @@ class Operations(pyfuse3.Operations):
             # the file changed since the kernel was given its attributes
             self.reader.tiered.source_changed(entry.relpath, handle.identity)
             self.inodes.update_stat(inode, await self.source.lstat(entry.relpath))
-        if not handle.keep_cache and self.kernel is not None:
+        if not handle.kernel_whole and self.kernel is not None:
             # The kernel drops the inode's pages when this open is answered: stores of the
             # pages of another version still queued must land before that, not after.
             if entry.page_identity not in (None, handle.identity):
@@ -241,7 +241,7 @@ class Operations(pyfuse3.Operations):
             entry.page_identity = handle.identity
         fh = self._new_fh()
         self._files[fh] = handle
-        return pyfuse3.FileInfo(fh=fh, keep_cache=handle.keep_cache)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=handle.kernel_whole)
 
     def _item_of(self, entry) -> int:
         """The file's index in the order's manifest, searched once per manifest."""

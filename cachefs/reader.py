@@ -14,7 +14,7 @@ without an order, so large files (shards, HDF5, .npy) stream at source bandwidth
 next blocks already in RAM are stored into the kernel's page cache ahead of the reader.
 
 The kernel's page cache (cachefs/pagecache.py). `open` lets the kernel keep the pages it holds
-of the file (`keep_cache`) when they are of the version being opened and the whole file
+of the file (keep_cache) when they are of the version being opened and the whole file
 (`kernel_whole`: every block is a kernel copy in the RAM tier); otherwise the kernel drops them
 and the reader's READs come to the daemon. A kept file is read with no READ reaching the
 daemon, so its hits are counted at open (each block classified as a READ would have been) and
@@ -31,7 +31,6 @@ before it is needed (a file of the order is pushed again when the window reaches
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 
 import trio
@@ -67,10 +66,9 @@ class OpenFile:
     # the automatic switch to the next order is no new order (a worker may open the next
     # epoch's first file while another finishes this epoch's last)
     order_serial: int = -1
-    # The kernel keeps the pages it holds of the file at this open, and they are the whole
-    # file (no READ needs to come). Only then: pages of part of a file would let a reader
-    # read with no READ that the daemon could count, or with one it could not place.
-    keep_cache: bool = False
+    # The kernel holds the whole file at this open (its pages are of this version, and no READ
+    # needs to come): the open keeps them (keep_cache). Only then: pages of part of a file
+    # would let a reader read with no READ that the daemon could count.
     kernel_whole: bool = False
     # consumed at release only, not at the READ of its last byte: the zero-request mode's
     # handles, whose reader may read the file again from the kernel's pages, which the
@@ -115,8 +113,8 @@ class Reader:
             if waited_for_data:
                 handle.origin = stats_mod.ORIGIN_MISS
             self.prefetcher.record_identity(item, handle.identity)
-        if pages_of is not None and pages_of == handle.identity and self._kernel_holds(handle):
-            handle.keep_cache = True
+        if pages_of is not None and pages_of == handle.identity:
+            self._kernel_holds(handle)
         return handle
 
     def _kernel_holds(self, handle: OpenFile) -> bool:

@@ -129,23 +129,22 @@ class TieredCache:
 
     def lookup(self, key: BlockKey, identity: SourceIdentity) -> RamBlock | None:
         """The RAM copy of a block, if it belongs to this version of the file. No awaits."""
-        block = self.ram.get(key)
-        if block is None:
-            return None
-        if block.identity != identity:
-            self.ram.drop(key)
-            return None
-        if block.data is None:
-            return None  # only the kernel holds it, and a READ asks us: its pages went
+        block = self._held(key, identity)
+        if block is None or block.data is None:
+            return None  # a block only the kernel holds, asked for by a READ: its pages went
         return block
 
     def holds(self, key: BlockKey, identity: SourceIdentity) -> bool:
         """The tier holds this version of the block, in the daemon or the kernel."""
+        return self._held(key, identity) is not None
+
+    def _held(self, key: BlockKey, identity: SourceIdentity) -> RamBlock | None:
+        """The tier's block, if of this version of the file; one of another is dropped."""
         block = self.ram.get(key)
         if block is not None and block.identity != identity:
             self.ram.drop(key)
-            return False
-        return block is not None
+            return None
+        return block
 
     async def fetch(self, key: BlockKey, identity: SourceIdentity | None, item: int,
                     *, demand: bool, expected_bytes: int | None = None) -> Fetched | None:
@@ -265,16 +264,14 @@ class TieredCache:
             blocks.append((key, block))
         return blocks
 
-    def push(self, relpath: bytes, identity: SourceIdentity, block_indices) -> int:
-        """Store blocks the daemon holds into the kernel's page cache, ahead of the reader;
-        the number of blocks queued. Nothing if the kernel does not hold the inode with this
-        identity."""
+    def push(self, relpath: bytes, identity: SourceIdentity, block_indices) -> None:
+        """Store blocks the daemon holds into the kernel's page cache, ahead of the reader.
+        Nothing if the kernel does not hold the inode with this identity."""
         if self.kernel is None:
-            return 0
+            return
         inode = self.kernel_inodes.store_target(relpath, identity)
         if inode is None:
-            return 0
-        pushed = 0
+            return
         for block_index in block_indices:
             key = (relpath, block_index)
             block = self.ram.get(key)
@@ -283,16 +280,13 @@ class TieredCache:
                 continue
             self.ram.add_kernel_copy(key, block)
             self.kernel.store(inode, block_index * self.block_bytes, block.data)
-            pushed += 1
-        return pushed
 
     def hand_to_kernel(self, relpath: bytes, identity: SourceIdentity,
                        blocks_read: set[int]) -> bool:
         """A reader is done with this file: if the kernel holds all of it (every block was
         pushed to it or returned by a READ, `blocks_read`), the daemon's copy goes (the RAM
-        tier charges the kernel's instead). False
-        (and the kernel's pages dropped) if the tier does not hold the whole file: pages the
-        budget does not count are not left in the kernel."""
+        tier charges the kernel's instead). Otherwise False, and the kernel's pages are
+        dropped: pages the budget does not count are not left in the kernel."""
         if self.kernel is None:
             return False
         blocks = self.file_blocks(relpath, identity)
