@@ -14,22 +14,53 @@ a file is opened or pushed, cleared when the source file changed). `store_target
 check before pages are stored: the kernel holds the inode, with attributes of the version
 stored (a store past the size the kernel holds would extend it) and no pages of another one.
 
+The table has an entry for every file the kernel knows, which with many small samples is
+every sample: entries are slotted and keep the attributes packed (`PackedStat`, 137 bytes where
+an `os.stat_result` takes 640), since this memory is not in the RAM tier's budget otherwise
+(its per-block charge, cachefs/cache/ram.py, covers the entry of a cached file).
+
 Invariant: `_inode_by_path[p] == i` iff `_entries[i].relpath == p`.
 """
 
 from __future__ import annotations
 
 import os
+import struct
 import time
 from dataclasses import dataclass
 
 ROOT_INODE = 1  # the same value as pyfuse3.ROOT_INODE; this module does not import pyfuse3
 
 
-@dataclass
+class PackedStat(bytes):
+    """The attributes of an `os.stat_result` the daemon uses, as one bytes object; read with
+    the same names (`st_size`, ...), so it stands in for the stat result."""
+
+    __slots__ = ()
+    FIELDS = ("st_mode", "st_nlink", "st_uid", "st_gid", "st_rdev", "st_size", "st_blksize",
+              "st_blocks", "st_atime_ns", "st_mtime_ns", "st_ctime_ns", "st_ino", "st_dev")
+    _FORMAT = struct.Struct(f"{len(FIELDS)}q")
+
+    @classmethod
+    def of(cls, st) -> "PackedStat":
+        if isinstance(st, cls):
+            return st
+        return cls(cls._FORMAT.pack(*(getattr(st, name) for name in cls.FIELDS)))
+
+
+def _field(index: int) -> property:
+    offset = index * 8
+    return property(lambda self: struct.unpack_from("q", self, offset)[0])
+
+
+for _index, _name in enumerate(PackedStat.FIELDS):
+    setattr(PackedStat, _name, _field(_index))
+
+
+@dataclass(slots=True)
 class InodeEntry:
     relpath: bytes
-    stat: os.stat_result
+    stat: PackedStat  # the last lstat of the source file
     stat_time_s: float  # time.monotonic() when `stat` was taken
     lookups: int = 0
     # The file's index in `manifest` (the order's, when it was asked), cached so that an open
@@ -45,7 +76,7 @@ class InodeTable:
         # identity_of(stat) -> SourceIdentity: the source's (Source.identity_of)
         self._identity_of = identity_of
         self._entries: dict[int, InodeEntry] = {
-            ROOT_INODE: InodeEntry(b"", root_stat, time.monotonic(), lookups=1)}
+            ROOT_INODE: InodeEntry(b"", PackedStat.of(root_stat), time.monotonic(), lookups=1)}
         self._inode_by_path: dict[bytes, int] = {b"": ROOT_INODE}
         self._next_inode = ROOT_INODE + 1
 
@@ -72,11 +103,11 @@ class InodeTable:
         if inode is None:
             inode = self._next_inode
             self._next_inode += 1
-            self._entries[inode] = InodeEntry(relpath, st, now)
+            self._entries[inode] = InodeEntry(relpath, PackedStat.of(st), now)
             self._inode_by_path[relpath] = inode
         else:
             entry = self._entries[inode]
-            entry.stat = st
+            entry.stat = PackedStat.of(st)
             entry.stat_time_s = now
         if lookup:
             self._entries[inode].lookups += 1
@@ -89,7 +120,7 @@ class InodeTable:
     def update_stat(self, inode: int, st: os.stat_result,
                     stat_time_s: float | None = None) -> None:
         entry = self._entries[inode]
-        entry.stat = st
+        entry.stat = PackedStat.of(st)
         entry.stat_time_s = time.monotonic() if stat_time_s is None else stat_time_s
 
     def forget(self, inode: int, count: int) -> bytes | None:

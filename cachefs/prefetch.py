@@ -210,7 +210,7 @@ class Prefetcher:
             # the first stat (a round trip later) gives the real mean.
             ram_quarter_items = 1
         else:
-            ram_quarter_items = self.ram.budget_bytes // 4 // max(1, mean_size)
+            ram_quarter_items = self.ram.budget_bytes // 4 // self.ram.charge_of(mean_size)
         self.planner.lookahead_items = (self.configured_lookahead
                                         or max(1, min(self.max_inflight, ram_quarter_items)))
         # and at most MAX_SPAN_ITEMS: a reader that does not follow the order (a validation
@@ -324,7 +324,7 @@ class Prefetcher:
     def _room_for(self, nbytes: int, priority: float | None) -> bool:
         if priority is None:
             return False
-        if self.ram.used_bytes + nbytes <= self.ram.budget_bytes:
+        if self.ram.used_bytes + self.ram.charge_of(nbytes) <= self.ram.budget_bytes:
             return True
         farthest = self.ram.farthest_priority()
         return farthest is not None and farthest > priority

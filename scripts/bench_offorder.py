@@ -1,12 +1,17 @@
 """A reader that does not follow the published order: is it slowed down by the read-ahead?
 
-Issue 13's case 8: many tiny files (default 200,000 of one byte, 1,000 per directory), a
+Issue 13's cases 8 and 9. Many tiny files (default 200,000 of one byte, 1,000 per directory), a
 shuffled order published for all of them, and one reader that reads a part of them (default the
 first 50 directories, 50,000 files) in directory order, as a validation pass or another
 sampler would (`find DIRS -type f | xargs cat`). The read-ahead then works on positions all
 over the epoch while the reader waits on its own requests. Side by side in one run: the same
 reader directly on the source, through a mount with no order, and through a mount with the
 order published; medians of `--passes` rounds, a fresh mount each.
+
+It also reports what the daemon's bookkeeping costs per cached block (case 9): its resident
+memory (VmRSS) after the read, less its RSS once the source was scanned, over the blocks its
+RAM tier holds then (one per tiny file: the files read with no order, the read-ahead window's
+with one), beside the RAM tier's own count of the bytes it holds.
 
 Usage: python scripts/bench_offorder.py [--files 200000] [--read-dirs 50] [--passes 3]
            [--workdir DIR] [--json out.json] [--smoke]
@@ -66,13 +71,28 @@ def read_dirs(root: Path, dirs: list[str]) -> float:
     return time.perf_counter() - started_s
 
 
-def through_mount(args, source: Path, dirs: list[str], ordered: bool) -> float:
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory (VmRSS of /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise benchlib.BenchError(f"no VmRSS for process {pid}")
+
+
+def through_mount(args, source: Path, dirs: list[str], ordered: bool) -> tuple[float, dict]:
+    """Seconds of the read, and the daemon's memory (`rss_*` bytes, RAM tier blocks)."""
     mountpoint, state = args.workdir / "mnt", args.workdir / "state"
-    with benchlib.cachefs_mount(source, mountpoint, state, ram_bytes=1 << 30):
+    with benchlib.cachefs_mount(source, mountpoint, state, ram_bytes=1 << 30) as mount:
         files = source_file_count(mountpoint, 300)
+        pid = benchlib.daemon_pid(mount)
+        memory = {"rss_scanned": rss_bytes(pid)}
         if ordered:
             publish(mountpoint, 0, permutation(files, 0, 0), next=permutation(files, 0, 1))
-        return read_dirs(mountpoint, dirs)
+        seconds = read_dirs(mountpoint, dirs)
+        time.sleep(1.0)  # the read-ahead's last completions
+        ram = mount.stats()["ram"]
+        memory.update(rss_read=rss_bytes(pid), blocks=ram["blocks"], ram_bytes=ram["bytes"])
+        return seconds, memory
 
 
 def main(argv=None) -> int:
@@ -81,12 +101,15 @@ def main(argv=None) -> int:
     make_files(source, args.files)
     dirs = [f"d{index:04d}" for index in range(args.read_dirs)]
     figures = {"direct": [], "no order": [], "order": []}
+    memory = {"no order": [], "order": []}
     try:
         for _ in range(args.passes):
             read_dirs(source, dirs)  # the source in the page cache, as for the mounts
             figures["direct"].append(read_dirs(source, dirs))
-            figures["no order"].append(through_mount(args, source, dirs, ordered=False))
-            figures["order"].append(through_mount(args, source, dirs, ordered=True))
+            for name in memory:
+                seconds, used = through_mount(args, source, dirs, ordered=name == "order")
+                figures[name].append(seconds)
+                memory[name].append(used)
     except benchlib.BenchError as exc:
         print(f"bench_offorder: {exc}", file=sys.stderr)
         return 1
@@ -96,9 +119,22 @@ def main(argv=None) -> int:
     print(f"{args.read_dirs * FILES_PER_DIR} of {args.files} one-byte files read in directory "
           f"order, medians of {args.passes}\n")
     print(benchlib.markdown_table(["reader", "seconds", "/ no order"], rows))
+    rows = []
+    for name, rounds in memory.items():
+        per_block = benchlib.median([(used["rss_read"] - used["rss_scanned"])
+                                     / max(used["blocks"], 1) for used in rounds])
+        last = rounds[-1]
+        rows.append([name, last["blocks"], f"{last['rss_scanned'] / 2**20:.1f}",
+                     f"{last['rss_read'] / 2**20:.1f}", f"{last['ram_bytes'] / 2**20:.1f}",
+                     f"{per_block:.0f}"])
+    print("\nDaemon memory (last round; bytes per block: median)\n")
+    print(benchlib.markdown_table(["mount", "blocks in RAM", "RSS scanned MiB",
+                                   "RSS after MiB", "RAM tier MiB", "RSS bytes per block"],
+                                  rows))
     if args.json:
         benchlib.write_json(args.json, {"benchmark": "bench_offorder", "args": vars(args),
-                                        "seconds": figures, "medians": medians})
+                                        "seconds": figures, "medians": medians,
+                                        "memory": memory})
     return 0
 
 

@@ -5,12 +5,16 @@ No FUSE, no trio: these are the questions the prefetcher and the reader ask, ans
 
 from __future__ import annotations
 
+import gc
 import math
+import os
+import tracemalloc
 
 import numpy as np
 import pytest
 
-from cachefs.cache.ram import RamBlock, RamTier
+from cachefs.cache.ram import BLOCK_OVERHEAD_BYTES, RamBlock, RamTier
+from cachefs.inodes import InodeTable
 from cachefs.order import Manifest, Order
 from cachefs.planner import NEVER, Planner
 from cachefs.source import SourceIdentity
@@ -271,7 +275,7 @@ def fill(ram: RamTier, priorities, nbytes=100) -> list:
 
 
 def test_ram_evicts_farthest_first_and_only_strictly_farther():
-    ram = RamTier(500)
+    ram = RamTier(500, block_overhead_bytes=0)
     keys = fill(ram, [3.0, 1.0, 5.0, 2.0, 4.0])
     assert ram.used_bytes == 500
     assert not ram.reserve(100, 5.0)  # equal priority: not strictly farther
@@ -283,8 +287,48 @@ def test_ram_evicts_farthest_first_and_only_strictly_farther():
     assert ram.evictions == 2
 
 
+def test_ram_charges_each_block_its_bookkeeping():
+    """One-byte blocks: the budget holds as many as their bytes and bookkeeping allow, not a
+    budget's worth of bytes (issue 13, case 9)."""
+    overhead = BLOCK_OVERHEAD_BYTES
+    ram = RamTier(10 * (1 + overhead))
+    for i in range(20):
+        charge = ram.charge_of(1)
+        if ram.reserve(charge, math.inf):
+            ram.insert((b"f%d" % i, 0), block(1, i), charge)
+    assert len(ram.blocks) == 10 and ram.used_bytes == ram.budget_bytes
+    assert ram.stats()["bytes"] == 10 * (1 + overhead)
+
+
+def test_block_overhead_covers_bookkeeping():
+    """What a cached one-block file costs the daemon besides its bytes (its RamBlock, key and
+    heap entries, its inode table entry with the path) is within BLOCK_OVERHEAD_BYTES."""
+    files = 20_000
+    root_stat = os.lstat("/")
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        inodes, ram = InodeTable(root_stat), RamTier(1 << 40)
+        for i in range(files):
+            relpath = b"train/class%03d/sample%09d.jpg" % (i % 1000, i)
+            inodes.remember(relpath, os.lstat("/"), lookup=True)
+            key = (b"train/class%03d/sample%09d.jpg" % (i % 1000, i), 0)  # its own copy
+            charge = ram.charge_of(1)
+            assert ram.reserve(charge, math.inf)
+            b = RamBlock(b"x", SourceIdentity(1, 1_700_000_000_000_000_000 + i, 10**7 + i),
+                         item=i, origin=0)
+            assert ram.insert(key, b, charge)
+            ram.touch(key, b)  # read again: a second heap entry
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    per_file = sum(stat.size_diff for stat in after.compare_to(before, "filename")) / files
+    assert 200 < per_file <= BLOCK_OVERHEAD_BYTES, per_file
+
+
 def test_ram_reservation_counts_until_released():
-    ram = RamTier(300)
+    ram = RamTier(300, block_overhead_bytes=0)
     assert ram.reserve(200, 1.0)
     assert not ram.reserve(200, 0.0)  # reservations cannot be evicted
     ram.unreserve(200)
@@ -293,7 +337,7 @@ def test_ram_reservation_counts_until_released():
 
 
 def test_ram_lru_among_blocks_without_known_future():
-    ram = RamTier(300)
+    ram = RamTier(300, block_overhead_bytes=0)
     a, b, c = fill(ram, [math.inf, math.inf, math.inf])
     ram.touch(a, ram.get(a))  # a becomes the most recently used
     assert ram.reserve(100, math.inf)
@@ -302,14 +346,14 @@ def test_ram_lru_among_blocks_without_known_future():
 
 
 def test_ram_infinite_priority_never_displaces_known_future():
-    ram = RamTier(200)
+    ram = RamTier(200, block_overhead_bytes=0)
     fill(ram, [7.0, 8.0])
     assert not ram.reserve(100, math.inf)
     assert ram.reserve(100, 6.0)
 
 
 def test_ram_set_priority_reorders_eviction():
-    ram = RamTier(300)
+    ram = RamTier(300, block_overhead_bytes=0)
     a, b, c = fill(ram, [1.0, 2.0, 3.0])
     ram.set_priority(a, 10.0)  # consumed: now used last
     assert ram.reserve(100, 5.0)
@@ -317,7 +361,7 @@ def test_ram_set_priority_reorders_eviction():
 
 
 def test_ram_rebuild_sets_new_priorities_and_drops_none():
-    ram = RamTier(300)
+    ram = RamTier(300, block_overhead_bytes=0)
     a, b, c = fill(ram, [1.0, 2.0, 3.0])
     new = {a: None, b: 9.0, c: 0.5}
     ram.rebuild(lambda key, blk: new[key])
@@ -328,7 +372,7 @@ def test_ram_rebuild_sets_new_priorities_and_drops_none():
 
 
 def test_ram_insert_that_no_longer_fits_keeps_nothing():
-    ram = RamTier(200)
+    ram = RamTier(200, block_overhead_bytes=0)
     assert ram.reserve(100, 5.0)
     fill(ram, [1.0])  # the other 100 bytes, nearer
     big = block(200)
@@ -340,7 +384,7 @@ def test_ram_insert_that_no_longer_fits_keeps_nothing():
 @pytest.mark.parametrize("seed", range(5))
 def test_ram_budget_never_exceeded_under_random_traffic(seed):
     rng = np.random.default_rng(seed)
-    ram = RamTier(10_000)
+    ram = RamTier(10_000, block_overhead_bytes=0)
     reserved = []
     for step in range(2000):
         action = rng.integers(4)

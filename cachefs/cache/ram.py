@@ -27,7 +27,15 @@ kernel, `data` None, is a file with no known future that a reader read whole). R
 the kernel holds calls `on_kernel_drop`, which drops the kernel's pages of that file, so the
 kernel holds nothing of the mount's that the budget does not count.
 
-Invariant: `used_bytes == sum(charge of resident b) + reserved_bytes <= budget_bytes`.
+Bookkeeping. Each block also costs the daemon memory of its own: the block, its key, its heap
+entries and the inode table's entry of its file (cachefs/inodes.py), about 1 KB in all, which
+with one-byte samples outweighs the data a thousandfold. Every block is charged
+`block_overhead_bytes` besides its bytes (`BLOCK_OVERHEAD_BYTES` on a mount, measured by
+tests/test_planner.py), so the daemon's memory stays within the budget plus a fixed base
+however small the samples are.
+
+Invariant: `used_bytes == sum(charge of resident b) + reserved_bytes <= budget_bytes`, where
+a block's charge is its bytes or pages plus `block_overhead_bytes`.
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ BlockKey = tuple  # (relpath: bytes, block_index: int)
 PAGE_BYTES = mmap.PAGESIZE
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class RamBlock:
     data: bytes | None  # None: only the kernel's page cache holds the bytes
     identity: SourceIdentity
@@ -65,8 +73,8 @@ class RamBlock:
             self.nbytes = len(self.data)
 
     @property
-    def charge(self) -> int:
-        """Bytes of the budget it takes: the daemon's copy, else the kernel's pages."""
+    def held_bytes(self) -> int:
+        """Bytes of memory its contents take: the daemon's copy, else the kernel's pages."""
         return self.nbytes if self.data is not None else page_bytes(self.nbytes)
 
 
@@ -76,9 +84,15 @@ def page_bytes(nbytes: int) -> int:
 
 
 
+# What a block's bookkeeping costs at most (module docstring), with a margin over the
+# ~1 KB measured on CPython 3.11 by tests/test_planner.py::test_block_overhead_covers_bookkeeping
+BLOCK_OVERHEAD_BYTES = 1536
+
+
 class RamTier:
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, block_overhead_bytes: int = BLOCK_OVERHEAD_BYTES):
         self.budget_bytes = budget_bytes
+        self.block_overhead_bytes = block_overhead_bytes
         self.resident_bytes = 0
         self.reserved_bytes = 0
         self.blocks: dict[BlockKey, RamBlock] = {}
@@ -92,6 +106,14 @@ class RamTier:
     @property
     def used_bytes(self) -> int:
         return self.resident_bytes + self.reserved_bytes
+
+    def charge(self, block: RamBlock) -> int:
+        """Bytes of the budget a resident block takes."""
+        return self.charge_of(block.held_bytes)
+
+    def charge_of(self, held_bytes: int) -> int:
+        """Bytes of the budget a block holding `held_bytes` takes: those and its bookkeeping."""
+        return held_bytes + self.block_overhead_bytes
 
     def get(self, key: BlockKey) -> RamBlock | None:
         return self.blocks.get(key)
@@ -143,7 +165,7 @@ class RamTier:
         kernel_keeps = old is not None and old.in_kernel and old.identity == block.identity
         if old is not None:
             self._remove(key, notify=not kernel_keeps)
-        extra = block.charge
+        extra = self.charge(block)
         if not self.reserve(extra, block.priority):
             if kernel_keeps:
                 self.on_kernel_drop(key, old)
@@ -187,7 +209,7 @@ class RamTier:
     def _push(self, key: BlockKey, block: RamBlock) -> None:
         block.lru_seq = next(self._seq)
         heapq.heappush(self._heap, (-block.priority, block.lru_seq, key))
-        if len(self._heap) > 4 * len(self.blocks) + 1024:
+        if len(self._heap) > 2 * len(self.blocks) + 1024:
             # mostly stale tuples: rebuild from the live blocks
             self._heap = [(-b.priority, b.lru_seq, k) for k, b in self.blocks.items()]
             heapq.heapify(self._heap)
@@ -229,7 +251,7 @@ class RamTier:
 
     def _remove(self, key: BlockKey, notify: bool = True) -> None:
         block = self.blocks.pop(key)
-        self.resident_bytes -= block.charge
+        self.resident_bytes -= self.charge(block)
         if block.in_kernel:
             self.kernel_bytes -= page_bytes(block.nbytes)
             if notify:

@@ -197,7 +197,8 @@ class TieredCache:
         expected = (block_length(identity, block_index, self.block_bytes) if identity
                     else min(expected_bytes or self.block_bytes, self.block_bytes))
         priority = self.priority_of(item, block_index, identity)
-        reserved = expected if priority is not None and self.ram.reserve(expected, priority) else 0
+        charge = self.ram.charge_of(expected)
+        reserved = charge if priority is not None and self.ram.reserve(charge, priority) else 0
         if not demand and not reserved:
             return None
         try:
