@@ -40,7 +40,7 @@ from cachefs.pagecache import KernelPages
 from cachefs.reader import build_read_path
 from cachefs.revalidate import Revalidator
 from cachefs.source import Source
-from cachefs.stats import Stats
+from cachefs.stats import Stats, refetch_window_blocks
 from cachefs.warm import Warmer
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class Mount:
         self.config = config
         cache = config.cache
         self.started_at = time.time()
-        self.stats = Stats()
+        self.stats = Stats(refetch_window_blocks(cache.ram_bytes, cache.block_bytes))
         self.source = Source(config.source, threads=config.prefetch.source_threads,
                              delay_s=config.source_delay_s)
         self.ssd = None
