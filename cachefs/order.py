@@ -67,6 +67,8 @@ _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip with members / an empty zip
 _NPY_MAGIC = b"\x93NUMPY"
 _PUBLISH_POLL_S = 0.02
 _SHOWN_PATH_CHARS = 200  # how much of a bad path a message quotes
+# The largest world_size: a rank file's name carries at most nine digits (rank_of_file_name).
+MAX_WORLD_SIZE = 10**9
 
 
 class FileIdentity(NamedTuple):
@@ -412,17 +414,19 @@ def rank_slice(order: np.ndarray, rank: int, world_size: int) -> np.ndarray:
 
     The order is padded to a multiple of world_size by repeating it from the start (as many
     times as needed when it is shorter than the padding), then every world_size-th item from
-    `rank` is taken. `np.resize` repeats cyclically, which is that padding.
+    `rank` is taken. Position i of the padded order is position i mod n of the order, so the
+    rank's positions are computed directly: memory for this rank's share only, however large
+    world_size is.
     """
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise OrderError(f"rank must be in 0..world_size-1, got rank {rank}, "
-                         f"world_size {world_size}")
+    if not 1 <= world_size <= MAX_WORLD_SIZE or not 0 <= rank < world_size:
+        raise OrderError(f"rank must be in 0..world_size-1 and world_size in "
+                         f"1..{MAX_WORLD_SIZE}, got rank {rank}, world_size {world_size}")
     order = np.asarray(order)
     if len(order) == 0:
         return order[:0].copy()
     samples_per_rank = -(-len(order) // world_size)
-    padded = np.resize(order, samples_per_rank * world_size)
-    return np.ascontiguousarray(padded[rank::world_size])
+    positions = np.arange(samples_per_rank, dtype=np.int64) * world_size + rank
+    return order[positions % len(order)]
 
 
 def _as_int_scalar(key: str, value) -> int:
@@ -547,6 +551,8 @@ def _validate(epoch, current, next=None, files=None, rank=None, world_size=None,
         rank = _as_int_scalar("rank", rank)
         if world_size < 1:
             raise OrderError(f"world_size must be >= 1, got {world_size}")
+        if world_size > MAX_WORLD_SIZE:
+            raise OrderError(f"world_size must be <= {MAX_WORLD_SIZE}, got {world_size}")
         if rank < 0:
             raise OrderError(f"rank must be >= 0, got {rank}")
         if rank >= world_size:

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import threading
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -169,6 +170,25 @@ def test_rank_slice_matches_distributed_sampler(n, world_size):
 def test_rank_slice_rejects_bad_rank():
     with pytest.raises(OrderError, match="rank"):
         rank_slice(np.arange(4), 2, 2)
+
+
+def test_rank_slice_of_a_huge_world_size_allocates_only_the_share():
+    order = permutation(1000, seed=1, epoch=0)
+    tracemalloc.start()
+    try:
+        share = rank_slice(order, 9_999_999, 10**7)
+        peak_bytes = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert share.tolist() == [order[9_999_999 % 1000]]
+    assert peak_bytes < 1_000_000  # 80 MB before (the order padded to world_size entries)
+    with pytest.raises(OrderError, match="world_size"):
+        rank_slice(order, 0, 10**9 + 1)
+
+
+def test_reject_world_size_beyond_what_rank_files_can_name():
+    with pytest.raises(OrderError, match="world_size must be <= 1000000000"):
+        validate_arrays(0, np.arange(5), rank=0, world_size=10**12)
 
 
 # ---------------------------------------------------------------------------------------------
