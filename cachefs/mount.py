@@ -127,7 +127,7 @@ class Mount:
         self.planner = self.prefetcher.planner
         self.source_manifest = SourceManifest(config.source)
         self.watcher = OrderWatcher(config.order_file, self._load_order,
-                                    self.prefetcher.set_order)
+                                    self.prefetcher.set_order, resume=config.resume_order)
         self.warmer = Warmer(self.source, self.ssd, block_bytes=cache.block_bytes,
                              threads=config.prefetch.source_threads,
                              order_paths=self._order_paths,
@@ -171,6 +171,7 @@ class Mount:
             "last_rejection": watch.get("last_rejection"),
             "rejections": watch.get("rejections"),
             "publications": watch.get("publications"),
+            "set_aside": watch.get("set_aside"),
             "manifest": {"files": len(manifest) if manifest is not None else None},
             "epochs": self.stats.snapshot(),
             "ram": self.ram.stats(),
