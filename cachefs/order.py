@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import stat
 import sys
 import tempfile
 import time
@@ -166,6 +167,8 @@ def _paths_to_bytes_array(paths) -> np.ndarray:
 
     The common case, a list of ASCII str, is converted by numpy in C; other str lists go
     through one join/encode/split, faster than encoding each item or numpy's U->S cast.
+    A str path is encoded as os.fsencode does (a lone surrogate U+DC80..U+DCFF stands for the
+    byte of a name that was not valid UTF-8); one that cannot be a file name is an OrderError.
     """
     if isinstance(paths, np.ndarray):
         if paths.ndim != 1:
@@ -191,12 +194,23 @@ def _paths_to_bytes_array(paths) -> np.ndarray:
         joined = "\n".join(items).encode(sys.getfilesystemencoding(), "surrogateescape")
         if joined.count(b"\n") == len(items) - 1:  # no path contains a newline
             return np.array(joined.split(b"\n"), dtype="S")
-    except TypeError:  # bytes mixed in
+    except (TypeError, UnicodeEncodeError):  # bytes mixed in, or a path that is not text
         pass
-    try:
-        return np.array([os.fsencode(item) for item in items], dtype="S")
-    except TypeError as err:
-        raise OrderError(f"files must hold str or bytes paths: {err}") from None
+    encoded = []
+    for position, item in enumerate(items):
+        try:
+            encoded.append(os.fsencode(item))
+        except TypeError as err:
+            raise OrderError(f"files must hold str or bytes paths: {err}") from None
+        except UnicodeEncodeError as err:
+            raise _not_a_name(position, ord(item[err.start])) from None
+    return np.array(encoded, dtype="S")
+
+
+def _not_a_name(position: int, code_point: int) -> OrderError:
+    return OrderError(f"files[{position}] holds code point U+{code_point:04X}, which no file "
+                      f"name can hold (a surrogate other than U+DC80..U+DCFF, which stand for "
+                      f"undecodable bytes, or beyond U+10FFFF)")
 
 
 def _unicode_array_to_bytes(paths: np.ndarray) -> np.ndarray:
@@ -206,6 +220,12 @@ def _unicode_array_to_bytes(paths: np.ndarray) -> np.ndarray:
     codes = np.ascontiguousarray(paths).view(np.uint32).reshape(len(paths), width)
     if int(codes.max()) < 128:  # ASCII: one byte per code point, a plain narrowing cast
         return np.ascontiguousarray(codes.astype(np.uint8)).view(f"S{width}").reshape(-1)
+    # numpy stores any 32-bit value, and turns one that is no character into a broken str
+    not_text = (codes > 0x10FFFF) | ((codes >= 0xD800) & (codes <= 0xDFFF)
+                                     & ~((codes >= 0xDC80) & (codes <= 0xDCFF)))
+    if not_text.any():
+        row = int(np.argmax(not_text.any(axis=1)))
+        raise _not_a_name(row, int(codes[row][np.argmax(not_text[row])]))
     return _paths_to_bytes_array(paths.tolist())
 
 
@@ -600,13 +620,29 @@ def _read_npz_key(npz, key: str) -> np.ndarray:
         raise OrderError(f"truncated or corrupt npz archive (reading {key!r}: {err})") from None
 
 
-def _read_npz(path: Path) -> tuple[dict[str, np.ndarray], FileIdentity]:
+def _open_regular(path: Path):
+    """The order file, opened for reading; OrderError unless it is a regular file.
+
+    Opened non-blocking, then checked: an open of a FIFO would wait for a writer (holding the
+    watcher's thread, and the unmount, forever) and a device such as /dev/zero never ends.
+    O_NONBLOCK changes nothing for the reads of a regular file.
+    """
     try:
-        handle = open(path, "rb")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as err:
         raise OrderError(f"cannot open the order file: {err.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        err = OrderError("not a regular file: publish by renaming a complete file into place")
+        err.file = FileIdentity.from_stat(st)
+        raise err
+    return os.fdopen(fd, "rb"), FileIdentity.from_stat(st)
+
+
+def _read_npz(path: Path) -> tuple[dict[str, np.ndarray], FileIdentity]:
+    handle, identity = _open_regular(path)
     with handle:
-        identity = FileIdentity.from_stat(os.fstat(handle.fileno()))
         try:
             magic = handle.read(6)
             if identity.size == 0 or not magic:
