@@ -72,6 +72,8 @@ def cli():
               help="Order file to watch [default: STATE_DIR/order.npz].")
 @click.option("--state-dir", type=click.Path(path_type=Path),
               help="Directory for the order file, log and pid file.")
+@click.option("--resume-order", is_flag=True,
+              help="Adopt the order files present at start (left from an earlier run).")
 @click.option("--ram-cache", type=SIZE, default="1GiB", show_default=True,
               help="RAM tier budget.")
 @click.option("--block-size", type=SIZE, default="4MiB", show_default=True,
@@ -97,7 +99,7 @@ def cli():
               show_default=True, help="Who serves cached bytes: the kernel's page cache "
                                       "with no request, with OPEN/RELEASE, or the daemon.")
 def mount(source, mountpoint, foreground, debug, fuse_options, order_file, state_dir,
-          ram_cache, block_size, lookahead, source_threads, ssd_cache, ssd_size,
+          resume_order, ram_cache, block_size, lookahead, source_threads, ssd_cache, ssd_size,
           source_delay_ms, metadata_ttl, kernel_timeout, fuse_tasks, data_plane):
     """Mount SOURCE read-only at MOUNTPOINT."""
     unknown = [opt for opt in fuse_options if opt != "allow_other"]
@@ -115,7 +117,8 @@ def mount(source, mountpoint, foreground, debug, fuse_options, order_file, state
             prefetch=PrefetchConfig(lookahead_items=lookahead, source_threads=source_threads),
             allow_other="allow_other" in fuse_options, debug=debug, fuse_tasks=fuse_tasks,
             kernel_timeout_s=kernel_timeout, metadata_ttl_s=metadata_ttl,
-            source_delay_s=source_delay_ms / 1000.0, data_plane=data_plane)
+            source_delay_s=source_delay_ms / 1000.0, data_plane=data_plane,
+            resume_order=resume_order)
     except ValueError as exc:
         raise click.UsageError(str(exc))
     if foreground:

@@ -106,6 +106,8 @@ class MountConfig:
     # "no-open", "keep-cache", or "daemon" (every READ reaches the daemon)
     data_plane: str = "auto"
     source_delay_s: float = 0.0  # testing aid: added latency per source open and read
+    # adopt the order files present at start (left from an earlier run); else set them aside
+    resume_order: bool = False
 
     def __post_init__(self):
         if self.fuse_tasks < 1:

@@ -41,6 +41,7 @@ import trio
 
 from cachefs import errors
 from cachefs.ctrl import Control
+from cachefs.dirs import DirListings
 from cachefs.inodes import ROOT_INODE, InodeTable
 from cachefs.pagecache import KernelPages
 from cachefs.reader import OpenFile, Reader
@@ -94,8 +95,9 @@ class Operations(pyfuse3.Operations):
         self.metadata_ttl_s = metadata_ttl_s
         self.inodes = inodes
         self._files: dict[int, OpenFile] = {}
-        # open directories: fh -> (relpath, sorted entries read at opendir)
-        self._dirs: dict[int, tuple[bytes, list[tuple[bytes, os.stat_result]]]] = {}
+        # open directories: fh -> relpath; their listings, one per directory, in _listings
+        self._dirs: dict[int, bytes] = {}
+        self._listings = DirListings(source, ttl_s=metadata_ttl_s)
         self._next_fh = 1
         self._nursery: trio.Nursery | None = None
         self.no_open = False  # the zero-request mode is on (decide_mode)
@@ -180,26 +182,29 @@ class Operations(pyfuse3.Operations):
     @_guarded
     async def opendir(self, inode, ctx):
         relpath = self._entry(inode).relpath
-        entries = await self.source.listdir(relpath)
+        await self._listings.open(relpath)
         fh = self._new_fh()
-        self._dirs[fh] = (relpath, entries)
+        self._dirs[fh] = relpath
         return fh
 
     @_guarded
     async def readdir(self, fh, start_id, token):
         if fh not in self._dirs:
             raise pyfuse3.FUSEError(errno.EBADF)
-        parent, entries = self._dirs[fh]
+        parent = self._dirs[fh]
+        entries, listed_at_s = await self._listings.entries(parent)
         for index in range(start_id, len(entries)):
             name, st = entries[index]
             relpath = parent + b"/" + name if parent else name
-            inode = self.inodes.remember(relpath, st, lookup=False)
+            inode = self.inodes.remember(relpath, st, lookup=False, stat_time_s=listed_at_s)
             if not pyfuse3.readdir_reply(token, name, self._attrs(inode, st), index + 1):
                 break
             self.inodes.add_lookup(inode)  # readdirplus: the kernel now holds a reference
 
     async def releasedir(self, fh):
-        self._dirs.pop(fh, None)
+        relpath = self._dirs.pop(fh, None)
+        if relpath is not None:
+            self._listings.close(relpath)
 
     # -- files -----------------------------------------------------------------------------
 

@@ -40,7 +40,7 @@ from cachefs.pagecache import KernelPages
 from cachefs.reader import build_read_path
 from cachefs.revalidate import Revalidator
 from cachefs.source import Source
-from cachefs.stats import Stats
+from cachefs.stats import Stats, refetch_window_blocks
 from cachefs.warm import Warmer
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class Mount:
         self.config = config
         cache = config.cache
         self.started_at = time.time()
-        self.stats = Stats()
+        self.stats = Stats(refetch_window_blocks(cache.ram_bytes, cache.block_bytes))
         self.source = Source(config.source, threads=config.prefetch.source_threads,
                              delay_s=config.source_delay_s)
         self.ssd = None
@@ -127,7 +127,7 @@ class Mount:
         self.planner = self.prefetcher.planner
         self.source_manifest = SourceManifest(config.source)
         self.watcher = OrderWatcher(config.order_file, self._load_order,
-                                    self.prefetcher.set_order)
+                                    self.prefetcher.set_order, resume=config.resume_order)
         self.warmer = Warmer(self.source, self.ssd, block_bytes=cache.block_bytes,
                              threads=config.prefetch.source_threads,
                              order_paths=self._order_paths,
@@ -171,6 +171,7 @@ class Mount:
             "last_rejection": watch.get("last_rejection"),
             "rejections": watch.get("rejections"),
             "publications": watch.get("publications"),
+            "set_aside": watch.get("set_aside"),
             "manifest": {"files": len(manifest) if manifest is not None else None},
             "epochs": self.stats.snapshot(),
             "ram": self.ram.stats(),

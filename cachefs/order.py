@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import stat
 import sys
 import tempfile
 import time
@@ -67,6 +68,8 @@ _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip with members / an empty zip
 _NPY_MAGIC = b"\x93NUMPY"
 _PUBLISH_POLL_S = 0.02
 _SHOWN_PATH_CHARS = 200  # how much of a bad path a message quotes
+# The largest world_size: a rank file's name carries at most nine digits (rank_of_file_name).
+MAX_WORLD_SIZE = 10**9
 
 
 class FileIdentity(NamedTuple):
@@ -164,6 +167,8 @@ def _paths_to_bytes_array(paths) -> np.ndarray:
 
     The common case, a list of ASCII str, is converted by numpy in C; other str lists go
     through one join/encode/split, faster than encoding each item or numpy's U->S cast.
+    A str path is encoded as os.fsencode does (a lone surrogate U+DC80..U+DCFF stands for the
+    byte of a name that was not valid UTF-8); one that cannot be a file name is an OrderError.
     """
     if isinstance(paths, np.ndarray):
         if paths.ndim != 1:
@@ -189,12 +194,23 @@ def _paths_to_bytes_array(paths) -> np.ndarray:
         joined = "\n".join(items).encode(sys.getfilesystemencoding(), "surrogateescape")
         if joined.count(b"\n") == len(items) - 1:  # no path contains a newline
             return np.array(joined.split(b"\n"), dtype="S")
-    except TypeError:  # bytes mixed in
+    except (TypeError, UnicodeEncodeError):  # bytes mixed in, or a path that is not text
         pass
-    try:
-        return np.array([os.fsencode(item) for item in items], dtype="S")
-    except TypeError as err:
-        raise OrderError(f"files must hold str or bytes paths: {err}") from None
+    encoded = []
+    for position, item in enumerate(items):
+        try:
+            encoded.append(os.fsencode(item))
+        except TypeError as err:
+            raise OrderError(f"files must hold str or bytes paths: {err}") from None
+        except UnicodeEncodeError as err:
+            raise _not_a_name(position, ord(item[err.start])) from None
+    return np.array(encoded, dtype="S")
+
+
+def _not_a_name(position: int, code_point: int) -> OrderError:
+    return OrderError(f"files[{position}] holds code point U+{code_point:04X}, which no file "
+                      f"name can hold (a surrogate other than U+DC80..U+DCFF, which stand for "
+                      f"undecodable bytes, or beyond U+10FFFF)")
 
 
 def _unicode_array_to_bytes(paths: np.ndarray) -> np.ndarray:
@@ -204,6 +220,12 @@ def _unicode_array_to_bytes(paths: np.ndarray) -> np.ndarray:
     codes = np.ascontiguousarray(paths).view(np.uint32).reshape(len(paths), width)
     if int(codes.max()) < 128:  # ASCII: one byte per code point, a plain narrowing cast
         return np.ascontiguousarray(codes.astype(np.uint8)).view(f"S{width}").reshape(-1)
+    # numpy stores any 32-bit value, and turns one that is no character into a broken str
+    not_text = (codes > 0x10FFFF) | ((codes >= 0xD800) & (codes <= 0xDFFF)
+                                     & ~((codes >= 0xDC80) & (codes <= 0xDCFF)))
+    if not_text.any():
+        row = int(np.argmax(not_text.any(axis=1)))
+        raise _not_a_name(row, int(codes[row][np.argmax(not_text[row])]))
     return _paths_to_bytes_array(paths.tolist())
 
 
@@ -412,17 +434,19 @@ def rank_slice(order: np.ndarray, rank: int, world_size: int) -> np.ndarray:
 
     The order is padded to a multiple of world_size by repeating it from the start (as many
     times as needed when it is shorter than the padding), then every world_size-th item from
-    `rank` is taken. `np.resize` repeats cyclically, which is that padding.
+    `rank` is taken. Position i of the padded order is position i mod n of the order, so the
+    rank's positions are computed directly: memory for this rank's share only, however large
+    world_size is.
     """
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise OrderError(f"rank must be in 0..world_size-1, got rank {rank}, "
-                         f"world_size {world_size}")
+    if not 1 <= world_size <= MAX_WORLD_SIZE or not 0 <= rank < world_size:
+        raise OrderError(f"rank must be in 0..world_size-1 and world_size in "
+                         f"1..{MAX_WORLD_SIZE}, got rank {rank}, world_size {world_size}")
     order = np.asarray(order)
     if len(order) == 0:
         return order[:0].copy()
     samples_per_rank = -(-len(order) // world_size)
-    padded = np.resize(order, samples_per_rank * world_size)
-    return np.ascontiguousarray(padded[rank::world_size])
+    positions = np.arange(samples_per_rank, dtype=np.int64) * world_size + rank
+    return order[positions % len(order)]
 
 
 def _as_int_scalar(key: str, value) -> int:
@@ -547,6 +571,8 @@ def _validate(epoch, current, next=None, files=None, rank=None, world_size=None,
         rank = _as_int_scalar("rank", rank)
         if world_size < 1:
             raise OrderError(f"world_size must be >= 1, got {world_size}")
+        if world_size > MAX_WORLD_SIZE:
+            raise OrderError(f"world_size must be <= {MAX_WORLD_SIZE}, got {world_size}")
         if rank < 0:
             raise OrderError(f"rank must be >= 0, got {rank}")
         if rank >= world_size:
@@ -594,13 +620,29 @@ def _read_npz_key(npz, key: str) -> np.ndarray:
         raise OrderError(f"truncated or corrupt npz archive (reading {key!r}: {err})") from None
 
 
-def _read_npz(path: Path) -> tuple[dict[str, np.ndarray], FileIdentity]:
+def _open_regular(path: Path):
+    """The order file, opened for reading; OrderError unless it is a regular file.
+
+    Opened non-blocking, then checked: an open of a FIFO would wait for a writer (holding the
+    watcher's thread, and the unmount, forever) and a device such as /dev/zero never ends.
+    O_NONBLOCK changes nothing for the reads of a regular file.
+    """
     try:
-        handle = open(path, "rb")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as err:
         raise OrderError(f"cannot open the order file: {err.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        err = OrderError("not a regular file: publish by renaming a complete file into place")
+        err.file = FileIdentity.from_stat(st)
+        raise err
+    return os.fdopen(fd, "rb"), FileIdentity.from_stat(st)
+
+
+def _read_npz(path: Path) -> tuple[dict[str, np.ndarray], FileIdentity]:
+    handle, identity = _open_regular(path)
     with handle:
-        identity = FileIdentity.from_stat(os.fstat(handle.fileno()))
         try:
             magic = handle.read(6)
             if identity.size == 0 or not magic:

@@ -5,6 +5,13 @@ over the order path itself (the plain file), rank R over ``<stem>.rank<R>.npz`` 
 (`cachefs.order.rank_order_path`). A new publication shows up as a new file identity (inode,
 mtime_ns, size) at one of those paths. The watcher:
 
+- at start, sets aside the order files already there (unless told to resume): they are left
+  from an earlier run, whose permutation a new run's trainer does not follow, and reading it
+  ahead would fill the RAM tier with blocks marked for a next use that never comes. They are
+  listed once, when the watcher is made, which is before the mount appears, so a file
+  published to the new mount is never taken for one of them; a set-aside file is loaded once
+  it changes (a new identity), like any publication. The daemon does not rename or remove
+  them: it may not own the directory, and the trainer's next publication replaces them;
 - watches the order file's directory with inotify (IN_MOVED_TO for a rename into place,
   IN_CLOSE_WRITE for a file written in place), through ctypes so that no extra package is
   needed, and waits on the descriptor with `trio.lowlevel.wait_readable`. It also rechecks once
@@ -130,7 +137,8 @@ class OrderWatcher:
     """Keeps the daemon's order in step with the order files; see the module docstring."""
 
     def __init__(self, order_path: Path, load: Callable[[Path], Order],
-                 on_order: Callable[[Order], None], poll_interval_s: float = 0.05):
+                 on_order: Callable[[Order], None], poll_interval_s: float = 0.05,
+                 resume: bool = False):
         self.order_path = Path(order_path)
         self._load = load
         self._on_order = on_order
@@ -143,6 +151,21 @@ class OrderWatcher:
         self._published_at: float | None = None
         self._left_out: dict[FileIdentity, str] = {}  # held files the order in force leaves out
         self._rejections: collections.deque[dict] = collections.deque(maxlen=REJECTIONS_KEPT)
+        self._set_aside: dict[str, FileIdentity] = {}  # files left from an earlier run
+        if not resume:
+            self._set_aside_leftovers()
+
+    def _set_aside_leftovers(self) -> None:
+        """Take the order files already there as handled, without loading them."""
+        try:
+            found = self._list_candidates()
+        except OSError:
+            return  # no directory (yet), or unreadable: the first check says why
+        for name, (_rank, identity) in found.items():
+            self._handled[name] = self._set_aside[name] = identity
+        if found:
+            log.info("order files left from an earlier run set aside (loaded once they change; "
+                     "--resume-order adopts them): %s", ", ".join(sorted(found)))
 
     @property
     def order(self) -> Order | None:
@@ -246,7 +269,9 @@ class OrderWatcher:
     def _forget_removed(self, found: dict) -> None:
         """Files deleted since the last check leave the next merge; the order in force stays."""
         for name in [name for name in self._handled if name not in found]:
-            del self._handled[name]
+            identity = self._handled.pop(name)
+            if self._set_aside.pop(name, None) == identity:
+                continue  # set aside at start and never loaded: nothing to leave out
             rank = rank_of_file_name(self.order_path, name)
             if rank is None:
                 self._plain = None
@@ -375,6 +400,10 @@ class OrderWatcher:
         if self._order is not None:
             order = dict(self._order.status(), published_at=self._published_at)
         rejections = [dict(rejection) for rejection in self._rejections]
+        set_aside = [{"path": name, "file": identity.to_json()}
+                     for name, identity in sorted(self._set_aside.items())
+                     if self._handled.get(name) == identity]  # not changed since the start
         return {"path": str(self.order_path), "order": order,
                 "last_rejection": rejections[-1] if rejections else None,
-                "rejections": rejections, "publications": self.publications()}
+                "rejections": rejections, "publications": self.publications(),
+                "set_aside": set_aside}

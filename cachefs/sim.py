@@ -64,7 +64,7 @@ from cachefs.order import Manifest, Order, permutation
 from cachefs.pagecache import KernelPages
 from cachefs.reader import build_read_path
 from cachefs.source import BlockData, SourceIdentity
-from cachefs.stats import Stats
+from cachefs.stats import Stats, refetch_window_blocks
 
 log = logging.getLogger(__name__)
 
@@ -390,7 +390,7 @@ class _Sim:
         self.manifest = Manifest.from_paths(
             [b"d%02d/item%07d.bin" % (i % 16, i) for i in range(n)]).prepare()
         self.paths = [self.manifest.path(i) for i in range(n)]
-        self.stats = Stats()
+        self.stats = Stats(refetch_window_blocks(config.ram_bytes, config.block_bytes))
         self.source = SimSource(self.manifest, self.sizes, latency_s=config.latency_s,
                                 parallelism=config.parallelism,
                                 bandwidth_bytes_s=config.bandwidth_bytes_s)

@@ -12,10 +12,20 @@ How an opened file is classified (one of the four, so they add up to `reads`):
   epoch;
 - `hits_ram`: every block was already in RAM before this epoch needed it (retained across the
   epoch boundary, or read again).
+
+`refetched_blocks` says how often the cache threw away a block it then had to read again in
+the same epoch (read-ahead evicted before use, a fetch not de-duplicated). Its memory is
+bounded whatever the epoch's length (with no order, the epoch never ends): block 0 of the
+manifest's items is remembered in a bitmap (a byte per item, like the manifest itself), any
+other block only among the last `refetch_window_blocks` distinct blocks read from the source,
+twice what the RAM tier holds and at least `MIN_REFETCH_WINDOW_BLOCKS`. A block read again
+after that many others is not counted: the RAM tier could not have kept it for that long
+anyway, unless in place of more useful blocks.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -28,6 +38,15 @@ ORIGIN_SSD = 2
 ORIGIN_MISS = 3
 _CLASS_BY_ORIGIN = {ORIGIN_RAM: "hits_ram", ORIGIN_PREFETCHED: "prefetched",
                     ORIGIN_SSD: "hits_ssd", ORIGIN_MISS: "misses"}
+
+# At least this many recent source reads are remembered to count refetches (about 200 bytes
+# each): 13 MB.
+MIN_REFETCH_WINDOW_BLOCKS = 1 << 16
+
+
+def refetch_window_blocks(ram_bytes: int, block_bytes: int) -> int:
+    """How many distinct recent source reads `Stats` remembers (see the module docstring)."""
+    return max(MIN_REFETCH_WINDOW_BLOCKS, 2 * (ram_bytes // block_bytes))
 
 
 @dataclass
@@ -49,15 +68,16 @@ class EpochStats:
 class Stats:
     """The counters of one mount. Single-threaded: only the trio thread touches it."""
 
-    def __init__(self):
+    def __init__(self, refetch_window_blocks: int = MIN_REFETCH_WINDOW_BLOCKS):
         self.epochs: list[EpochStats] = [EpochStats(None)]
         self.ssd_errors = 0
         self.read_errors = 0
         # Blocks fetched from the source in the current epoch, to count refetches: block 0 of
         # manifest items in a bitmap (no per-item Python objects at ImageNet scale), other
-        # blocks (large files, files outside the manifest) in a set.
+        # blocks (large files, files outside the manifest) in a bounded window, oldest first.
         self._fetched_first_blocks = np.zeros(0, bool)
-        self._fetched_other_blocks: set = set()
+        self._fetched_other_blocks: OrderedDict = OrderedDict()
+        self._refetch_window_blocks = refetch_window_blocks
 
     @property
     def current(self) -> EpochStats:
@@ -94,8 +114,12 @@ class Stats:
             again = self._fetched_first_blocks[item]
             self._fetched_first_blocks[item] = True
         else:
-            again = key in self._fetched_other_blocks
-            self._fetched_other_blocks.add(key)
+            recent = self._fetched_other_blocks
+            again = key in recent
+            recent[key] = None
+            recent.move_to_end(key)
+            if len(recent) > self._refetch_window_blocks:
+                recent.popitem(last=False)
         if again:
             record.refetched_blocks += 1
 

@@ -143,11 +143,34 @@ def test_demo_rejects_bad_settings_before_doing_anything(tmp_path):
     "cachefs epoch 0",   # reading through the mount
 ])
 def test_ctrl_c_unmounts_and_removes_everything(tmp_path, interrupt_after):
+    interrupt_demo(tmp_path, interrupt_after)
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_reaches_the_demo_when_the_caller_ignores_it(tmp_path):
+    """A suite started as a background job of a shell runs with SIGINT ignored, and the
+    demo would inherit that (issue 15, item 14): the test's child restores the default."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        interrupt_demo(tmp_path, "direct  epoch 0")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _default_sigint() -> None:
+    """In the child before exec: Ctrl-C as a terminal sends it, whatever the caller ignores
+    (an ignored signal stays ignored across exec; a default one is Python's to handle)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def interrupt_demo(tmp_path: Path, interrupt_after: str) -> None:
+    """Start the demo, send SIGINT once it prints `interrupt_after`; it must clean up."""
     tmpdir = tmp_path / "tmp"
     process = subprocess.Popen(
         demo_cmd("--files", FILES, "--file-kb", 8, "--epochs", 8, "--delay-ms", 1,
                  "--output", tmp_path / "out"),
-        env=demo_env(tmpdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env=demo_env(tmpdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_default_sigint)
     try:
         seen = []
         for line in process.stderr:

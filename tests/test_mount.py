@@ -96,6 +96,24 @@ def test_metadata_walk_glob_symlinks(tree, mounter):
     assert os.statvfs(mnt).f_blocks == os.statvfs(tree).f_blocks
 
 
+def test_open_handles_of_a_directory_share_one_listing(tree, mounter):
+    """Issue 15, item 14: forty open handles of a 10k-entry directory, one listing held."""
+    mount = mounter(tree)
+    many = mount.mountpoint / "many"
+    expected = sorted(os.listdir(tree / "many"))
+    assert sorted(os.listdir(many)) == expected  # the kernel has looked the directory up
+    listed_before = mount.stats()["source"]["requests"]["listdir"]
+    handles = [os.open(many, os.O_RDONLY | os.O_DIRECTORY) for _ in range(40)]
+    try:
+        listed = mount.stats()["source"]["requests"]["listdir"] - listed_before
+        assert listed == 1
+        for fd in handles[::13]:  # each handle reads the whole directory
+            assert sorted(os.listdir(fd)) == expected
+    finally:
+        for fd in handles:
+            os.close(fd)
+
+
 def test_random_offsets_short_reads_and_memmap(tree, mounter):
     mount = mounter(tree)
     data = (tree / "big.bin").read_bytes()

@@ -10,9 +10,11 @@ import errno
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -169,6 +171,25 @@ def test_rank_slice_matches_distributed_sampler(n, world_size):
 def test_rank_slice_rejects_bad_rank():
     with pytest.raises(OrderError, match="rank"):
         rank_slice(np.arange(4), 2, 2)
+
+
+def test_rank_slice_of_a_huge_world_size_allocates_only_the_share():
+    order = permutation(1000, seed=1, epoch=0)
+    tracemalloc.start()
+    try:
+        share = rank_slice(order, 9_999_999, 10**7)
+        peak_bytes = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert share.tolist() == [order[9_999_999 % 1000]]
+    assert peak_bytes < 1_000_000  # 80 MB before (the order padded to world_size entries)
+    with pytest.raises(OrderError, match="world_size"):
+        rank_slice(order, 0, 10**9 + 1)
+
+
+def test_reject_world_size_beyond_what_rank_files_can_name():
+    with pytest.raises(OrderError, match="world_size must be <= 1000000000"):
+        validate_arrays(0, np.arange(5), rank=0, world_size=10**12)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,6 +414,54 @@ def test_reject_empty_and_duplicate_paths(tmp_path, source_manifest):
              files=np.array([FILES[0], FILES[1], FILES[0]]))
     assert f"files has duplicate path {FILES[0]!r} at positions 0 and 2" in rejection(
         tmp_path / "b.npz", source_manifest)
+
+
+BEYOND_UNICODE = np.array([0x61, 0x110000], dtype=np.uint32).view("U2")  # numpy stores it
+
+
+@pytest.mark.parametrize("files, position, code", [
+    (["train/a.jpg", "train/\ud800.jpg"], 1, "D800"),
+    (np.array(["train/a.jpg", "train/\u00e9\udfff.jpg"]), 1, "DFFF"),
+    (BEYOND_UNICODE, 0, "110000"),
+])
+def test_paths_that_no_file_name_can_hold_are_an_order_error(tmp_path, source_manifest, files,
+                                                             position, code):
+    """Issue 15, item 14: not UnicodeEncodeError or SystemError from publish or the daemon."""
+    message = rf"files\[{position}\] holds code point U\+{code}, which no file name can hold"
+    with pytest.raises(OrderError, match=message):
+        publish(tmp_path, 0, np.arange(len(files)), files=files)
+    if isinstance(files, np.ndarray):  # a file written without cachefs, read by the daemon
+        save_npz(tmp_path / "order.npz", epoch=np.int64(0), current=np.arange(len(files)),
+                 files=files)
+        assert re.search(message, rejection(tmp_path / "order.npz", source_manifest))
+
+
+def test_undecodable_bytes_as_surrogates_are_paths():
+    """os.fsdecode of a name that is not UTF-8 gives U+DC80..U+DCFF: they are its bytes."""
+    validate_arrays(0, [0], files=np.array(["train/\u00e9\udc80.jpg"]))
+    assert order_mod._paths_to_bytes_array(["train/\udcff.jpg"]).tolist() == [b"train/\xff.jpg"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_order_file_that_is_not_a_regular_file_is_rejected_at_once(tmp_path, source_manifest,
+                                                                   kind):
+    """Issue 15, item 14: a FIFO must not hang the watcher's thread (nor the unmount)."""
+    path = tmp_path / "order.npz"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")  # the watcher follows a symbolic link, as open does
+    messages = []
+    loader = threading.Thread(target=lambda: messages.append(rejection(path, source_manifest)),
+                              daemon=True)
+    loader.start()
+    loader.join(5)
+    try:
+        assert not loader.is_alive(), "load_order is stuck opening the order file"
+        assert "not a regular file" in messages[0]
+    finally:
+        if loader.is_alive():  # unblock the reader's open, as a writer would
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
 
 
 def test_reject_rank_at_or_above_world_size(tmp_path, source_manifest):

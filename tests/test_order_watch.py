@@ -23,12 +23,12 @@ SOURCE = Manifest.from_paths([f"img_{i:02d}.jpg" for i in range(8)])
 class Harness:
     """A watcher on tmp_path/order.npz whose accepted orders arrive on a channel."""
 
-    def __init__(self, tmp_path: Path, load=None):
+    def __init__(self, tmp_path: Path, load=None, resume=False):
         self.path = tmp_path / "order.npz"
         self.accepted = []
         self._send, self.received = trio.open_memory_channel(10)
         self.watcher = OrderWatcher(self.path, load or (lambda p: load_order(p, SOURCE)),
-                                    self._on_order)
+                                    self._on_order, resume=resume)
 
     def _on_order(self, order):
         self.accepted.append(order)
@@ -47,9 +47,9 @@ class Harness:
                 await trio.sleep(0.005)
 
 
-def run_with_watcher(tmp_path, body, load=None):
+def run_with_watcher(tmp_path, body, load=None, resume=False):
     """trio.run a test body next to a running watcher (no pytest-trio)."""
-    harness = Harness(tmp_path, load)
+    harness = Harness(tmp_path, load, resume)
 
     async def main():
         async with trio.open_nursery() as nursery:
@@ -106,13 +106,38 @@ def test_notices_a_file_rewritten_in_place(tmp_path, mode):
     run_with_watcher(tmp_path, body)
 
 
-def test_loads_an_existing_file_at_start(tmp_path):
+def test_files_left_from_an_earlier_run_are_set_aside_until_they_change(tmp_path, mode):
+    """A new mount does not adopt the previous run's order (issue 15, item 13)."""
+    left = write_order_file(tmp_path / "order.npz", epoch=4, current=np.arange(8))
+    # a rank file that the new run's rank 0 would merge with, were it adopted
+    left_rank = write_order_file(rank_order_path(tmp_path / "order.npz", 1), epoch=5,
+                                 current=permutation(8, 0, 5), rank=1, world_size=2)
+
+    async def body(h: Harness):
+        await trio.sleep(0.1)  # the first check, and polls
+        await h.watcher.check()
+        status = h.watcher.status()
+        assert h.accepted == [] and status["order"] is None and status["publications"] == []
+        assert status["set_aside"] == [{"path": "order.npz", "file": left.to_json()},
+                                       {"path": "order.rank1.npz", "file": left_rank.to_json()}]
+        publish_rank(h, 0, 5)  # the new run publishes: its order alone, no leftover merged
+        order = await h.next_order()
+        assert (order.epoch, order.ranks) == (5, (0,))
+        write_order_file(h.path, epoch=6, current=np.arange(8))  # the set-aside name, changed
+        assert (await h.next_order()).epoch == 6
+        assert [entry["path"] for entry in h.watcher.status()["set_aside"]] == ["order.rank1.npz"]
+
+    run_with_watcher(tmp_path, body)
+
+
+def test_resume_adopts_the_files_present_at_start(tmp_path):
     write_order_file(tmp_path / "order.npz", epoch=4, current=np.arange(8))
 
     async def body(h: Harness):
         assert (await h.next_order()).epoch == 4
+        assert h.watcher.status()["set_aside"] == []
 
-    run_with_watcher(tmp_path, body)
+    run_with_watcher(tmp_path, body, resume=True)
 
 
 def test_unchanged_file_is_not_reloaded(tmp_path, mode):
@@ -197,7 +222,7 @@ def test_missing_file_and_missing_directory_are_quiet(tmp_path):
         await trio.sleep(0.1)
         assert h.watcher.status() == {"path": str(h.path), "order": None,
                                       "last_rejection": None, "rejections": [],
-                                      "publications": []}
+                                      "publications": [], "set_aside": []}
 
     run_with_watcher(tmp_path, body)
 

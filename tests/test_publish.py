@@ -157,3 +157,22 @@ def test_two_ranks_publish_to_one_mount_at_once_with_the_cli(dataset, mounter):
             (src / relpaths[index]).read_bytes()
     assert wait_for(lambda: mount.stats()["order"]["consumed"] == 6)
     assert mount.stats()["order"]["cursor"] == 6
+
+
+def test_a_new_mount_sets_aside_the_order_left_from_an_earlier_run(dataset, mounter, tmp_path):
+    """Issue 15, item 13: no stale order at start unless --resume-order says so."""
+    src, _relpaths = dataset
+    left = tmp_path / "earlier" / "order.npz"
+    left.parent.mkdir()
+    identity = order.write_order_file(left, epoch=3, current=order.permutation(N_FILES, 1, 3))
+    fresh = mounter(src, "--order-file", left)
+    time.sleep(0.3)  # the watcher's first check, and a few polls
+    stats = fresh.stats()
+    assert stats["order"] is None and stats["publications"] == []
+    assert stats["set_aside"] == [{"path": "order.npz", "file": identity.to_json()}]
+    assert "set aside" in fresh.log()
+    fresh.stop()
+    resumed = mounter(src, "--order-file", left, "--resume-order")
+    stats = wait_for(lambda: (s := resumed.stats())["order"] is not None and s)
+    assert stats["order"]["epoch"] == 3 and stats["order"]["file"] == identity.to_json()
+    assert stats["set_aside"] == []

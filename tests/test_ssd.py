@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from cachefs.cache import ssd as ssd_module
+from cachefs.cache.append_log import AppendLog
 from cachefs.cache.ssd import ENTRY_HEADER_BYTES, SsdTier
 from cachefs.errors import EXIT_CACHE_DIR, StartupError
 from cachefs.source import SourceIdentity
@@ -463,3 +464,58 @@ def test_concurrent_admits_reads_and_drops_keep_exact_accounting(cache_dir):
     with SsdTier(cache_dir, budget_bytes=budget, block_bytes=BLOCK) as tier:
         assert tier.stats()["bytes"] == expected
         assert all(tier.read(key(n), ident(n)) is not None for n in resident)
+
+
+def test_event_loop_calls_do_not_wait_for_an_index_write(cache_dir, monkeypatch):
+    """contains/has_entry/stats run on the event loop: a slow index append on a worker thread
+    must not hold them up (issue 15, item 10)."""
+    real_write = os.write
+    writing = threading.Event()
+    with SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK) as tier:
+        fill(tier, 2)
+
+        def slow_write(fd, data):
+            if threading.current_thread() is worker:  # only the admitting thread's writes
+                writing.set()
+                time.sleep(0.5)
+            return real_write(fd, data)
+
+        monkeypatch.setattr(ssd_module.os, "write", slow_write)
+        worker = threading.Thread(target=lambda: tier.admit(key(5), ident(5), payload(5)))
+        worker.start()
+        assert writing.wait(5)
+        started = time.monotonic()
+        assert tier.contains(key(0), ident(0))
+        assert tier.has_entry(key(1))
+        assert tier.stats()["entries"] >= 2
+        waited_s = time.monotonic() - started
+        worker.join()
+        monkeypatch.undo()
+        assert waited_s < 0.1
+        assert tier.read(key(5), ident(5)) == payload(5)
+    with SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK) as tier:
+        assert [tier.read(key(n), ident(n)) == payload(n) for n in (0, 1, 5)] == [True] * 3
+
+
+def test_index_log_keeps_queue_order_and_loses_nothing_across_threads(tmp_path):
+    """AppendLog: records queued under a lock reach the file in that order, whoever writes."""
+    path = tmp_path / "log"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    log_file = AppendLog(fd, on_error=lambda exc: pytest.fail(str(exc)))
+    lock, queued = threading.Lock(), []
+
+    def worker(seed: int) -> None:
+        for n in range(300):
+            with lock:  # the tier's lock fixes the order
+                record = f"{seed}:{n};".encode()
+                queued.append(record)
+                log_file.append(record)
+            log_file.flush()
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    log_file.close()
+    assert path.read_bytes() == b"".join(queued)

@@ -48,15 +48,20 @@ the temporary file, stops admission for the rest of this mount, logs one warning
 the reason in `stats()`; reads go on. A read error or a failed check on an entry is a miss:
 the entry is dropped and counted, nothing is raised to the caller.
 
-Threads. Every public method may be called from worker threads at once. One `threading.Lock`
-guards the in-memory index and the index log appends (72-byte writes); it is never held
-while an entry's payload is read or written. Invariants, under the lock:
+Threads. Every public method may be called from worker threads at once, and the read-only
+ones (`contains`, `has_entry`, `holds_other_version`, `has_room`, `stats`) from the event loop.
+One `threading.Lock` guards the in-memory index and is never held across I/O, so the event loop
+never waits on the disk: an index record is queued under the lock, in the order of the changes
+in memory, and written to the log after the lock is released (cachefs/cache/append_log.py);
+entry payloads are read and written outside it, and `close` writes the index outside it.
+Invariants, under the lock:
 
 - a key whose entry file is being written or unlinked is in `_busy` and has no live row, so
   two threads never race on one file name and a reader never sees a key mid-change;
 - `_bytes` is the sum of the live rows' payload lengths, and `_bytes + _reserved_bytes`
   (admissions in flight) never exceeds the budget;
-- `close` refuses new work at once, waits for the writes in flight, then compacts.
+- `close` refuses new work at once, waits for the writes in flight, takes the final copy of
+  the index (`_index_final`: a row added later would not be saved, so none is), then compacts.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from cachefs.cache.append_log import AppendLog
 from cachefs.errors import EXIT_CACHE_DIR, StartupError
 from cachefs.source import SourceIdentity
 
@@ -279,6 +285,7 @@ class SsdTier:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when _busy shrinks
         self._closed = False
+        self._index_final = False  # close() has copied the index to save: add no rows
         self._busy: set[int] = set()  # key_lo of entries being written or unlinked
         self._reserved_bytes = 0  # budget held by admissions in flight
         self._bytes = 0
@@ -287,7 +294,7 @@ class SsdTier:
         self._dropped_stale = 0
         self._disabled: str | None = None
         self._entry_warnings = 0
-        self._index_fd = -1
+        self._log: AppendLog | None = None  # the index file's tail, open while mounted
 
         self._lock_fd = self._acquire_lock()
         try:
@@ -343,6 +350,7 @@ class SsdTier:
                 stale = False
                 length = int(self._length[row])
         if stale:
+            self._log.flush()
             self._unlink_entry(k)
             return None
         try:
@@ -375,6 +383,7 @@ class SsdTier:
                 self._kill_row(row)
             self._busy.add(k.lo)
             self._reserved_bytes += length
+        self._log.flush()
         try:
             self._write_entry(k, identity, data)
         except OSError as exc:
@@ -383,16 +392,18 @@ class SsdTier:
             with self._lock:
                 self._reserved_bytes -= length
                 self._release_busy(k.lo)
-                self._disable(f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc}")
+            self._disable(f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc}")
             return False
         with self._lock:
             self._reserved_bytes -= length
             self._release_busy(k.lo)
-            if self._index_fd < 0:
-                # close() gave up waiting for us; an unindexed file would be an orphan.
-                self._unlink_quietly(self._entry_path(k.name))
-                return False
-            self._add_row(k, identity, length)
+            orphan = self._index_final  # close() gave up waiting for us
+            if not orphan:
+                self._add_row(k, identity, length)
+        if orphan:  # an unindexed file would stay on disk for nothing
+            self._unlink_quietly(self._entry_path(k.name))
+            return False
+        self._log.flush()
         return True
 
     def has_room(self, size_bytes: int) -> bool:
@@ -419,6 +430,7 @@ class SsdTier:
                     self._kill_row(row)
                     self._busy.add(k.lo)
                     keys.append(k)
+        self._log.flush()
         for k in keys:
             self._unlink_entry(k)
         return len(keys)
@@ -441,17 +453,22 @@ class SsdTier:
                 return
             self._closed = True
             settled = self._idle.wait_for(lambda: not self._busy, timeout=_CLOSE_WAIT_S)
-            if not settled:
-                log.warning("ssd cache %s: %d entry writes still in flight at close; the next "
-                            "mount will reconcile", self._dir, len(self._busy))
-            try:
-                if settled:
-                    write_index(self._index_path, self._live_records(), self._block_bytes)
-                    self._write_meta(clean=True)
-            except OSError as exc:
-                log.warning("ssd cache %s: cannot save the index at close (%s); the next mount "
-                            "will rebuild it", self._dir, exc)
-            self._release_fds()
+            in_flight = len(self._busy)
+            self._index_final = True
+            live = self._live_records() if settled else None
+        # The files are written outside the lock: the event loop may still ask `contains`.
+        self._log.close()  # its queued records are in `live` already
+        if live is None:
+            log.warning("ssd cache %s: %d entry writes still in flight at close; the next "
+                        "mount will reconcile", self._dir, in_flight)
+        try:
+            if live is not None:
+                write_index(self._index_path, live, self._block_bytes)
+                self._write_meta(clean=True)
+        except OSError as exc:
+            log.warning("ssd cache %s: cannot save the index at close (%s); the next mount "
+                        "will rebuild it", self._dir, exc)
+        self._release_fds()
 
     def __enter__(self) -> SsdTier:
         return self
@@ -491,9 +508,13 @@ class SsdTier:
         if needs_rewrite:
             write_index(self._index_path, table, self._block_bytes)
         self._install_table(table)
-        self._index_fd = os.open(self._index_path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self._log = AppendLog(
+            os.open(self._index_path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC),
+            lambda exc: self._disable(
+                f"{errno.errorcode.get(exc.errno, exc.errno)} writing the index: {exc}"))
         self._write_meta(clean=False)
         self._trim_to_budget()
+        self._log.flush()
         log.info("ssd cache %s: %d entries, %d of %d bytes", self._dir, self._entries,
                  self._bytes, self._budget)
 
@@ -623,10 +644,11 @@ class SsdTier:
                     self._budget, dropped)
 
     def _release_fds(self) -> None:
-        for fd in (self._index_fd, self._lock_fd):
-            if fd >= 0:
-                os.close(fd)  # closing the lock fd releases the flock
-        self._index_fd = self._lock_fd = -1
+        if self._log is not None:
+            self._log.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+        self._lock_fd = -1
 
     # ----------------------------------------------------------------- in-memory index
     # Rows [0, _base_n) are the loaded base, sorted by key_lo and found by binary search;
@@ -711,19 +733,21 @@ class SsdTier:
         return self._table[:self._n][self._live[:self._n]]
 
     def _append_log(self, record: bytes) -> None:
-        """Append one record (held under the lock, so the log order is the memory order)."""
-        if self._index_fd < 0 or self._disabled is not None:
+        """Queue one record (under the lock, so the log order is the memory order); the
+        caller flushes it after releasing the lock."""
+        if self._disabled is not None:
             # After a write error the log is not trusted to be complete: the meta stays
             # unclean (close() rewrites it from memory, or the next open reconciles).
             return
-        try:
-            os.write(self._index_fd, record)
-        except OSError as exc:
-            self._disable(f"{errno.errorcode.get(exc.errno, exc.errno)} writing the index: {exc}")
+        self._log.append(record)
 
     def _disable(self, reason: str) -> None:
-        if self._disabled is None:
-            self._disabled = reason
+        """Stop admission for this mount (called without the lock: it takes it, then logs)."""
+        with self._lock:
+            first = self._disabled is None
+            if first:
+                self._disabled = reason
+        if first:
             log.warning("ssd cache %s: admission stopped for this mount (%s); reads continue",
                         self._dir, reason)
 
@@ -789,6 +813,7 @@ class SsdTier:
             self._busy.add(k.lo)
             self._entry_warnings += 1
             quiet = self._entry_warnings > _MAX_ENTRY_WARNINGS
+        self._log.flush()
         log.log(logging.DEBUG if quiet else logging.WARNING,
                 "ssd cache %s: dropping entry %s: %s", self._dir, k.name, exc)
         self._unlink_entry(k)

@@ -1,0 +1,77 @@
+"""DirListings: one listing per directory, whatever the number of handles (issue 15, item 14)."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import trio
+
+from cachefs.dirs import DirListings
+
+
+class SlowSource:
+    """Source.listdir's interface; counts listings, each taking a while, or failing."""
+
+    def __init__(self, delay_s: float = 0.05):
+        self.delay_s = delay_s
+        self.listings = 0
+        self.error: OSError | None = None
+
+    async def listdir(self, relpath: bytes):
+        self.listings += 1
+        await trio.sleep(self.delay_s)
+        if self.error is not None:
+            raise self.error
+        return [(b"%s-%d" % (relpath, self.listings), os.lstat("/"))]
+
+
+def test_concurrent_opens_share_one_listing_dropped_with_the_last_handle():
+    source = SlowSource()
+    dirs = DirListings(source, ttl_s=60.0)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            for _ in range(50):
+                nursery.start_soon(dirs.open, b"d")  # all before the first listing is done
+        assert source.listings == 1 and dirs.held == 1
+        (name, _st), = (await dirs.entries(b"d"))[0]
+        assert name == b"d-1"
+        for _ in range(50):
+            dirs.close(b"d")
+        assert dirs.held == 0
+        await dirs.open(b"d")
+        assert source.listings == 2
+
+    trio.run(main)
+
+
+def test_an_open_after_the_ttl_lists_again_for_every_handle():
+    source = SlowSource(delay_s=0)
+    dirs = DirListings(source, ttl_s=0.05)
+
+    async def main():
+        await dirs.open(b"d")
+        await dirs.open(b"d")  # within the TTL: shared
+        assert source.listings == 1
+        await trio.sleep(0.1)
+        await dirs.open(b"d")
+        assert source.listings == 2
+        entries, _listed_at_s = await dirs.entries(b"d")
+        assert entries[0][0] == b"d-2"  # the older handles see the new listing too
+
+    trio.run(main)
+
+
+def test_a_failed_listing_fails_the_open_and_holds_nothing():
+    source = SlowSource()
+    source.error = PermissionError(errno.EACCES, "Permission denied")
+    dirs = DirListings(source, ttl_s=60.0)
+
+    async def main():
+        with pytest.raises(PermissionError):
+            await dirs.open(b"d")
+        assert dirs.held == 0
+
+    trio.run(main)
