@@ -24,7 +24,11 @@ Fairness rules:
   trainer's do; each mount starts empty (a fresh daemon, its SSD directory emptied).
 - Unless `--no-drop-caches`, the page cache is dropped (`sync; echo 3 > drop_caches`, root)
   before every timed epoch of every contender, so no one reads the source from RAM the others
-  paid for. The time this takes between a mount's epochs is recorded as `gap_s`: an ordered
+  paid for. With `--drop source`, only the source's files are evicted (posix_fadvise
+  DONTNEED over every file of `--source` and of each `--source-backing` directory, such as the
+  directory a network mount serves): the source is as cold, but the pages a cachefs mount
+  holds as its RAM tier survive, as they do between the epochs of a training job, where
+  nothing drops the whole page cache. The time this takes between a mount's epochs is recorded as `gap_s`: an ordered
   mount reads ahead during it, as it would during a trainer's epoch-end work.
 - Per epoch: wall time, files/s, MB/s, the readers' time per file in open() and in reads
   (for one reader, where its time per file goes), the machine's CPU time per file (every
@@ -41,7 +45,7 @@ Usage:
     python scripts/bench.py [--dataset small|mixed|shards] [--files N] [--file-kb KB]
         [--source DIR] [--source-delay-ms D] [--cache-fractions 0.25 0.5 1.0]
         [--ssd-fraction F] [--epochs 3] [--readers 4] [--batch-files 1] [--threads 32]
-        [--out DIR] [--no-drop-caches] [--smoke]
+        [--out DIR] [--no-drop-caches | --drop all|source [--source-backing DIR]] [--smoke]
 """
 
 from __future__ import annotations
@@ -105,6 +109,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-drop-caches", action="store_true",
                         help="do not drop the page cache before each epoch (not root, or a "
                              "remote source)")
+    parser.add_argument("--drop", choices=["all", "source"], default="all",
+                        help="what is dropped before each epoch: the whole page cache, or the "
+                             "source's files only (the mount's pages stay) [all]")
+    parser.add_argument("--source-backing", type=Path, action="append", default=[],
+                        help="with --drop source: a directory whose files back the source "
+                             "(a network mount's export), evicted too; repeatable")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes: checks that the script works, in seconds")
     args = parser.parse_args(argv)
@@ -140,7 +150,10 @@ class Run:
         if self.args.no_drop_caches:
             return 0.0
         started_s = time.perf_counter()
-        benchlib.drop_page_cache()
+        if self.args.drop == "source":
+            benchlib.evict_files([self.source, *self.args.source_backing])
+        else:
+            benchlib.drop_page_cache()
         return time.perf_counter() - started_s
 
     def _read_pass(self, task: ReadTask):
@@ -328,8 +341,9 @@ def plot(run: Run, path: Path) -> str:
 
 def describe(run: Run, source_label: str) -> str:
     args = run.args
-    drop = ("page cache dropped before every timed epoch" if not args.no_drop_caches
-            else "page cache NOT dropped (--no-drop-caches): direct reads may come from RAM")
+    drop = ("page cache NOT dropped (--no-drop-caches): direct reads may come from RAM"
+            if args.no_drop_caches else "page cache dropped before every timed epoch"
+            if args.drop == "all" else "the source's pages evicted before every timed epoch")
     delay = (f", source delay {args.source_delay_ms:g} ms per open and read"
              if args.source_delay_ms else "")
     return (f"{source_label}: {len(run.manifest)} files, {run.manifest.total_bytes / 1e6:.1f} MB"
@@ -373,6 +387,7 @@ def main(argv=None) -> int:
         "args": vars(args), "source": str(source),
         "dataset": {"files": len(manifest), "total_bytes": manifest.total_bytes},
         "page_cache_dropped": not args.no_drop_caches,
+        "dropped": "none" if args.no_drop_caches else args.drop,
         "capacity_bounds": {f"{f:g}": run.capacity_bound(f) for f in args.cache_fractions},
         "records": run.records})
     return 0

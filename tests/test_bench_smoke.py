@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cachefs.client import page_cache_bytes
 from conftest import mounted_paths
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
@@ -184,3 +186,21 @@ def test_bench_offorder_smoke(tmp_path):
     assert set(result["seconds"]) == {"direct", "no order", "order"}
     assert all(len(values) == 1 and values[0] > 0 for values in result["seconds"].values())
     assert_no_mount_under(tmp_path)
+
+
+def test_evict_files_drops_only_the_files_pages(tmp_path):
+    """bench.py --drop source: the source's pages go, other files' stay."""
+    source, other = tmp_path / "src", tmp_path / "other"
+    for directory in (source / "a", other):
+        directory.mkdir(parents=True)
+    names = [b"a/x", b"a/y", b"z"]
+    for name in names:
+        (source / name.decode()).write_bytes(b"s" * 3 * mmap.PAGESIZE)
+    (other / "keep").write_bytes(b"k" * 3 * mmap.PAGESIZE)
+    for path in [*(source / n.decode() for n in names), other / "keep"]:
+        path.read_bytes()  # into the page cache (tmp_path is a real file system here)
+    os.sync()  # clean pages: dirty ones are written back, not dropped
+    before = page_cache_bytes(bytes(source), names)
+    assert benchlib.evict_files([source]) == 3
+    assert before > 0 and page_cache_bytes(bytes(source), names) == 0
+    assert page_cache_bytes(bytes(other), [b"keep"]) == 3 * mmap.PAGESIZE
