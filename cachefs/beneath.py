@@ -49,15 +49,22 @@ class _OpenHow(ctypes.Structure):
                 ("resolve", ctypes.c_uint64)]
 
 
-_libc = ctypes.CDLL(None, use_errno=True)  # CDLL releases the GIL during the call
-_libc.syscall.restype = ctypes.c_long
-_HOW_BYTES = ctypes.c_size_t(ctypes.sizeof(_OpenHow))
+_syscall = ctypes.CDLL(None, use_errno=True).syscall  # CDLL releases the GIL during the call
+_syscall.restype = ctypes.c_long
+# declared, not converted at each call: this is on the path of every source read
+_syscall.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p,
+                     ctypes.c_size_t]
+_HOW_BYTES = ctypes.sizeof(_OpenHow)
+# flags -> (open_how, its address); only read by the kernel, so threads may share one
+_hows: dict[int, tuple[_OpenHow, int]] = {}
 
 
 def _openat2(dir_fd: int, relpath: bytes, flags: int) -> int:
-    how = _OpenHow(flags, 0, _RESOLVE)
-    fd = _libc.syscall(_SYS_OPENAT2, ctypes.c_int(dir_fd), ctypes.c_char_p(relpath),
-                       ctypes.byref(how), _HOW_BYTES)
+    how = _hows.get(flags)
+    if how is None:
+        how = _OpenHow(flags, 0, _RESOLVE)
+        how = _hows[flags] = (how, ctypes.addressof(how))
+    fd = _syscall(_SYS_OPENAT2, dir_fd, relpath, how[1], _HOW_BYTES)
     if fd < 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code), relpath)
