@@ -4,9 +4,9 @@ Each command parses its options, builds a config or calls the package, and turns
 into a message and an exit code (documented in the man pages under man/). Only this module
 prints. What a command does not handle itself, an OSError (a directory the user cannot write,
 a file gone) or a cachefs error, the group turns into one line on stderr and exit status 1
-(`_Group.invoke`), never a traceback. Every option can also be given as an environment variable CACHEFS_<COMMAND>_<OPTION>
-(click's auto_envvar_prefix; the option's name with dashes as underscores), e.g.
-CACHEFS_MOUNT_RAM_CACHE=8GiB.
+(`_Group.invoke`), never a traceback. Every option can also be given as an environment
+variable CACHEFS_<COMMAND>_<OPTION> (click's auto_envvar_prefix; the option's name with dashes
+as underscores), e.g. CACHEFS_MOUNT_RAM_CACHE=8GiB.
 """
 
 from __future__ import annotations
