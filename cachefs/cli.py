@@ -2,13 +2,16 @@
 
 Each command parses its options, builds a config or calls the package, and turns domain errors
 into a message and an exit code (documented in the man pages under man/). Only this module
-prints. Every option can also be given as an environment variable CACHEFS_<COMMAND>_<OPTION>
-(click's auto_envvar_prefix; the option's name with dashes as underscores), e.g.
-CACHEFS_MOUNT_RAM_CACHE=8GiB.
+prints. What a command does not handle itself, an OSError (a directory the user cannot write,
+a file gone) or a cachefs error, the group turns into one line on stderr and exit status 1
+(`_Group.invoke`), never a traceback. Every option can also be given as an environment
+variable CACHEFS_<COMMAND>_<OPTION> (click's auto_envvar_prefix; the option's name with dashes
+as underscores), e.g. CACHEFS_MOUNT_RAM_CACHE=8GiB.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -23,6 +26,8 @@ from cachefs import __version__, errors
 from cachefs.client import mounted_paths
 from cachefs.config import (DATA_PLANES, CacheConfig, MountConfig, PrefetchConfig, default_state_dir,
                             parse_size)
+
+log = logging.getLogger(__name__)
 
 MOUNT_WAIT_S = 60.0
 XATTR_NAME_MAX = 255  # the kernel's limit on an extended attribute's name
@@ -53,7 +58,35 @@ def _setup_logging(debug: bool) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(click.Group):
+    """The `cachefs` group: every error a command leaves unhandled is one line (module
+    docstring)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except OSError as exc:
+            if exc.errno == errno.EPIPE:
+                raise  # a closed stdout: click's main() ends quietly
+            log.debug("unhandled error", exc_info=True)
+            _fail(_os_error_message(exc))
+        except errors.CachefsError as exc:
+            log.debug("unhandled error", exc_info=True)
+            _fail(str(exc))
+
+
+def _os_error_message(exc: OSError) -> str:
+    """'PATH: Permission denied', as the C tools say it."""
+    reason = exc.strerror or str(exc)
+    if exc.filename is None:
+        return reason
+    names = os.fsdecode(exc.filename)
+    if exc.filename2 is not None:
+        names += f" -> {os.fsdecode(exc.filename2)}"
+    return f"{names}: {reason}"
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="cachefs")
 def cli():
     """Order-aware read-only FUSE cache for deep-learning data sets."""
@@ -321,7 +354,8 @@ def format_stats(snapshot: dict) -> str:
 
 @cli.command()
 @click.argument("mountpoint", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--files", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+@click.option("--files", type=click.Path(exists=True, dir_okay=False, readable=True,
+                                        path_type=Path),
               help="Warm these files (relative paths, one per line), in this order.")
 @click.option("--order", is_flag=True, help="Warm the published order's files, in its order.")
 @click.option("--progress/--no-progress", default=None,

@@ -16,6 +16,12 @@ GETATTR per file that atime updates would otherwise cost): reading
 `user.cachefs.warm.start.<JSON request>` starts filling the SSD tier (warm.py) and returns the
 warm's status as JSON. A command must be idempotent, since the kernel may ask twice for one
 read (first with a buffer too small for the answer).
+
+Who may ask. With `-o allow_other` every local user reaches the mount. Any of them may read
+the stats, order file and version (nothing in them comes from a file's contents), but a
+command is answered only for the user who started the daemon and for root (the uid the kernel
+gives with each request); anyone else gets EACCES. A command's effects last (the SSD tier is
+cache-once), and the daemon may run with more rights than the user asking.
 """
 
 from __future__ import annotations
@@ -37,15 +43,23 @@ WARM_START = b"user.cachefs.warm.start."
 XATTR_SIZE_MAX = 64 * 1024
 
 
+class ControlDenied(CachefsError):
+    """A command from a user other than the daemon's owner or root (module docstring)."""
+
+    errno_value = errno.EACCES
+
+
 class Control:
     def __init__(self, snapshot: Callable[[], dict], order_file: os.PathLike,
-                 warm_start: Callable[[bytes], dict]):
+                 warm_start: Callable[[bytes], dict], owner_uid: int | None = None):
         self._snapshot = snapshot
         self._order_file = os.fsencode(order_file)
         self._warm_start = warm_start
+        self.owner_uid = os.getuid() if owner_uid is None else owner_uid
 
-    def get(self, name: bytes) -> bytes | None:
-        """The value of a control attribute, or None if `name` is not one."""
+    def get(self, name: bytes, uid: int) -> bytes | None:
+        """The value of a control attribute asked by user `uid`, or None if `name` is not one;
+        ControlDenied for a command from anyone but the owner or root."""
         if name == STATS:
             return self.stats_json()
         if name == ORDER_FILE:
@@ -53,6 +67,9 @@ class Control:
         if name == VERSION:
             return __version__.encode()
         if name.startswith(WARM_START):
+            if uid not in (0, self.owner_uid):
+                raise ControlDenied(f"uid {uid} may not send commands to this mount (only "
+                                    f"uid {self.owner_uid}, its owner, and root may)")
             return json.dumps(self._warm_start(name[len(WARM_START):])).encode()
         return None
 
@@ -77,6 +94,9 @@ def read_attr(mount: os.PathLike, name: bytes, error: type[CachefsError] = Cache
     except OSError as exc:
         if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
             raise error(f"{mount} is not a cachefs mount (no {text_name} attribute)") from None
+        if exc.errno == errno.EACCES and name.startswith(WARM_START):
+            raise error(f"{mount}: permission denied: only the user who mounted it, or root, "
+                        f"may send it commands") from None
         if exc.errno == errno.ENOTCONN:
             raise error(f"{mount}: the cachefs daemon is not running (transport endpoint is "
                         f"not connected)") from None

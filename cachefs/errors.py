@@ -7,6 +7,8 @@ read here in full:
 - `OrderError`: a bad order file (EINVAL); the previous order stays in force.
 - `StartupError`: the mount cannot start; carries the documented exit code (man/cachefs-mount.1).
 - `WarmError` (warm.py): a warm request that cannot be carried out.
+- `ControlDenied` (ctrl.py): a command from a user other than the mount's owner or root
+  (EACCES).
 """
 
 from __future__ import annotations

@@ -318,7 +318,7 @@ class Operations(pyfuse3.Operations):
     @_guarded
     async def getxattr(self, inode, name, ctx):
         if inode == ROOT_INODE:
-            value = self.control.get(name)
+            value = self.control.get(name, ctx.uid)
             if value is not None:
                 return value
         try:

@@ -56,6 +56,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from cachefs import ctrl
+from cachefs.beneath import open_beneath
 from cachefs.errors import OrderError
 
 log = logging.getLogger(__name__)
@@ -334,25 +335,34 @@ def scan_source(root: Path) -> Manifest:
     the source or make a cycle). An unreadable directory is skipped with a warning so that one
     bad directory does not stop a mount.
     """
-    root_bytes = os.fsencode(root)
     found: list[bytes] = []
     pending: list[bytes] = [b""]
-    while pending:
-        relative_dir = pending.pop()
-        try:
-            with os.scandir(os.path.join(root_bytes, relative_dir) if relative_dir
-                            else root_bytes) as entries:
-                for entry in entries:
-                    relative = relative_dir + b"/" + entry.name if relative_dir else entry.name
-                    if entry.is_dir(follow_symlinks=False):
-                        pending.append(relative)
-                    elif entry.is_file(follow_symlinks=False):
-                        found.append(relative)
-        except OSError as err:
-            if not relative_dir:
-                raise
-            log.warning("skipping unreadable directory %s under %s: %s",
-                        os.fsdecode(relative_dir), root, err.strerror)
+    root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        while pending:
+            relative_dir = pending.pop()
+            try:
+                # beneath the root through no link: a directory swapped for a link to / while
+                # we walk must not list the whole machine into the manifest
+                dir_fd = open_beneath(root_fd, relative_dir, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    with os.scandir(dir_fd) as entries:
+                        for entry in entries:
+                            name = os.fsencode(entry.name)
+                            relative = relative_dir + b"/" + name if relative_dir else name
+                            if entry.is_dir(follow_symlinks=False):
+                                pending.append(relative)
+                            elif entry.is_file(follow_symlinks=False):
+                                found.append(relative)
+                finally:
+                    os.close(dir_fd)
+            except OSError as err:
+                if not relative_dir:
+                    raise
+                log.warning("skipping unreadable directory %s under %s: %s",
+                            os.fsdecode(relative_dir), root, err.strerror)
+    finally:
+        os.close(root_fd)
     found.sort()
     paths = np.array(found, dtype="S") if found else np.array([], dtype="S1")
     return Manifest(paths).prepare()

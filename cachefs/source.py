@@ -10,6 +10,12 @@ has `DEMAND_THREADS` slots of its own, so a reader's request
 never queues behind a full read-ahead window. Paths are relative and bytes (`b""` is the root),
 exactly as FUSE hands names to us, so no name is ever decoded.
 
+Every path is opened beneath a descriptor of the source's root, through no symbolic link
+(`cachefs.beneath`): whatever names it is given (a warm list, a stale inode), the daemon never
+reads, lists or stats anything outside the source. What lstat(2) says of a path is the fstat
+of the path opened O_PATH (a link as itself); a link's target is read, never followed. Data is
+read only from regular files, opened non-blocking so that a FIFO cannot hold a worker thread.
+
 A block read opens, fstats, preads and closes in one thread call: the identity returned with
 the data comes from the same open file, so data and identity always belong together (a cached
 block is served only while the source still has that identity; see `SourceIdentity`).
@@ -29,14 +35,18 @@ in the worker thread, to turn a fast local directory into a slow one.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 from cachefs import threads as threads_mod
+from cachefs.beneath import open_beneath, proc_path
 from cachefs.client import mountinfo
 from cachefs.recent import RecentMap
 
@@ -71,6 +81,9 @@ class Source:
 
     def __init__(self, root: Path, *, threads: int, delay_s: float = 0.0):
         self.root = os.fsencode(os.path.realpath(root))
+        # every path is resolved beneath this descriptor (module docstring)
+        self._root_fd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        weakref.finalize(self, os.close, self._root_fd)
         self.stable_inodes = not filesystem_type(self.root).startswith(b"fuse")
         self.background_slots = threads_mod.Slots(threads)
         self.demand_slots = threads_mod.Slots(DEMAND_THREADS)
@@ -85,8 +98,9 @@ class Source:
     def identity_of(self, st: os.stat_result) -> SourceIdentity:
         return SourceIdentity(st.st_size, st.st_mtime_ns, st.st_ino if self.stable_inodes else 0)
 
-    def full_path(self, relpath: bytes) -> bytes:
-        return self.root + b"/" + relpath if relpath else self.root
+    def _open_path(self, relpath: bytes) -> int:
+        """An O_PATH descriptor of `relpath` (a link opened as itself), for lstat and the like."""
+        return open_beneath(self._root_fd, relpath, os.O_PATH)
 
     async def _run(self, fn, *args, background: bool = False):
         slots = self.background_slots if background else self.demand_slots
@@ -95,7 +109,11 @@ class Source:
     # -- metadata --------------------------------------------------------------------------
 
     def lstat_sync(self, relpath: bytes) -> os.stat_result:
-        return os.lstat(self.full_path(relpath))
+        fd = self._open_path(relpath)
+        try:
+            return os.fstat(fd)
+        finally:
+            os.close(fd)
 
     async def lstat(self, relpath: bytes, *, background: bool = False) -> os.stat_result:
         asked_s = time.monotonic()
@@ -138,19 +156,24 @@ class Source:
         results = []
         for relpath in relpaths:
             try:
-                results.append((relpath, os.lstat(self.full_path(relpath))))
+                results.append((relpath, self.lstat_sync(relpath)))
             except OSError as exc:
                 results.append((relpath, exc))
         return results
 
     def _scandir(self, relpath: bytes) -> list[tuple[bytes, os.stat_result]]:
         entries = []
-        with os.scandir(self.full_path(relpath)) as it:
-            for entry in it:
-                try:
-                    entries.append((entry.name, entry.stat(follow_symlinks=False)))
-                except FileNotFoundError:
-                    continue  # vanished between readdir and stat: not listed
+        fd = open_beneath(self._root_fd, relpath, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with os.scandir(fd) as it:  # names as str: back to the bytes they were
+                for entry in it:
+                    try:
+                        entries.append((os.fsencode(entry.name),
+                                        entry.stat(follow_symlinks=False)))
+                    except FileNotFoundError:
+                        continue  # vanished between readdir and stat: not listed
+        finally:
+            os.close(fd)
         entries.sort()
         return entries
 
@@ -160,17 +183,25 @@ class Source:
         return await self._run(self._scandir, relpath)
 
     async def readlink(self, relpath: bytes) -> bytes:
-        return await self._run(os.readlink, self.full_path(relpath))
+        return await self._run(self._on_path, relpath, lambda fd: os.readlink(b"", dir_fd=fd))
 
     async def statvfs(self) -> os.statvfs_result:
-        return await self._run(os.statvfs, self.root)
+        return await self._run(os.statvfs, self._root_fd)
 
     async def listxattr(self, relpath: bytes) -> list[str]:
-        return await self._run(lambda: os.listxattr(self.full_path(relpath), follow_symlinks=False))
+        return await self._run(self._on_path, relpath, lambda fd: os.listxattr(proc_path(fd)))
 
     async def getxattr(self, relpath: bytes, name: bytes) -> bytes:
-        return await self._run(
-            lambda: os.getxattr(self.full_path(relpath), name, follow_symlinks=False))
+        return await self._run(self._on_path, relpath,
+                               lambda fd: os.getxattr(proc_path(fd), name))
+
+    def _on_path(self, relpath: bytes, call):
+        """`call(fd)` on an O_PATH descriptor of relpath: the link itself, if it is one."""
+        fd = self._open_path(relpath)
+        try:
+            return call(fd)
+        finally:
+            os.close(fd)
 
     async def check_readable(self, relpath: bytes) -> SourceIdentity:
         """Open the file for reading (permission check, as the reader's open would) and fstat it."""
@@ -178,23 +209,34 @@ class Source:
         return await self._run(self._open_identity, relpath)
 
     def _open_identity(self, relpath: bytes) -> SourceIdentity:
-        fd = self._open(relpath)
-        try:
-            return self.identity_of(os.fstat(fd))
-        finally:
-            os.close(fd)
+        fd, st = self._open(relpath)
+        os.close(fd)
+        return self.identity_of(st)
 
     # -- data ------------------------------------------------------------------------------
 
-    def _open(self, relpath: bytes) -> int:
+    def _open(self, relpath: bytes) -> tuple[int, os.stat_result]:
+        """A regular file opened for reading, and its fstat; OSError for anything else.
+
+        O_NONBLOCK: a FIFO put where a file was opens at once (and is refused) instead of
+        holding the thread until a writer comes; regular files ignore the flag.
+        """
         if self.delay_s:
             time.sleep(self.delay_s)
-        return os.open(self.full_path(relpath), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-
-    def read_block_sync(self, relpath: bytes, block_index: int, block_bytes: int) -> BlockData:
-        fd = self._open(relpath)
+        fd = open_beneath(self._root_fd, relpath, os.O_RDONLY | os.O_NONBLOCK)
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL,
+                              "not a regular file", relpath)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st
+
+    def read_block_sync(self, relpath: bytes, block_index: int, block_bytes: int) -> BlockData:
+        fd, st = self._open(relpath)
+        try:
             identity = self.identity_of(st)
             offset = block_index * block_bytes
             want = max(0, min(block_bytes, identity.size - offset))
@@ -211,7 +253,7 @@ class Source:
         self.requests["block_read"] += 1
         block = await self._run(self.read_block_sync, relpath, block_index, block_bytes,
                                 background=background)
-        # fstat of a file opened O_NOFOLLOW: what lstat would say of a regular file
+        # fstat of a file opened through no link: what lstat would say of a regular file
         self._remember(relpath, block.stat, asked_s)
         return block
 

@@ -14,6 +14,12 @@ Progress is a status dict the CLI polls through the stats snapshot.
 
 Bytes read by warming are counted here, not in the per-epoch records, which describe what
 readers saw.
+
+A files list is named by path and read by the daemon, which only its owner or root may ask
+(ctrl.py), so it reads nothing its requester could not. Still, the list is read only if it is
+a regular file (opened non-blocking: a FIFO must not hold a worker thread, or the unmount),
+of at most `LIST_MAX_BYTES`; and no error quotes a line of it, since the warm's status is in
+`cachefs stats`, which every user of the mount may read.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
+import stat
 import time
 from pathlib import Path
 
@@ -33,6 +41,8 @@ from cachefs.order import check_relpaths
 from cachefs.source import Source
 
 log = logging.getLogger(__name__)
+
+LIST_MAX_BYTES = 256 * 2**20  # a files list: ten million paths of 25 bytes
 
 
 class WarmError(CachefsError):
@@ -95,6 +105,9 @@ class Warmer:
         async for request in self._requests_recv:
             try:
                 await self._warm(request)
+            except CachefsError as exc:  # a bad request: the status and the log say why
+                log.warning("warm failed: %s", exc)
+                self._status.update(state="failed", error=str(exc))
             except Exception as exc:  # noqa: BLE001 - a failed warm must not end the mount
                 log.exception("warm failed")
                 self._status.update(state="failed", error=str(exc))
@@ -158,12 +171,47 @@ class Warmer:
 
 
 def _read_list(path: Path) -> list[bytes]:
-    """Relative paths, one per line; the same path rules as an order's manifest."""
-    with open(path, "rb") as f:
-        paths = [line.strip(b"\r\n") for line in f if line.strip()]
+    """Relative paths, one per line; the same path rules as an order's manifest. See the module
+    docstring for what is refused; errors name the line, never its text."""
+    data = _read_regular_file(path, LIST_MAX_BYTES)
+    lines = [line.strip(b"\r\n") for line in data.split(b"\n")]
+    paths = [line for line in lines if line.strip()]
     if paths:
         try:
             check_relpaths(np.array(paths, dtype=bytes))
-        except OrderError as exc:
-            raise WarmError(f"{path}: {exc}") from None
+        except OrderError:
+            number = next((number for number, line in enumerate(lines, 1)
+                           if line.strip() and _refused(line)), "?")
+            raise WarmError(f"{path}: line {number} is not a path relative to the source "
+                            f"(it is absolute or has a '..' component)") from None
     return paths
+
+
+def _refused(relpath: bytes) -> bool:
+    """What check_relpaths refuses in a non-empty path, for one path (to name its line)."""
+    return relpath.startswith(b"/") or b".." in relpath.split(b"/")
+
+
+def _read_regular_file(path: Path, max_bytes: int) -> bytes:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise WarmError(f"{path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise WarmError(f"{path} is not a regular file")
+        chunks, size = [], 0
+        while size <= max_bytes:  # st_size may lie (/proc): count what is read
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > max_bytes:
+            raise WarmError(f"{path} is larger than {max_bytes} bytes")
+        return b"".join(chunks)
+    except OSError as exc:
+        raise WarmError(f"{path}: {exc.strerror}") from None
+    finally:
+        os.close(fd)

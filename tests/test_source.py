@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import threading
 import time
 
@@ -129,3 +131,88 @@ def test_recent_map_keeps_the_newest_keys():
     assert dict(recent) == {"a": 3, "c": 4}
     with pytest.raises(ValueError):
         RecentMap(0)
+
+
+@pytest.fixture(params=["openat2", "walk"])
+def resolution(request, monkeypatch):
+    """Both ways of resolving beneath the source: openat2, and the walk used without it."""
+    from cachefs import beneath
+
+    if request.param == "openat2" and not beneath.HAVE_OPENAT2:
+        pytest.skip("openat2 is not available here")
+    monkeypatch.setattr(beneath, "HAVE_OPENAT2", request.param == "openat2")
+    return request.param
+
+
+def test_no_path_leads_out_of_the_source(tmp_path, resolution):
+    """Links in the source, to a directory or a file outside it, are never followed: nothing
+    outside is read, listed or stat'ed, whatever relative path the daemon is given."""
+    outside = tmp_path / "outside"
+    write_file(outside / "secret", 100, seed=1)
+    os.setxattr(outside / "secret", "user.secret", b"x")
+    src = tmp_path / "src"
+    write_file(src / "sub" / "ok", 100, seed=2)
+    os.symlink(outside, src / "etc")  # a directory link, absolute
+    os.symlink("../../outside/secret", src / "sub" / "link")  # a file link, relative
+    os.symlink("..", src / "sub" / "up")
+    source = source_mod.Source(src, threads=2)
+    escapes = [b"etc/secret", b"sub/link", b"sub/up/outside/secret", b"../outside/secret",
+               b"sub/../../outside/secret", str(outside / "secret").encode()]
+
+    async def main():
+        assert (await source.read_block(b"sub/ok", 0, 4096)).data == \
+            (src / "sub" / "ok").read_bytes()
+        for relpath in escapes:
+            with pytest.raises(OSError):
+                await source.read_block(relpath, 0, 4096, background=True)
+            with pytest.raises(OSError):
+                await source.check_readable(relpath)
+            with pytest.raises(OSError) as raised:
+                await source.getxattr(relpath, b"user.secret")
+            # refused, not looked up (a link's own attributes are the link's: it has none)
+            assert raised.value.errno != errno.ENODATA or relpath == b"sub/link"
+        for relpath in (b"etc/secret", b"sub/up/outside/secret"):
+            with pytest.raises(OSError):
+                await source.lstat(relpath)
+        for relpath in (b"etc", b"sub/up", b"sub/up/outside"):
+            with pytest.raises(OSError):
+                await source.listdir(relpath)
+        # the links themselves are what the mount shows: links, with their targets
+        assert stat.S_ISLNK((await source.lstat(b"etc")).st_mode)
+        assert stat.S_ISLNK((await source.lstat(b"sub/link")).st_mode)
+        assert await source.readlink(b"etc") == os.fsencode(outside)
+        assert [name for name, _ in await source.listdir(b"sub")] == [b"link", b"ok", b"up"]
+        assert [name for name, _ in await source.listdir(b"")] == [b"etc", b"sub"]
+
+    trio.run(main)
+
+
+def test_a_fifo_in_the_source_is_refused_not_waited_on(tmp_path, resolution):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    source = source_mod.Source(tmp_path, threads=2)
+    done = threading.Event()
+
+    def let_go():
+        """Without the fix a reader waits in open() for a writer: be one, so the test ends."""
+        while not done.wait(2.0):
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass  # no reader waiting
+
+    async def main():
+        started = time.monotonic()
+        with pytest.raises(OSError):
+            await source.read_block(b"fifo", 0, 4096)
+        with pytest.raises(OSError):
+            await source.check_readable(b"fifo")
+        assert time.monotonic() - started < 1.5  # refused at once, not after a writer came
+
+    helper = threading.Thread(target=let_go)
+    helper.start()
+    try:
+        trio.run(main)
+    finally:
+        done.set()
+        helper.join()

@@ -519,3 +519,32 @@ def test_index_log_keeps_queue_order_and_loses_nothing_across_threads(tmp_path):
         thread.join()
     log_file.close()
     assert path.read_bytes() == b"".join(queued)
+
+
+def modes(directory: Path) -> dict[str, int]:
+    """Permission bits of DIR and of everything under it, by path relative to DIR."""
+    found = {".": directory.stat().st_mode & 0o7777}
+    for path in directory.rglob("*"):
+        found[str(path.relative_to(directory))] = path.lstat().st_mode & 0o7777
+    return found
+
+
+def test_the_cache_is_private_and_an_older_cache_is_made_so(cache_dir):
+    """Cached bytes may come from files only root may read: 0700 directories, 0600 files,
+    also in a cache directory left by a version that made them 0755 and 0644."""
+    with SsdTier(cache_dir, 10 * BLOCK, BLOCK) as tier:
+        fill(tier, 3)
+    found = modes(cache_dir)
+    assert len(found) == 1 + 1 + 256 + 3 + 3  # DIR, entries/, fan-outs, entries, lock/meta/index
+    assert {path: mode for path, mode in found.items()
+            if mode != (0o700 if (cache_dir / path).is_dir() else 0o600)} == {}
+    for path in [cache_dir, *cache_dir.rglob("*")]:  # what an older version left
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    with SsdTier(cache_dir, 10 * BLOCK, BLOCK) as tier:
+        assert tier.read(key(1), ident(1)) == payload(1)
+        found = modes(cache_dir)
+    assert found.pop(".") == 0o755  # DIR existed: it keeps its mode, its contents are private
+    assert {path: mode for path, mode in found.items()
+            if (cache_dir / path).is_dir() and mode != 0o700} == {}
+    for name in ("lock", "meta", "index"):
+        assert found[name] == 0o600, name

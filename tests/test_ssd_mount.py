@@ -173,3 +173,15 @@ def test_warm_from_a_list_and_refusals(dataset, mounter, tmp_path):
     assert done.returncode == 1 and "'..'" in done.stdout + done.stderr
     assert os.listdir(tmp_path / "ssd")  # the tier is still there and usable
     assert epoch_record(mount, None)["reads"] == 0
+
+
+def test_a_warm_list_larger_than_the_limit_is_refused_unread(tmp_path, monkeypatch):
+    from cachefs import warm
+
+    monkeypatch.setattr(warm, "LIST_MAX_BYTES", 20)
+    listing = tmp_path / "list.txt"
+    listing.write_text("a/b\nc/d\n")
+    assert warm._read_list(listing) == [b"a/b", b"c/d"]
+    listing.write_text("a/b\nc/d\n" * 3)
+    with pytest.raises(warm.WarmError, match="is larger than 20 bytes"):
+        warm._read_list(listing)

@@ -16,6 +16,11 @@ Layout of DIR::
     entries/ab/<name>    one block: a 96-byte header, then the payload
     entries/ab/<name>.<random>.tmp   an entry being written; renamed to <name> when complete
 
+Private: the cached bytes may come from files only root may read, so DIR is created 0700,
+and every directory under it is 0700 and every file 0600. That is set again at each start:
+an older version made them 0755 and 0644. A DIR that existed already keeps its mode (it may
+be a directory with other uses); what cachefs keeps in it is private all the same.
+
 An entry's name is the 128-bit xxh3 of (xxh3_128(relpath), block_index), in hex. Its header
 holds magic, format version, block_bytes, the 128-bit hash of the relpath, the block index, the
 source identity (size, mtime_ns, ino), the payload length, xxh3_64 of the payload and xxh3_64
@@ -188,7 +193,7 @@ def write_index(path: Path, live: np.ndarray, block_bytes: int) -> None:
     head = _INDEX_HEADER.pack(*fields, 0)[:-8]
     head += xxhash.xxh3_64_intdigest(head).to_bytes(8, "little")
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as out:
+    with _open_private(tmp, "wb") as out:
         out.write(head)
         records.tofile(out)
         out.flush()
@@ -232,6 +237,18 @@ def load_index(path: Path, block_bytes: int) -> tuple[np.ndarray, np.ndarray, bo
     if not good.all():
         tail = tail[:int(np.argmin(good))]
     return base, tail.copy(), intact
+
+
+def _open_private(path: Path, mode: str):
+    """A file opened for writing, created or truncated, that only its owner may read (mode
+    0600 even if it existed: a leftover from a crash keeps the mode it was made with)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        return os.fdopen(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def merge_log(records: np.ndarray) -> np.ndarray:
@@ -482,8 +499,8 @@ class SsdTier:
         import fcntl  # POSIX only, like the rest of a FUSE file system
 
         try:
-            self._dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self._dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(self._dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise StartupError(f"cannot use cache directory {self._dir}: {exc}",
                                EXIT_CACHE_DIR) from exc
@@ -503,13 +520,18 @@ class SsdTier:
             table, needs_rewrite = np.empty(0, RECORD_DTYPE), True
         else:
             table, needs_rewrite = self._load(clean=bool(meta.get("clean")))
-        for fan in range(FANOUT):
-            (self._entries_dir / f"{fan:02x}").mkdir(parents=True, exist_ok=True)
+        for directory in [self._entries_dir] + [self._entries_dir / f"{fan:02x}"
+                                                for fan in range(FANOUT)]:
+            directory.mkdir(mode=0o700, exist_ok=True)
+            os.chmod(directory, 0o700)  # private (module docstring), also if made before
         if needs_rewrite:
             write_index(self._index_path, table, self._block_bytes)
         self._install_table(table)
+        index_fd = os.open(self._index_path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        os.fchmod(index_fd, 0o600)
+        os.fchmod(self._lock_fd, 0o600)
         self._log = AppendLog(
-            os.open(self._index_path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC),
+            index_fd,
             lambda exc: self._disable(
                 f"{errno.errorcode.get(exc.errno, exc.errno)} writing the index: {exc}"))
         self._write_meta(clean=False)
@@ -620,7 +642,7 @@ class SsdTier:
     def _write_meta(self, clean: bool) -> None:
         meta = {"format": FORMAT_VERSION, "block_bytes": self._block_bytes, "clean": clean}
         tmp = self._dir / "meta.tmp"
-        with open(tmp, "w") as out:
+        with _open_private(tmp, "w") as out:
             json.dump(meta, out)
             out.flush()
             # Durable before any entry is written: a "clean" meta that outlived a crash would
@@ -772,7 +794,7 @@ class SsdTier:
         header = _pack_header(k, self._block_bytes, identity, len(data),
                               xxhash.xxh3_64_intdigest(data))
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 _write_all(fd, [header, data])
             finally:
