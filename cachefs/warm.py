@@ -95,6 +95,9 @@ class Warmer:
         async for request in self._requests_recv:
             try:
                 await self._warm(request)
+            except CachefsError as exc:  # a bad request: the status and the log say why
+                log.warning("warm failed: %s", exc)
+                self._status.update(state="failed", error=str(exc))
             except Exception as exc:  # noqa: BLE001 - a failed warm must not end the mount
                 log.exception("warm failed")
                 self._status.update(state="failed", error=str(exc))
