@@ -64,6 +64,7 @@ READ_BUFFER_BYTES = 1024 * 1024
 CLASS_DIRS = 10
 JOIN_POLL_S = 0.1
 JSON_NAME = "cachefs-demo.json"
+TRACEBACK_LINES = 40  # of a traceback in the daemon's log, in the error
 PNG_NAME = "cachefs-demo.png"
 
 Progress = Callable[[str], None]
@@ -360,14 +361,17 @@ def _cleanup(workdir: Path, keep_dir: Path | None) -> None:
 def run(config: DemoConfig, progress: Progress = lambda message: None) -> DemoResult:
     """Generate, read directly, read through cachefs, clean up; return the figures.
 
-    Raises DemoError if the mount or a read fails. Everything is unmounted and removed before
-    this returns or raises, KeyboardInterrupt included; with config.keep the data set stays.
+    Raises DemoError if the mount or a read fails, or if the mount's daemon logged a
+    traceback (a bug: the daemon answers EIO and logs it, and the figures may look fine).
+    Everything is unmounted and removed before this returns or raises, KeyboardInterrupt
+    included; with config.keep the data set stays.
     """
     workdir = Path(tempfile.mkdtemp(prefix="cachefs-demo-"))
     data_dir = workdir / "data"
     mount: MountProcess | None = None
     stop = threading.Event()
     succeeded = False
+    daemon_error = None
     try:
         progress(f"generating {config.files} files of about {config.file_kb:g} KiB "
                  f"in {data_dir}")
@@ -397,11 +401,27 @@ def run(config: DemoConfig, progress: Progress = lambda message: None) -> DemoRe
             stop.set()
             if mount is not None:
                 mount.stop()
+                daemon_error = _traceback_in(mount.state_dir / "daemon.log")
             keep_dir = data_dir if config.keep and data_dir.is_dir() else None
             _cleanup(workdir, keep_dir)
+    if daemon_error is not None:
+        raise DemoError(f"the cachefs daemon logged an unexpected error (a bug):\n{daemon_error}")
     if config.keep and succeeded:
         result.kept_dataset = data_dir
     return result
+
+
+def _traceback_in(log_path: Path) -> str | None:
+    """The first traceback in the daemon's log, up to TRACEBACK_LINES lines, or None."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return None
+    start = text.find("Traceback (most recent call last)")
+    if start < 0:
+        return None
+    start = text.rfind("\n", 0, start) + 1
+    return "\n".join(text[start:].splitlines()[:TRACEBACK_LINES])
 
 
 # -- output --------------------------------------------------------------------------------------

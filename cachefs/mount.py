@@ -12,6 +12,7 @@ Daemonizing is the CLI's job (it starts this in a child process and waits for th
 
 from __future__ import annotations
 
+import contextlib
 import errno as errno_mod
 import json
 import logging
@@ -76,7 +77,10 @@ def check_startup(config: MountConfig) -> None:
 class SourceManifest:
     """The default manifest (every regular file of the source), scanned once, lazily.
 
-    Thread-safe: the order loader (a worker thread) and the start-up scan may both ask.
+    Thread-safe: the order loader (a worker thread) and the start-up scan may both ask. A scan
+    that fails (the source's root cannot be listed) is a warning and an OSError for the one
+    that asked; the next one to ask scans again. The mount serves the source's paths whatever
+    becomes of the scan: only orders without a file list and `cachefs warm --all` need it.
     """
 
     def __init__(self, root: Path):
@@ -88,10 +92,31 @@ class SourceManifest:
         with self._lock:
             if self.manifest is None:
                 started = time.monotonic()
-                self.manifest = scan_source(self._root)
+                try:
+                    self.manifest = scan_source(self._root)
+                except OSError as exc:
+                    log.warning("cannot scan the source %s: %s (scanned again when an order "
+                                "without a file list or a warm needs its files)", self._root,
+                                exc.strerror or exc)
+                    raise
                 log.info("source scanned: %d files in %.2f s", len(self.manifest),
                          time.monotonic() - started)
             return self.manifest
+
+    def get_for_order(self) -> Manifest:
+        """The manifest, for an order file that indexes it: a scan that fails rejects the
+        order, with the reason (the order in force stays)."""
+        try:
+            return self.get()
+        except OSError as exc:
+            raise errors.OrderError(f"the order indexes the source's files, and the source "
+                                    f"cannot be listed: {exc.strerror or exc}") from None
+
+    async def scan_at_start(self) -> None:
+        """The scan, in a worker thread, once the mount serves; a failure is the warning
+        `get` logs, never the end of the mount."""
+        with contextlib.suppress(OSError):  # `get` logged it
+            await trio.to_thread.run_sync(self.get)
 
 
 class Mount:
@@ -147,7 +172,7 @@ class Mount:
         return [manifest.path(int(item)) for item in self.planner.current[self.planner.cursor:]]
 
     def _load_order(self, path: Path):
-        return load_order(path, self.source_manifest.get)
+        return load_order(path, self.source_manifest.get_for_order)
 
     def snapshot(self) -> dict:
         """The JSON of `cachefs stats` (keys documented in man/cachefs-stats.1)."""
@@ -218,7 +243,7 @@ class Mount:
                     await nursery.start(self.watcher.run)
                     await nursery.start(self.warmer.run)
                     await nursery.start(self.revalidator.run)
-                    nursery.start_soon(trio.to_thread.run_sync, self.source_manifest.get)
+                    nursery.start_soon(self.source_manifest.scan_at_start)
                     nursery.start_soon(_raise_read_ahead, self.config.mountpoint)
                     if self.config.data_plane in ("auto", "no-open"):
                         nursery.start_soon(self._start_zero_request)

@@ -30,6 +30,9 @@ Invariants:
 - `consumed[p]` is True for exactly `consumed_count` positions, and every position below
   `cursor` is consumed.
 - `pos_cur[item]` is the first unconsumed position of `item` in the current order, or -1.
+- `pos_cur` and `pos_next` are as long as the manifest of `order`: an order over a manifest
+  with other paths always starts a new plan (`set_order`), so no item number of one manifest
+  indexes the arrays of another.
 """
 
 from __future__ import annotations
@@ -84,9 +87,12 @@ class Planner:
           publish one after another, and what the first ones read before the others
           published stays read. One position per consumed item is marked consumed again.
         Neither bumps `order_serial`: files open during the change keep consuming. Any other
-        order is a new plan.
+        order is a new plan, and so is any order over a manifest with other paths: item
+        numbers are indices into the manifest, and every per-item array (`pos_cur`,
+        `pos_next`) is sized to it.
         """
         same_epoch = (self.order is not None and order.epoch == self.epoch
+                      and order.manifest.same_paths(self.order.manifest)
                       and np.array_equal(order.current, self.current))
         joined = not same_epoch and self._rank_joined(order)
         self.order = order

@@ -24,6 +24,17 @@ copy is only good for that identity). Either way the identity is fresh, off the 
 so a reader opening a prefetched file needs no round trip to the source to know its bytes are
 current.
 
+Item numbers and manifests. An item number is an index into one manifest and means nothing
+without it: a new manifest (another data set's order on the same mount, a reordered or longer
+file list) renumbers every file, and work in flight still holds the old numbers. So whatever
+holds an item number across an await holds its manifest too, and when it resumes with another
+manifest in force it either drops its work (a read-ahead fetch: the window of the new order
+is walked anew) or renumbers the item by its path (`item_now`: the tiered cache, a reader's
+handle). Per-item state (`ItemMeta`, the planner's arrays, the stats' bitmap) is replaced,
+sized to the new manifest, when it comes (`set_order`), and identities learnt outside a fetch
+are recorded by path (`record_identity`). So a late result for an item of an old manifest can
+neither index the new arrays out of range nor land in the slot of another file.
+
 Window size: `--lookahead N` items past the furthest item read, or automatically
 `source_threads` items, at most a quarter of the RAM budget. A longer window hides no more
 latency once every source thread is busy, and each window slot taken is a slot of the next
@@ -118,7 +129,7 @@ class Prefetcher:
         # relpath -> manifest index of files read ahead lately: an open finds its item without
         # hashing the path (Manifest.index_of was about 5% of the daemon's busy main thread)
         self._recent_items: RecentMap[bytes, int] = RecentMap(RECENT_ITEMS)
-        self._inflight_items: set[int] = set()
+        self._inflight_items: set[int] = set()  # of the manifest in force
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.prefetch_errors = 0
@@ -178,8 +189,11 @@ class Prefetcher:
 
     def set_order(self, order) -> None:
         if order.manifest is not self._manifest:
+            # every item number changes meaning: fetches in flight finish on their own and
+            # drop their results (_fetch_item), and the state per item starts over
             self._manifest = order.manifest
             self._recent_items.clear()
+            self._inflight_items = set()
             self.meta = ItemMeta(len(order.manifest))
             self.stats.track_items(len(order.manifest))
             self._relabel_ram()
@@ -230,13 +244,26 @@ class Prefetcher:
         item = self._recent_items.get(relpath)
         return item if item is not None else self._manifest.index_of(relpath)
 
+    def item_now(self, relpath: bytes, item: int, manifest) -> tuple[int, object]:
+        """`item`, an index into `manifest`, as numbered in the manifest in force, with that
+        manifest: unchanged while `manifest` is in force, else found again by its path (-1:
+        the new manifest does not have it). Asked after an await by whatever held the
+        number across it (module docstring)."""
+        if manifest is self._manifest:
+            return item, manifest
+        return self.item_of(relpath), self._manifest
+
     def known_identity(self, item: int) -> SourceIdentity | None:
         if item < 0 or self._manifest is None:
             return None
         return self.meta.identity(item, self.metadata_ttl_s)
 
-    def record_identity(self, item: int, identity: SourceIdentity) -> None:
-        if item >= 0 and self._manifest is not None:
+    def record_identity(self, relpath: bytes, identity: SourceIdentity) -> None:
+        """A fresh identity of `relpath` learnt outside the read-ahead (a reader's open or
+        read, a revalidation): recorded in its item of the manifest in force, found by path
+        now, so that one learnt across a manifest change lands in its own file's slot."""
+        item = self.item_of(relpath)
+        if item >= 0:
             self.meta.record(item, identity)
 
     def _record_checked(self, item: int, identity: SourceIdentity) -> None:
@@ -298,7 +325,7 @@ class Prefetcher:
                     # open pays a source round trip for every RAM hit (fuse_ops.open).
                     # _fetch_item stats it, finds its blocks resident and pushes them.
                     self._inflight_items.add(item)
-                    self._nursery.start_soon(self._fetch_item, item)
+                    self._nursery.start_soon(self._fetch_item, item, self._manifest)
                 elif kernel:
                     self._push(item, identity)
             else:
@@ -307,7 +334,7 @@ class Prefetcher:
                 if not self._room_for(need, self.priority_of(item, 0, None)):
                     return  # RAM holds only nearer uses: wait for a consumption
                 self._inflight_items.add(item)
-                self._nursery.start_soon(self._fetch_item, item)
+                self._nursery.start_soon(self._fetch_item, item, self._manifest)
             planner.scan = position + 1
 
     def _refresh_age_s(self) -> float:
@@ -329,8 +356,18 @@ class Prefetcher:
         farthest = self.ram.farthest_priority()
         return farthest is not None and farthest > priority
 
-    async def _fetch_item(self, item: int) -> None:
-        relpath = self._manifest.path(item)
+    def _superseded(self, manifest) -> bool:
+        """Work started for `manifest` resumes with another in force: its item numbers mean
+        other files now, so it stops (module docstring)."""
+        return manifest is not self._manifest
+
+    async def _fetch_item(self, item: int, manifest) -> None:
+        """Read ahead one item of `manifest`; after every await it stops if the manifest
+        changed (`_superseded`): the new order's window is walked anew, and the tiered cache
+        has kept or dropped what landed by the new order's priorities."""
+        if self._superseded(manifest):
+            return  # set_order ran before this task started: not counted in the new set
+        relpath = manifest.path(item)
         self._recent_items.put(relpath, item)
         # fetched for this epoch's window: if a reader consumes it first (a demand read, or a
         # close reported while this waited), its blocks are not read again for this epoch
@@ -342,8 +379,10 @@ class Prefetcher:
                 # Nothing cached to validate: read block 0 at once; the fstat of that read is
                 # the fresh identity, so one source round trip does the work of two.
                 fetched = await self.tiered.fetch(
-                    (relpath, 0), None, item, demand=False,
+                    (relpath, 0), None, item, manifest, demand=False,
                     expected_bytes=self._size_estimate(item))
+                if self._superseded(manifest):
+                    return
                 if fetched is None:
                     self._revisit(item, 0, None)
                     return
@@ -353,6 +392,8 @@ class Prefetcher:
             elif identity is None:
                 identity = self.source.identity_of(
                     await self.source.lstat(relpath, background=True))
+                if self._superseded(manifest):
+                    return
                 self._record_checked(item, identity)
                 self.poke()
             for block_index in range(first_block, block_count(identity.size, self.block_bytes)):
@@ -361,7 +402,9 @@ class Prefetcher:
                     continue
                 if for_current and not self._unconsumed(item):
                     break  # the window reaches it again as the next epoch's
-                fetched = await self.tiered.fetch(key, identity, item, demand=False)
+                fetched = await self.tiered.fetch(key, identity, item, manifest, demand=False)
+                if self._superseded(manifest):
+                    return
                 if fetched is None:
                     self._revisit(item, block_index, identity)
                     break
@@ -375,7 +418,8 @@ class Prefetcher:
             self.prefetch_errors += 1
             log.debug("prefetch of %r failed: %s", relpath, exc)
         finally:
-            self._inflight_items.discard(item)
+            if not self._superseded(manifest):  # else it is in no set any more
+                self._inflight_items.discard(item)
             self.poke()
 
     # -- the kernel's page cache ------------------------------------------------------------
@@ -446,19 +490,22 @@ class Prefetcher:
         size = int(self.meta.size[item])
         return size if size >= 0 else self.meta.mean_size(self.block_bytes)
 
-    def read_ahead(self, relpath: bytes, identity: SourceIdentity, item: int,
+    def read_ahead(self, relpath: bytes, identity: SourceIdentity, item: int, manifest,
                    block_indices) -> None:
-        """Fetch the next blocks of a file being read sequentially (no order needed)."""
+        """Fetch the next blocks of a file being read sequentially (no order needed).
+        `item`: the file's index in `manifest`, renumbered by the tiered cache if another
+        manifest is in force by the time the block is read."""
         if self._nursery is None:
             return
         for block_index in block_indices:
             key = (relpath, block_index)
             if key not in self.tiered.inflight and not self.tiered.holds(key, identity):
-                self._nursery.start_soon(self._read_ahead_block, key, identity, item)
+                self._nursery.start_soon(self._read_ahead_block, key, identity, item, manifest)
 
-    async def _read_ahead_block(self, key, identity: SourceIdentity, item: int) -> None:
+    async def _read_ahead_block(self, key, identity: SourceIdentity, item: int,
+                                manifest) -> None:
         try:
-            await self.tiered.fetch(key, identity, item, demand=False)
+            await self.tiered.fetch(key, identity, item, manifest, demand=False)
         except OSError as exc:
             self.prefetch_errors += 1
             log.debug("read-ahead of %r failed: %s", key, exc)

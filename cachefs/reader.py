@@ -52,6 +52,9 @@ class OpenFile:
     relpath: bytes
     identity: SourceIdentity
     item: int  # manifest index, -1 if the file is in no manifest
+    # the manifest `item` indexes (the one in force at open): a fetch renumbers the item if
+    # another is in force by then (prefetch.py's module docstring)
+    manifest: object = None
     origin: int = stats_mod.ORIGIN_RAM  # costliest origin of any block served so far
     stall_s: float = 0.0
     bytes_served: int = 0
@@ -104,7 +107,8 @@ class Reader:
         kernel keeps them if they are of the version opened (see the module docstring).
         """
         identity = self.prefetcher.known_identity(item) or recent
-        handle = OpenFile(inode, relpath, identity, item, epoch_record=self.stats.current,
+        handle = OpenFile(inode, relpath, identity, item, self.prefetcher.manifest,
+                          epoch_record=self.stats.current,
                           order_serial=self.prefetcher.planner.order_serial)
         if identity is None:
             started_s = trio.current_time()
@@ -112,7 +116,7 @@ class Reader:
             handle.stall_s = trio.current_time() - started_s
             if waited_for_data:
                 handle.origin = stats_mod.ORIGIN_MISS
-            self.prefetcher.record_identity(item, handle.identity)
+            self.prefetcher.record_identity(relpath, handle.identity)
         if pages_of is not None and pages_of == handle.identity:
             self._kernel_holds(handle)
         return handle
@@ -133,7 +137,8 @@ class Reader:
                             identity: SourceIdentity) -> OpenFile:
         """A handle for reads that came with no OPEN (the zero-request mode, fuse_ops): the
         file's last known identity; its READs check it against the source's as they read."""
-        return OpenFile(inode, relpath, identity, item, epoch_record=self.stats.current,
+        return OpenFile(inode, relpath, identity, item, self.prefetcher.manifest,
+                        epoch_record=self.stats.current,
                         order_serial=self.prefetcher.planner.order_serial,
                         consume_at_release=True)
 
@@ -191,7 +196,8 @@ class Reader:
         # trio's clock (time.monotonic in a mount) so the simulator's virtual clock measures
         # stalls too
         started_s = trio.current_time()
-        fetched = await self.tiered.fetch(key, handle.identity, handle.item, demand=True)
+        fetched = await self.tiered.fetch(key, handle.identity, handle.item, handle.manifest,
+                                          demand=True)
         if fetched.origin == stats_mod.ORIGIN_MISS:
             handle.stall_s += trio.current_time() - started_s
         handle.origin = max(handle.origin, fetched.origin)
@@ -200,7 +206,7 @@ class Reader:
             cached.served = True
         if fetched.identity != handle.identity:
             handle.identity = fetched.identity
-            self.prefetcher.record_identity(handle.item, fetched.identity)
+            self.prefetcher.record_identity(handle.relpath, fetched.identity)
         return fetched.data
 
     def _read_ahead(self, handle: OpenFile, first_block: int, last_block: int) -> None:
@@ -210,7 +216,8 @@ class Reader:
             return
         total = block_count(handle.identity.size, self.block_bytes)
         wanted = range(last_block + 1, min(total, last_block + 1 + self.sequential_blocks))
-        self.prefetcher.read_ahead(handle.relpath, handle.identity, handle.item, wanted)
+        self.prefetcher.read_ahead(handle.relpath, handle.identity, handle.item,
+                                   handle.manifest, wanted)
         # those already in RAM go to the kernel's pages: the reader finds them there
         self.tiered.push(handle.relpath, handle.identity, wanted)
 
@@ -218,6 +225,8 @@ class Reader:
         if handle.consumed:
             return
         handle.consumed = True
+        # the same plan: the item numbers are those the handle holds (a manifest with other
+        # paths is always a new plan, planner.set_order)
         if handle.order_serial == self.prefetcher.planner.order_serial:
             handle.epoch_record = self.stats.current
             self.prefetcher.consumed(handle.item)
@@ -260,7 +269,8 @@ def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, *, block_
                             block_bytes=block_bytes, source_threads=source_threads,
                             lookahead_items=lookahead_items, metadata_ttl_s=metadata_ttl_s)
     tiered = TieredCache(ram, source, stats, block_bytes, prefetcher.priority_of, ssd=ssd,
-                         kernel=kernel, kernel_inodes=kernel_inodes)
+                         kernel=kernel, kernel_inodes=kernel_inodes,
+                         item_now=prefetcher.item_now)
     tiered.on_kernel_loss = prefetcher.note_kernel_loss
     prefetcher.attach(tiered)
     return Reader(tiered, prefetcher, stats, block_bytes=block_bytes,

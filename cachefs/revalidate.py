@@ -90,7 +90,7 @@ class Revalidator:
             inode = self.inodes.inode_of(relpath)
             if inode is not None:
                 self.inodes.update_stat(inode, st, asked_s)
-            self.prefetcher.record_identity(self.prefetcher.item_of(relpath), identity)
+            self.prefetcher.record_identity(relpath, identity)
         block = self.tiered.ram.get((relpath, 0))
         if block is not None and block.identity != identity:
             log.info("source file changed: %r", relpath)

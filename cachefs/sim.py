@@ -380,7 +380,7 @@ class _ObservedRamTier(RamTier):
 # -- the run -----------------------------------------------------------------------------------
 
 
-class _Sim:
+class Sim:
     """The mount's objects wired as `cachefs.mount.Mount` wires them, over the fakes."""
 
     def __init__(self, config: SimConfig):
@@ -417,14 +417,21 @@ class _Sim:
                      rank=None, world_size=None, total_length=n, file=None)
 
     async def main(self) -> list[EpochResult]:
-        results = []
+        return await self.serving(self._epochs)
+
+    async def serving(self, script):
+        """`await script()` with the mount's services running (the tiered cache's and the
+        prefetcher's tasks), as `cachefs.mount.Mount.serve` runs them; an exception in either
+        ends the run, as it would end the mount."""
         async with trio.open_nursery() as nursery:
             await nursery.start(self.tiered.run)
             await nursery.start(self.prefetcher.run)
-            for epoch in range(1, self.config.epochs + 1):
-                results.append(await self._epoch(epoch))
+            result = await script()
             nursery.cancel_scope.cancel()
-        return results
+        return result
+
+    async def _epochs(self) -> list[EpochResult]:
+        return [await self._epoch(epoch) for epoch in range(1, self.config.epochs + 1)]
 
     async def _epoch(self, epoch: int) -> EpochResult:
         order = self.order(epoch)
@@ -512,7 +519,7 @@ class _Sim:
 
 def simulate(config: SimConfig) -> SimResult:
     """Run the trace on virtual time; see the module docstring."""
-    sim = _Sim(config)
+    sim = Sim(config)
     with _inline_ssd_calls(sim.ssd, config.ssd_latency_s), _seeded_scheduler(config.seed):
         epochs = trio.run(sim.main, clock=trio.testing.MockClock(autojump_threshold=0))
     # backend reads of the window's next-epoch items count in the epoch that made them, until
@@ -523,6 +530,16 @@ def simulate(config: SimConfig) -> SimResult:
     return SimResult(config, epochs, sim.ram.max_used_bytes, sim.ram.budget_bytes,
                      sim.planner.lookahead_items, sim.ram.evictions,
                      sim.ssd.bytes if sim.ssd is not None else 0, ssd_keys, sim.data_errors)
+
+
+def run_script(config: SimConfig, script):
+    """`await script(sim)` on virtual time, with a `Sim` of `config` serving: for event
+    sequences the trainer of `simulate` does not make (orders over other manifests published
+    while fetches are in flight). Returns what the script returns."""
+    sim = Sim(config)
+    with _inline_ssd_calls(sim.ssd, config.ssd_latency_s), _seeded_scheduler(config.seed):
+        return trio.run(sim.serving, lambda: script(sim),
+                        clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 # -- command line ------------------------------------------------------------------------------

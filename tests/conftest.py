@@ -4,6 +4,13 @@
 the mount, and always takes it down in a finally: `fusermount3 -u`, then terminate, then kill,
 then a lazy unmount, so no test leaves a stale mount even when it fails. A failed test prints
 the daemon's log.
+
+A daemon that logged a traceback fails its test, even if every check passed: the mount maps
+any exception in a handler to EIO and a log line (fuse_ops._guarded), so a bug would otherwise
+go unseen by the tests. Every daemon log a test leaves under its `tmp_path` is checked at its
+teardown (`daemon_logs_without_tracebacks`): the mounter's, and `STATE/daemon.log` of a
+daemonized mount (the CLI's, the benchmarks'); the demo checks its own (cachefs/demo.py). A
+test that expects a traceback says so with `@pytest.mark.daemon_traceback("why")`.
 """
 
 from __future__ import annotations
@@ -20,7 +27,11 @@ import pytest
 
 from cachefs.client import mounted_paths  # noqa: F401 - also used by the tests through conftest
 
+pytest_plugins = ["pytester"]  # test_fixtures.py runs the fixtures in an inner session
+
 MOUNT_TIMEOUT_S = 30.0
+TRACEBACK = "Traceback (most recent call last)"  # also the tail of "Exception Group Traceback"
+TRACEBACK_LINES_SHOWN = 60
 
 
 def sha256(path) -> str:
@@ -93,6 +104,43 @@ class Mount:
                 subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)],
                                capture_output=True)
             self._log.close()
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "daemon_traceback(reason): a daemon of this test is expected to log a "
+        "traceback; without this mark, one fails the test")
+
+
+def daemon_logs(directory: Path) -> list[Path]:
+    """Logs of the daemons started under `directory`: the mounter's (daemonN.log) and those of
+    daemonized mounts (STATE/daemon.log, STATE up to two levels down)."""
+    return sorted({*directory.glob("daemon*.log"), *directory.glob("*/daemon.log"),
+                   *directory.glob("*/*/daemon.log")})
+
+
+def traceback_in(log_path: Path) -> str | None:
+    """The first traceback in a log and what follows it (a few dozen lines), or None."""
+    text = log_path.read_text(errors="replace")
+    start = text.find(TRACEBACK)
+    if start < 0:
+        return None
+    start = text.rfind("\n", 0, start) + 1
+    return "\n".join(text[start:].splitlines()[:TRACEBACK_LINES_SHOWN])
+
+
+@pytest.fixture(autouse=True)
+def daemon_logs_without_tracebacks(request, tmp_path):
+    """Fail the test if a daemon it started logged a traceback (module docstring). Autouse, so
+    it is set up before, and torn down after, the fixtures that stop the daemons."""
+    yield
+    if request.node.get_closest_marker("daemon_traceback") is not None:
+        return
+    for log_path in daemon_logs(tmp_path):
+        found = traceback_in(log_path)
+        if found is not None:
+            pytest.fail(f"the daemon logged a traceback ({log_path}):\n{found}",
+                        pytrace=False)
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

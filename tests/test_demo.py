@@ -127,6 +127,35 @@ def test_demo_keep_leaves_the_data_set_and_says_where(tmp_path):
     assert mounts_under(tmpdir) == []
 
 
+# Imported by every Python process of the demo (PYTHONPATH): the mount's daemon writes a
+# traceback to its log as it starts, as a bug in a handler would (fuse_ops._guarded).
+PLANTED_TRACEBACK = """
+import sys
+if "mount" in sys.argv and "--foreground" in sys.argv:
+    print("Traceback (most recent call last):\\n  planted by test_demo\\nRuntimeError: planted",
+          file=sys.stderr, flush=True)
+"""
+
+
+def test_a_traceback_in_the_daemon_log_fails_the_demo(tmp_path):
+    # issue 15, item 5: the demo's daemon log goes with its temporary directory, so the demo
+    # itself reports a daemon's traceback, and its tests see it in the exit code
+    tmpdir, site = tmp_path / "tmp", tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(PLANTED_TRACEBACK)
+    env = demo_env(tmpdir)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")]),
+                                         os.getcwd()])
+    done = subprocess.run(
+        demo_cmd("--files", 40, "--file-kb", 4, "--epochs", 1, "--delay-ms", 0,
+                 "--output", tmp_path / "out"),
+        env=env, capture_output=True, text=True, timeout=80)
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "the cachefs daemon logged an unexpected error (a bug)" in done.stderr
+    assert "RuntimeError: planted" in done.stderr
+    assert_left_nothing(tmpdir)
+
+
 def test_demo_rejects_bad_settings_before_doing_anything(tmp_path):
     tmpdir = tmp_path / "tmp"
     done = subprocess.run(demo_cmd("--ram-fraction", 0), env=demo_env(tmpdir),

@@ -191,6 +191,52 @@ def test_vanished_and_unreadable_files_do_not_take_the_mount_down(tmp_path, moun
     assert mount.process.poll() is None
 
 
+# The daemon, with listing the source's root failing with EIO while the file SOURCE.broken
+# exists: a source whose root errors (a failing disk, a network file system's outage).
+FAILING_ROOT = """
+import errno, os, runpy, sys
+args = sys.argv[sys.argv.index('cachefs') + 1:]
+root = os.path.realpath(args[2])  # mount --foreground SOURCE ...
+real_scandir = os.scandir
+def scandir(path='.'):
+    where = os.readlink(f'/proc/self/fd/{path}') if isinstance(path, int) else os.fsdecode(path)
+    if os.path.realpath(where) == root and os.path.exists(root + '.broken'):
+        raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+    return real_scandir(path)
+os.scandir = scandir
+sys.argv = ['cachefs', *args]
+runpy.run_module('cachefs', run_name='__main__')
+"""
+
+
+def test_a_source_that_cannot_be_scanned_at_start_keeps_the_mount(tmp_path, mounter):
+    """Issue 15, item 4: the start-up scan of the source ended the mount when the source's
+    root could not be listed. The root's listing gets EIO and the daemon says why; once the
+    source answers again, the mount serves it and an order can be published."""
+    from cachefs import order
+    from cachefs.errors import OrderError
+
+    src = tmp_path / "src"
+    write_file(src / "d" / "f", 1000, seed=1)
+    broken = tmp_path / "src.broken"
+    broken.touch()
+    mount = mounter(src, prefix=[sys.executable, "-c", FAILING_ROOT, "--"])
+    deadline = time.monotonic() + 10
+    while "cannot scan the source" not in mount.log():
+        assert time.monotonic() < deadline and mount.process.poll() is None, mount.log()
+        time.sleep(0.05)
+    with pytest.raises(OSError) as info:
+        os.listdir(mount.mountpoint)
+    assert info.value.errno == errno.EIO
+    with pytest.raises(OrderError, match="the source cannot be listed: Input/output error"):
+        order.publish(mount.mountpoint, 1, [0])
+    assert (mount.mountpoint / "d" / "f").read_bytes() == (src / "d" / "f").read_bytes()
+    broken.unlink()
+    assert os.listdir(mount.mountpoint) == ["d"]
+    assert order.publish(mount.mountpoint, 2, [0])["epoch"] == 2  # scanned again, now whole
+    assert mount.process.poll() is None
+
+
 def test_changed_source_file_is_served_new(tmp_path, mounter):
     src = tmp_path / "src"
     write_file(src / "f", 5000, seed=1)

@@ -146,6 +146,32 @@ def test_set_order_with_a_new_epoch_or_other_current_restarts():
     assert planner.consumed_count == 0
 
 
+def test_the_same_epoch_over_a_longer_manifest_is_a_new_plan_sized_to_it():
+    # issue 15, item 3: the same epoch and `current` republished with a longer manifest (a
+    # `next` naming its new items) kept `pos_cur` at the old length, and the window indexed it
+    # with a new item (IndexError in the prefetcher's run task, which ended the mount)
+    planner = planner_with([0, 1], epoch=2, lookahead=10)
+    planner.consume(0)
+    serial = planner.order_serial
+    longer = Manifest.from_paths([f"f{i}" for i in range(8)] + [f"h{i}" for i in range(8)])
+    assert planner.set_order(order(2, [0, 1], next_=[12, 9, 0], manifest=longer))
+    assert planner.order_serial == serial + 1  # item numbers of open files mean other files
+    assert len(planner.pos_cur) == len(planner.pos_next) == 16
+    assert list(planner.window()) == [(0, 0), (1, 1), (2, 12), (3, 9)]
+    assert planner.next_use(12) == 2
+    planner.consume(0)
+    assert planner.consume(1) and planner.switch_to_next()
+    assert len(planner.pos_cur) == 16 and planner.next_use(12) == 0
+
+
+def test_the_same_epoch_over_an_equal_manifest_object_keeps_the_plan():
+    planner = planner_with([0, 1, 2, 3], epoch=2)
+    planner.consume(0)
+    equal = Manifest.from_paths([f"f{i}" for i in range(8)])
+    assert not planner.set_order(order(2, [0, 1, 2, 3], next_=[3, 2], manifest=equal))
+    assert planner.consumed_count == 1
+
+
 def merged(epoch, slices: dict, next_slices: dict | None = None, world_size=4,
            manifest=MANIFEST) -> Order:
     """The order cachefs.order_merge makes of these ranks' slices (interleaved by position)."""

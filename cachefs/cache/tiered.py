@@ -24,7 +24,10 @@ implements it): which inode to store into, if the kernel holds one with this fil
 
 In-flight fetches are never cancelled when the plan changes (an epoch switch, a new order): a
 reader may be waiting on any of them, and a finished fetch is simply kept or dropped by the
-priorities in force when it lands.
+priorities in force when it lands. A fetch is asked for with the file's item number and the
+manifest that number indexes; if another manifest came into force meanwhile, the item is
+renumbered by path when the block lands (`item_now`, prefetch.py's module docstring), so every
+block in RAM carries its item number in the manifest in force.
 """
 
 from __future__ import annotations
@@ -92,7 +95,8 @@ class NoKernelInodes:
 
 class TieredCache:
     def __init__(self, ram: RamTier, source: Source, stats: stats_mod.Stats, block_bytes: int,
-                 priority_of: Callable[[int, int, SourceIdentity], float | None],
+                 priority_of: Callable[[int, int, SourceIdentity], float | None], *,
+                 item_now: Callable[[bytes, int, object], tuple[int, object]],
                  ssd=None, ssd_threads: int = 4, kernel: KernelPages | None = None,
                  kernel_inodes: KernelInodes | None = None):
         self.ram = ram
@@ -100,6 +104,8 @@ class TieredCache:
         self.stats = stats
         self.block_bytes = block_bytes
         self.priority_of = priority_of  # (item, block_index, identity) -> priority or None
+        # (relpath, item, its manifest) -> (item, manifest) in force (Prefetcher.item_now)
+        self.item_now = item_now
         self.ssd = ssd
         self.ssd_limiter = trio.CapacityLimiter(ssd_threads)
         self._ssd_threads = ssd_threads
@@ -147,12 +153,14 @@ class TieredCache:
         return block
 
     async def fetch(self, key: BlockKey, identity: SourceIdentity | None, item: int,
-                    *, demand: bool, expected_bytes: int | None = None) -> Fetched | None:
+                    manifest, *, demand: bool, expected_bytes: int | None = None
+                    ) -> Fetched | None:
         """The block's bytes, from SSD or source; kept in RAM if its priority earns room.
 
         A prefetch (`demand=False`) that finds no room in RAM does no I/O and returns None.
         Without an `identity` the block comes from the source (the SSD tier can only be trusted
-        against a known identity), and RAM is reserved for `expected_bytes`.
+        against a known identity), and RAM is reserved for `expected_bytes`. `item`: the
+        file's index in `manifest` (-1: in none).
         """
         while (flight := self.inflight.get(key)) is not None:
             await flight.done.wait()
@@ -168,7 +176,8 @@ class TieredCache:
         flight = _Flight()
         self.inflight[key] = flight
         try:
-            flight.result = await self._load(key, identity, item, demand, expected_bytes)
+            flight.result = await self._load(key, identity, item, manifest, demand,
+                                             expected_bytes)
             return flight.result
         except OSError as exc:
             flight.error = exc
@@ -191,9 +200,10 @@ class TieredCache:
                 return flight.result.identity, True
         return await self.source.check_readable(relpath), False
 
-    async def _load(self, key: BlockKey, identity: SourceIdentity | None, item: int,
+    async def _load(self, key: BlockKey, identity: SourceIdentity | None, item: int, manifest,
                     demand: bool, expected_bytes: int | None) -> Fetched | None:
         relpath, block_index = key
+        item, manifest = self.item_now(relpath, item, manifest)
         expected = (block_length(identity, block_index, self.block_bytes) if identity
                     else min(expected_bytes or self.block_bytes, self.block_bytes))
         priority = self.priority_of(item, block_index, identity)
@@ -204,7 +214,11 @@ class TieredCache:
         try:
             fetched = await self._read_ssd(key, identity) if identity else None
             if fetched is None:
-                fetched = await self._read_source(key, identity, item, demand)
+                fetched = await self._read_source(key, identity, demand)
+            # the manifest may have changed during the read: the block lands numbered anew
+            item, manifest = self.item_now(relpath, item, manifest)
+            if fetched.from_source:
+                self.stats.source_fetched(item, key, len(fetched.data))
             block = RamBlock(fetched.data, fetched.identity, item, fetched.origin)
             block.priority = self.priority_of(item, block_index, fetched.identity)
             if reserved and block.priority is not None:
@@ -237,12 +251,11 @@ class TieredCache:
         self.stats.ssd_read(len(data))
         return Fetched(data, identity, stats_mod.ORIGIN_SSD, False)
 
-    async def _read_source(self, key: BlockKey, identity: SourceIdentity | None, item: int,
+    async def _read_source(self, key: BlockKey, identity: SourceIdentity | None,
                            demand: bool) -> Fetched:
         relpath, block_index = key
         block = await self.source.read_block(relpath, block_index, self.block_bytes,
                                              background=not demand)
-        self.stats.source_fetched(item, key, len(block.data))
         if identity is not None and block.identity != identity:
             log.info("source file changed: %r", relpath)
             self.source_changed(relpath, block.identity)
