@@ -31,7 +31,10 @@ the end, after grace_s, every file is read once more and must be its newest vers
 source on disk must be what the model says, and no daemon log may hold a traceback.
 
 Usage: python scripts/soak.py [--duration-s 600] [--readers 8] [--files 400]
-           [--workdir DIR] [--seed 0]
+           [--rewrite-every-s 5] [--same-size-rewrites] [--subset-fraction 0.25]
+           [--metadata-ttl-s 1] [--workdir DIR] [--seed 0] [--verbose]
+(`--same-size-rewrites` and `--subset-fraction 0` leave out a kind of fault, to tell which
+kind a failure needs.)
 Exit status 0 if every check passed, 1 otherwise (each failure is printed).
 """
 
@@ -90,6 +93,7 @@ class SoakConfig:
     subset_fraction: float = 0.25  # of publications with a manifest of their own
     range_fraction: float = 0.35  # of reads that read a random range of a random file
     rewrite_every_s: float = 5.0
+    same_size_rewrites: bool = False  # new bytes only; else sizes change too
     kill_at: float = 0.5  # of duration_s
     rewrites_while_down: int = 3
     seed: int = 0
@@ -506,8 +510,9 @@ class Soak:
     def _rewrite(self) -> None:
         relpath = self._rng.choice(self.model.relpaths)
         old = self.model.newest(relpath)
-        size = self._rng.choice([len(old), len(old) // 2, len(old) * 2 + 1,
-                                 self._rng.randrange(1, 3 * self.config.block_bytes)])
+        size = len(old) if self.config.same_size_rewrites else self._rng.choice(
+            [len(old), len(old) // 2, len(old) * 2 + 1,
+             self._rng.randrange(1, 3 * self.config.block_bytes)])
         self.model.rewrite(relpath, self._rng.randbytes(size))
         self.report.rewrites += 1
         self._event(f"rewrote {relpath}: {len(old)} -> {size} bytes")
@@ -680,6 +685,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--readers", type=int, default=defaults.readers)
     parser.add_argument("--files", type=int, default=defaults.files)
     parser.add_argument("--rewrite-every-s", type=float, default=defaults.rewrite_every_s)
+    parser.add_argument("--same-size-rewrites", action="store_true",
+                        help="rewrite files with new bytes of the same size only")
+    parser.add_argument("--subset-fraction", type=float, default=defaults.subset_fraction,
+                        help="publications with a manifest of their own (0: never)")
     parser.add_argument("--metadata-ttl-s", type=float, default=defaults.metadata_ttl_s)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/cachefs-soak"))
@@ -693,6 +702,8 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(message)s")
     config = SoakConfig(duration_s=args.duration_s, readers=args.readers, files=args.files,
                         rewrite_every_s=args.rewrite_every_s,
+                        same_size_rewrites=args.same_size_rewrites,
+                        subset_fraction=args.subset_fraction,
                         metadata_ttl_s=args.metadata_ttl_s, seed=args.seed)
     workdir = args.workdir
     mounts: list[MountProcess] = []
