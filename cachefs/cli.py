@@ -23,7 +23,7 @@ from pathlib import Path
 import click
 
 from cachefs import __version__, errors
-from cachefs.client import mounted_paths
+from cachefs.client import mounted_paths, process_exited
 from cachefs.config import (DATA_PLANES, CacheConfig, MountConfig, PrefetchConfig, default_state_dir,
                             parse_size)
 
@@ -234,11 +234,7 @@ def _daemon_pid(state_dir: Path) -> int | None:
 def _wait_for_exit(pid: int, timeout_s: float) -> None:
     """Wait until the daemon has closed its tiers (the SSD index is written at exit)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
+    while time.monotonic() < deadline and not process_exited(pid):
         time.sleep(0.05)
 
 

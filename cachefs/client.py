@@ -14,6 +14,8 @@ that one piece of code:
 - `mountinfo` reads the kernel's mount table without touching any mount, so it cannot hang on
   a stuck daemon; `mounted_paths` is its mount points (the daemon also takes a mount's device
   and a source's file system type from it);
+- `process_exited` tells a daemon that exited, also one killed and not reaped yet (a zombie),
+  which `cachefs umount` must not wait for;
 - `stats_totals` sums the per-epoch counters of a `cachefs stats` snapshot (an epoch switch in
   the middle of a pass splits the pass between two records); `stats_delta` subtracts two sums;
   `MountProcess.settled_totals` waits for the last files of a pass to be counted;
@@ -85,6 +87,17 @@ def mountinfo() -> list[MountInfo]:
 def mounted_paths() -> set[str]:
     """Mount points of this mount namespace (see `mountinfo`)."""
     return {os.fsdecode(mount.point) for mount in mountinfo()}
+
+
+def process_exited(pid: int) -> bool:
+    """Whether process `pid` has exited: gone, or a zombie that its parent has not reaped yet
+    (it has closed its files; a container's PID 1 may never reap it). proc(5): the state is
+    the field after the command name in /proc/PID/stat."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
 
 
 def cachefs_command(*args) -> list[str]:

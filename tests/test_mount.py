@@ -265,6 +265,25 @@ def test_kill_9_then_umount_recovers_the_mountpoint(tree, mounter):
     assert os.listdir(mount.mountpoint) == []
 
 
+def test_umount_does_not_wait_for_a_killed_daemon_nobody_reaped(tree, mounter):
+    """A daemon killed but not yet reaped by its parent (a zombie: here the test's own child;
+    in a container, a daemon under a PID 1 that reaps nothing) has exited and closed its tiers:
+    `cachefs umount` returns at once instead of waiting out its 20 s for it."""
+    from cachefs.cli import UMOUNT_WAIT_S
+
+    mount = mounter(tree)
+    mount.process.kill()  # no wait(): the daemon stays a zombie
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{mount.process.pid}/stat").read_text().split(") ")[1][0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    started_s = time.monotonic()
+    done = run_cachefs("umount", mount.mountpoint, "--state-dir", mount.state_dir)
+    assert done.returncode == 0, done.stderr
+    assert not mount.mounted
+    assert time.monotonic() - started_s < UMOUNT_WAIT_S / 2
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root may set a device's read-ahead")
 def test_the_mount_reads_ahead_one_mebibyte(tree, mounter):
     """man/cachefs-mount.1: run as root, the daemon sets the mount's kernel read-ahead to
