@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cachefs import workload
 from cachefs.client import page_cache_bytes
 from conftest import mounted_paths
 
@@ -151,6 +152,17 @@ def test_delayed_reader_sleeps_before_open_and_each_data_read(tmp_path, monkeypa
     buffer = memoryview(mmap.mmap(-1, 4096))
     assert benchlib.read_whole_file(bytes(path), buffer, delay_s=0.002) == 10_000
     assert sleeps == [0.002] * (1 + 3)  # the open, then reads of 4096, 4096 and 1808 bytes
+
+
+def test_delayed_reader_sleeps_once_per_run_of_delay_every_bytes(tmp_path, monkeypatch):
+    """`cachefs demo`'s direct reader: one sleep per block, as the daemon's slow source."""
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 20_000)
+    sleeps = []
+    monkeypatch.setattr(workload.time, "sleep", sleeps.append)
+    buffer = memoryview(mmap.mmap(-1, 4096))
+    assert workload.read_whole_file(bytes(path), buffer, 0.002, delay_every_bytes=6000) == 20_000
+    assert sleeps == [0.002] * (1 + 4)  # the open, then the runs at 0, 6000, 12000, 18000
 
 
 def test_reader_pool_splits_an_order_between_workers(tmp_path):
