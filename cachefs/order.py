@@ -423,6 +423,7 @@ def _manifest_within_source(files: Manifest, source: Manifest) -> Manifest:
 
 
 def write_checked(path: Path, checked: CheckedArrays) -> FileIdentity:
+    """Write arrays that `check_arrays` passed atomically (temporary name, fsync, rename)."""
     path = Path(path)
     arrays = {"version": np.int64(ORDER_VERSION), "epoch": np.int64(checked.epoch),
               "current": checked.current}
