@@ -23,7 +23,8 @@ from pathlib import Path
 import click
 
 from cachefs import __version__, errors
-from cachefs.client import mounted_paths, process_exited
+from cachefs.client import process_exited
+from cachefs.mountinfo import mounted_paths
 from cachefs.config import (DATA_PLANES, CacheConfig, MountConfig, PrefetchConfig, default_state_dir,
                             parse_size)
 
@@ -259,24 +260,25 @@ def _wait_for_exit(pid: int, timeout_s: float) -> None:
               help="Seconds to wait for the daemon to accept the order.")
 def publish(mountpoint, epoch, current, next, files, seed, rank, world_size, timeout):  # noqa: A002
     """Publish the read order of MOUNTPOINT and wait until the daemon accepts it."""
-    from cachefs import order
+    from cachefs import publish as publishing
+    from cachefs.order import permutation
 
     if seed is not None and (current or next):
         raise click.UsageError("--seed draws the orders itself: do not give --current or --next")
     if seed is None and current is None:
         raise click.UsageError("give --current (and optionally --next), or --seed")
     try:
-        manifest = order.read_files_list(files) if files else None
+        manifest = publishing.read_files_list(files) if files else None
         if seed is not None:
-            n = len(manifest) if manifest is not None else order.source_file_count(mountpoint)
-            current_order = order.permutation(n, seed, epoch)
-            next_order = order.permutation(n, seed, epoch + 1)
+            n = len(manifest) if manifest is not None else publishing.source_file_count(mountpoint)
+            current_order = permutation(n, seed, epoch)
+            next_order = permutation(n, seed, epoch + 1)
         else:
-            current_order = order.read_index_file(current)
-            next_order = order.read_index_file(next) if next else None
-        status = order.publish(mountpoint, epoch, current_order, next=next_order,
-                               files=manifest, rank=rank, world_size=world_size,
-                               timeout_s=timeout)
+            current_order = publishing.read_index_file(current)
+            next_order = publishing.read_index_file(next) if next else None
+        status = publishing.publish(mountpoint, epoch, current_order, next=next_order,
+                                    files=manifest, rank=rank, world_size=world_size,
+                                    timeout_s=timeout)
     except errors.OrderError as exc:
         _fail(f"order rejected: {exc}")
     click.echo(f"epoch {status['epoch']}: {status['length']} of {status['total_length']} "
@@ -425,23 +427,36 @@ def _warm_summary(status: dict) -> str:
 
 # -- demo --------------------------------------------------------------------------------------
 
+# The demo's settings and their defaults, here only (man/cachefs-demo.1 documents them):
+# option, type, default, help. cachefs.demo.DemoConfig checks them again; it is not imported
+# before the command runs, since it loads numpy.
+_DEMO_SETTINGS = (
+    ("--files", click.IntRange(min=1), 2000, "Files in the generated data set."),
+    ("--file-kb", click.FloatRange(min=0, min_open=True), 100.0,
+     "Mean file size in KiB (sizes vary from 0.5x to 1.5x)."),
+    ("--epochs", click.IntRange(min=1), 3, "Epochs read each way."),
+    ("--workers", click.IntRange(min=1), 4, "Reader threads, like a DataLoader's workers."),
+    ("--ram-fraction", click.FloatRange(min=0, min_open=True), 0.5,
+     "RAM budget as a fraction of the data set's bytes."),
+    ("--ssd-fraction", click.FloatRange(min=0), 0.0,
+     "SSD tier budget as a fraction of the data set; 0 = no SSD tier."),
+    # 10 ms: a disk seek, an object store's first byte
+    ("--delay-ms", click.FloatRange(min=0), 10.0,
+     "Latency of the slow source per open and per read."),
+    ("--seed", click.IntRange(min=0), 0, "Seed of the data set and of the epochs' orders."),
+)
+
+
+def _demo_settings(command):
+    """The options of _DEMO_SETTINGS on `command`, listed in the table's order."""
+    for name, kind, default, text in reversed(_DEMO_SETTINGS):
+        command = click.option(name, type=kind, default=default, show_default=True,
+                               help=text)(command)
+    return command
+
+
 @cli.command()
-@click.option("--files", type=click.IntRange(min=1), default=2000, show_default=True,
-              help="Files in the generated data set.")
-@click.option("--file-kb", type=click.FloatRange(min=0, min_open=True), default=100.0,
-              show_default=True, help="Mean file size in KiB (sizes vary from 0.5x to 1.5x).")
-@click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Epochs read each way.")
-@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True,
-              help="Reader threads, like a DataLoader's workers.")
-@click.option("--ram-fraction", type=click.FloatRange(min=0, min_open=True), default=0.5,
-              show_default=True, help="RAM budget as a fraction of the data set's bytes.")
-@click.option("--ssd-fraction", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="SSD tier budget as a fraction of the data set; 0 = no SSD tier.")
-@click.option("--delay-ms", type=click.FloatRange(min=0), default=10.0, show_default=True,
-              help="Latency of the slow source per open and per read.")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Seed of the data set and of the epochs' orders.")
+@_demo_settings
 @click.option("--output", type=click.Path(file_okay=False, path_type=Path), default=".",
               show_default=True, help="Directory for cachefs-demo.json and cachefs-demo.png.")
 @click.option("--keep", is_flag=True, help="Keep the generated data set.")

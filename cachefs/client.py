@@ -11,9 +11,8 @@ that one piece of code:
   `cachefs umount` (which waits for the daemon to exit), and detaches lazily with
   `fusermount3 -u -z` if that fails. It also takes down a stale mount left at the mount point
   by an earlier, interrupted run;
-- `mountinfo` reads the kernel's mount table without touching any mount, so it cannot hang on
-  a stuck daemon; `mounted_paths` is its mount points (the daemon also takes a mount's device
-  and a source's file system type from it);
+- whether a mount is up is read from the kernel's mount table (`cachefs.mountinfo`, which the
+  daemon shares), which never touches a mount, so it cannot hang on a stuck daemon;
 - `process_exited` tells a daemon that exited, also one killed and not reaped yet (a zombie),
   which `cachefs umount` must not wait for;
 - `stats_totals` sums the per-epoch counters of a `cachefs stats` snapshot (an epoch switch in
@@ -36,9 +35,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 from cachefs import ctrl
+from cachefs.mountinfo import mounted_paths
 
 log = logging.getLogger(__name__)
 
@@ -53,40 +52,6 @@ COUNTERS = ("reads", "hits_ram", "hits_ssd", "prefetched", "misses", "backend_by
 
 class MountError(Exception):
     """`cachefs mount` failed or did not return; the message says why."""
-
-
-def unescape_mountinfo(field: bytes) -> bytes:
-    """Undo mountinfo's octal escapes (space, tab, newline, backslash)."""
-    return (field.replace(b"\\040", b" ").replace(b"\\011", b"\t")
-            .replace(b"\\012", b"\n").replace(b"\\134", b"\\"))
-
-
-class MountInfo(NamedTuple):
-    """One line of /proc/self/mountinfo, the fields cachefs uses."""
-
-    point: bytes  # the mount point, unescaped
-    device: str  # "major:minor"
-    fstype: bytes  # the file system type, e.g. b"ext4", b"fuse.sshfs"
-
-
-def mountinfo() -> list[MountInfo]:
-    """Every mount of this mount namespace, from /proc/self/mountinfo (dead FUSE mounts too).
-
-    Reading mountinfo never touches a mount, so it cannot hang on a stuck daemon.
-    """
-    mounts = []
-    with open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
-            fields = line.split()
-            # the optional fields end with "-", followed by the file system type
-            mounts.append(MountInfo(unescape_mountinfo(fields[4]), fields[2].decode(),
-                                    fields[fields.index(b"-") + 1]))
-    return mounts
-
-
-def mounted_paths() -> set[str]:
-    """Mount points of this mount namespace (see `mountinfo`)."""
-    return {os.fsdecode(mount.point) for mount in mountinfo()}
 
 
 def process_exited(pid: int) -> bool:

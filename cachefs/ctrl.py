@@ -84,7 +84,7 @@ class Control:
         return data
 
 
-# -- the client side: what the CLI, `cachefs.order.publish` and the tools read ----------------
+# -- the client side: what the CLI, `cachefs.publish` and the tools read ----------------------
 
 def read_attr(mount: os.PathLike, name: bytes, error: type[CachefsError] = CachefsError) -> bytes:
     """A control attribute of a mount; `error` (with a message that says why) if there is none."""

@@ -55,7 +55,10 @@ import numpy as np
 from cachefs import __version__
 from cachefs.client import MountError, MountProcess, stats_delta
 from cachefs.errors import CachefsError
-from cachefs.order import permutation, publish, scan_source
+from cachefs.manifest import scan_source
+from cachefs.order import permutation
+from cachefs.publish import publish
+from cachefs.workload import aligned_buffer, read_whole_file, write_dataset
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +79,19 @@ class DemoError(CachefsError):
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """What `cachefs demo` runs; validated here so that the CLI only parses."""
+    """What `cachefs demo` runs; validated here so that the CLI only parses. The defaults are
+    the CLI's (cachefs.cli._DEMO_SETTINGS), in one place."""
 
-    files: int = 2000
-    file_kb: float = 100.0
-    epochs: int = 3
-    workers: int = 4
-    ram_fraction: float = 0.5
-    ssd_fraction: float = 0.0
-    delay_ms: float = 10.0  # a disk seek, an object store's first byte
-    seed: int = 0
-    output: Path = Path(".")
-    keep: bool = False
+    files: int
+    file_kb: float
+    epochs: int
+    workers: int
+    ram_fraction: float
+    ssd_fraction: float
+    delay_ms: float
+    seed: int
+    output: Path
+    keep: bool
 
     def __post_init__(self):
         if self.files < 1 or self.epochs < 1 or self.workers < 1:
@@ -181,47 +185,18 @@ def _ratio(a: float, b: float) -> float:
 def generate_dataset(root: Path, files: int, file_kb: float, seed: int) -> int:
     """Write `files` files of varying size under root/class_XX/; return their total bytes.
 
-    The bytes are slices of one random pool at random offsets: incompressible, different per
-    file, and cheap to make (a few hundred MB in a second or two).
+    Sizes are uniform between half and one and a half times `file_kb` KiB; the bytes are
+    written by `cachefs.workload.write_dataset`, as the benchmarks' are.
     """
-    rng = np.random.default_rng(seed)
     mean_bytes = file_kb * 1024
-    sizes = rng.uniform(0.5 * mean_bytes, 1.5 * mean_bytes, files).astype(np.int64)
-    sizes = np.maximum(sizes, 1)
-    pool = rng.bytes(int(sizes.max()) * 2)
-    offsets = rng.integers(0, len(pool) - sizes + 1)
-    for directory in range(min(CLASS_DIRS, files)):
-        (root / f"class_{directory:02d}").mkdir(parents=True, exist_ok=True)
-    for index, (size, offset) in enumerate(zip(sizes.tolist(), offsets.tolist())):
-        path = root / f"class_{index % CLASS_DIRS:02d}" / f"sample_{index:06d}.bin"
-        with open(path, "wb") as f:
-            f.write(pool[offset:offset + size])
-    return int(sizes.sum())
+    sizes = np.random.default_rng(seed).uniform(0.5 * mean_bytes, 1.5 * mean_bytes, files)
+    sizes = np.maximum(sizes.astype(np.int64), 1)
+    relpaths = [f"class_{index % CLASS_DIRS:02d}/sample_{index:06d}.bin"
+                for index in range(files)]
+    return write_dataset(root, relpaths, sizes, seed)
 
 
 # -- the reader ----------------------------------------------------------------------------------
-
-def _read_whole(path: bytes, buffer: memoryview, delay_s: float) -> int:
-    """Read one file to its end; with delay_s, sleep where the daemon's slow source sleeps."""
-    if delay_s:
-        time.sleep(delay_s)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        size = os.fstat(fd).st_size
-        done = 0
-        while done < size:
-            in_block = done % SOURCE_BLOCK_BYTES
-            if delay_s and in_block == 0:
-                time.sleep(delay_s)
-            want = min(len(buffer), size - done, SOURCE_BLOCK_BYTES - in_block)
-            got = os.readv(fd, [buffer[:want]])
-            if got == 0:
-                break  # the file shrank under us: what is there has been read
-            done += got
-        return done
-    finally:
-        os.close(fd)
-
 
 @dataclass
 class _EpochRead:
@@ -243,13 +218,15 @@ def read_epoch(paths: list[bytes], workers: int, delay_s: float,
     failures: list[BaseException] = []
 
     def work(worker: int) -> None:
-        buffer = memoryview(bytearray(READ_BUFFER_BYTES))
+        buffer = aligned_buffer(READ_BUFFER_BYTES)
         try:
             for path in paths[worker::workers]:
                 if stop.is_set():
                     return
                 started = time.perf_counter()
-                totals[worker] += _read_whole(path, buffer, delay_s)
+                # with delay_s, a sleep where the daemon's slow source sleeps: per block
+                totals[worker] += read_whole_file(path, buffer, delay_s,
+                                                  delay_every_bytes=SOURCE_BLOCK_BYTES)
                 io_times[worker] += time.perf_counter() - started
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread
             failures.append(exc)

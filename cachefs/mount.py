@@ -28,12 +28,13 @@ import trio
 
 from cachefs import __version__, errors
 from cachefs.cache.ram import RamTier
-from cachefs.client import mounted_paths, mountinfo
+from cachefs.mountinfo import mounted_paths, mountinfo
 from cachefs.config import MountConfig
 from cachefs.ctrl import Control
 from cachefs.fuse_ops import Operations
 from cachefs.inodes import InodeTable
-from cachefs.order import Manifest, load_order, scan_source
+from cachefs.manifest import Manifest, scan_source
+from cachefs.order import load_order
 from cachefs.order_watch import OrderWatcher
 from cachefs import fanotify
 from cachefs.fanotify import CloseWatcher, open_close_events

@@ -41,7 +41,8 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from cachefs.errors import OrderError
-from cachefs.order import Manifest, Order, rank_order_path
+from cachefs.manifest import Manifest
+from cachefs.order import Order, rank_order_path
 
 log = logging.getLogger(__name__)
 

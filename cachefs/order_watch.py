@@ -55,7 +55,8 @@ from typing import Callable
 import trio
 
 from cachefs.errors import OrderError
-from cachefs.order import FileIdentity, Manifest, Order, rank_of_file_name, rank_order_path
+from cachefs.manifest import Manifest
+from cachefs.order import FileIdentity, Order, rank_of_file_name, rank_order_path
 from cachefs.order_merge import PLAIN_IN_FORCE, Publication, check_rank_file, merge, \
     share_manifest
 

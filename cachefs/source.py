@@ -47,7 +47,7 @@ from typing import NamedTuple
 
 from cachefs import threads as threads_mod
 from cachefs.beneath import open_beneath, proc_path
-from cachefs.client import mountinfo
+from cachefs.mountinfo import filesystem_type
 from cachefs.recent import RecentMap
 
 log = logging.getLogger(__name__)
@@ -272,15 +272,3 @@ def _pread_full(fd: int, size: int, offset: int) -> bytes:
         parts.append(more)
         got += len(more)
     return b"".join(parts)
-
-
-def filesystem_type(path: bytes) -> bytes:
-    """The type (mountinfo's field after " - ") of the mount holding `path`, e.g. b"ext4"."""
-    best, fstype = b"", b""
-    for mount in mountinfo():
-        point = mount.point
-        if (path == point or path.startswith(point.rstrip(b"/") + b"/")) and \
-                len(point) >= len(best):
-            best, fstype = point, mount.fstype
-    return fstype
-

@@ -1,7 +1,7 @@
 """PyTorch integration: a sampler that publishes the order it is about to yield.
 
 `CachefsSampler` replaces `RandomSampler` / `DistributedSampler` in a DataLoader. Each epoch it
-publishes to the mount (`cachefs.order.publish`) the whole order of that epoch as `current` and
+publishes to the mount (`cachefs.publish.publish`) the whole order of that epoch as `current` and
 the order of the following epoch as `next`, with `rank` and `world_size` when there are
 several replicas, and then yields exactly this rank's share of it. The daemon slices the
 published order itself (`pad(order)[rank::world_size]`, `cachefs.order.rank_slice`), so a mount
@@ -51,7 +51,8 @@ a node's ranks positions that no single (rank, world_size) pair describes. Givin
 mount of its own still works too (each has its own state directory, order files and RAM
 budget). With one replica the sampler publishes the plain order file, without a rank.
 
-torch stays optional: `import cachefs` and `cachefs.order` never import torch; this module does.
+torch stays optional: `import cachefs`, `cachefs.order` and `cachefs.publish` never import
+torch; this module does.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler, Subset
 
 from cachefs import order as order_mod
+from cachefs import publish as publishing
 
 log = logging.getLogger(__name__)
 
@@ -150,11 +152,11 @@ class CachefsSampler(Sampler[int]):
         # One replica publishes the plain order file; several each their own rank file, which
         # the daemon merges with those of the other ranks sharing the mount.
         distributed = self.num_replicas > 1
-        status = order_mod.publish(self.mount, self.epoch, self.epoch_order(self.epoch),
-                                   next=self.epoch_order(self.epoch + 1), files=self.files,
-                                   rank=self.rank if distributed else None,
-                                   world_size=self.num_replicas if distributed else None,
-                                   timeout_s=self.timeout_s)
+        status = publishing.publish(self.mount, self.epoch, self.epoch_order(self.epoch),
+                                    next=self.epoch_order(self.epoch + 1), files=self.files,
+                                    rank=self.rank if distributed else None,
+                                    world_size=self.num_replicas if distributed else None,
+                                    timeout_s=self.timeout_s)
         self._published_epoch = self.epoch
         log.info("published epoch %d to %s: rank %d of %d reads %d items; the mount's order "
                  "has %d, for ranks %s", self.epoch, self.mount, self.rank, self.num_replicas,

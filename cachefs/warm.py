@@ -37,7 +37,7 @@ import trio
 
 from cachefs.cache.tiered import block_count, block_length
 from cachefs.errors import CachefsError, OrderError
-from cachefs.order import check_relpaths
+from cachefs.manifest import check_relpaths
 from cachefs.source import Source
 
 log = logging.getLogger(__name__)

@@ -65,7 +65,8 @@ from benchlib import KIB, BenchError, DatasetSpec, Manifest, ReaderPool, ReadTas
 
 from cachefs.client import stats_delta  # noqa: E402
 from cachefs.errors import OrderError  # noqa: E402
-from cachefs.order import permutation, publish  # noqa: E402
+from cachefs.order import permutation  # noqa: E402
+from cachefs.publish import publish  # noqa: E402
 
 log = logging.getLogger("bench")
 
@@ -115,12 +116,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--source-backing", type=Path, action="append", default=[],
                         help="with --drop source: a directory whose files back the source "
                              "(a network mount's export), evicted too; repeatable")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny sizes: checks that the script works, in seconds")
-    args = parser.parse_args(argv)
+    args = benchlib.parse_args_with_smoke(
+        parser, argv, SMOKE, "tiny sizes: checks that the script works, in seconds")
     if args.smoke:
-        for key, value in SMOKE.items():
-            setattr(args, key, value)
         args.source_delay_ms = args.source_delay_ms or 1.0
     files, file_kb = DATASET_DEFAULTS[args.dataset]
     args.files = args.files or files

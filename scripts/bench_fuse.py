@@ -49,8 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 from benchlib import (GIB, KIB, MIB, BenchError, DatasetSpec, Manifest,  # noqa: E402
                       ReaderPool, ReadTask)
-from cachefs.client import mounted_paths, page_cache_bytes, stats_delta  # noqa: E402
-from cachefs.order import permutation, publish  # noqa: E402
+from cachefs.client import page_cache_bytes, stats_delta  # noqa: E402
+from cachefs.mountinfo import mounted_paths  # noqa: E402
+from cachefs.order import permutation  # noqa: E402
+from cachefs.publish import publish  # noqa: E402
 
 log = logging.getLogger("bench_fuse")
 
@@ -77,13 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="data set, mount point and state (the data set is reused)")
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--markdown", type=Path, help="write the table here")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny sizes, one pass: checks that the script works, in seconds")
-    args = parser.parse_args(argv)
-    if args.smoke:
-        for key, value in SMOKE.items():
-            setattr(args, key, value)
-    return args
+    return benchlib.parse_args_with_smoke(
+        parser, argv, SMOKE, "tiny sizes, one pass: checks that the script works, in seconds")
 
 
 # -- the bare passthrough ------------------------------------------------------------------------

@@ -29,7 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import benchlib  # noqa: E402
-from cachefs.order import permutation, publish, source_file_count  # noqa: E402
+from cachefs.order import permutation  # noqa: E402
+from cachefs.publish import publish, source_file_count  # noqa: E402
 
 FILES_PER_DIR = 1000
 SMOKE = {"files": 2000, "read_dirs": 1, "passes": 1}
@@ -43,12 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--passes", type=int, default=3, help="rounds; medians are reported")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/cachefs-bench-offorder"))
     parser.add_argument("--json", type=Path, help="write every figure here")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one pass")
-    args = parser.parse_args(argv)
-    if args.smoke:
-        for key, value in SMOKE.items():
-            setattr(args, key, value)
-    return args
+    return benchlib.parse_args_with_smoke(parser, argv, SMOKE, "tiny sizes, one pass")
 
 
 def make_files(root: Path, files: int) -> None:

@@ -31,7 +31,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from cachefs.order import Manifest, load_order, permutation, write_order_file
+from cachefs.manifest import Manifest
+from cachefs.order import load_order, permutation, write_order_file
 
 IMAGENET_TRAIN_ITEMS = 1_281_167
 IMAGENET_CLASSES = 1000

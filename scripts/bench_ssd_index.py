@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from cachefs.cache.ssd import RECORD_DTYPE, SsdTier, load_index, records_check, write_index
+from cachefs.cache.ssd import SsdTier
+from cachefs.cache.ssd_format import RECORD_DTYPE, load_index, records_check, write_index
 from cachefs.source import SourceIdentity
 
 BLOCK_BYTES = 4 << 20

@@ -4,20 +4,20 @@ What is measured and how (the machine facts behind these choices are in
 shared/notes/fuse-hot-path.md):
 
 - Data sets are generated once under a directory and reused when a marker file says they have
-  the same shape. File contents are slices of one random pool, so writing gigabytes costs no
-  random-number time. The manifest is `cachefs.order.scan_source` of the directory (every
-  regular file, sorted by path bytes), so an index means the same file to a reader and to the
-  daemon.
+  the same shape. Their files are written, and read, by `cachefs.workload`, which `cachefs
+  demo` uses too (file contents are slices of one random pool). The manifest is
+  `cachefs.manifest.scan_source` of the directory (every regular file, sorted by path bytes),
+  so an index means the same file to a reader and to the daemon.
 - Readers are persistent worker processes (fork), created before anything is timed. A pass
   sends each worker its share of an order (worker i of n takes positions i, i+n, ..., as a
   DataLoader's workers do) and is timed from sending the task to the last worker's answer.
   One worker can instead run a thread pool (the "32-thread reader", the storage's ceiling).
 - Readers time their open() and their reads of each file (`Waits`): for one reader, per-file
   time is those two plus its own bookkeeping, so they show which requests a mount makes slow.
-- Every read goes into a page-aligned buffer (an anonymous mmap): reads into a buffer a few
-  bytes past a page boundary copy at a fraction of the speed on these CPUs.
+- Every read goes into a page-aligned buffer (`cachefs.workload.aligned_buffer`).
 - A delayed direct reader (`delay_s`) sleeps before every open and before every read request
-  that still has data to return, as cachefs's `--source-delay-ms` does for its source.
+  that still has data to return, as cachefs's `--source-delay-ms` does for its source
+  (`cachefs.workload.read_whole_file`).
 - `cachefs_mount` mounts with the real CLI (daemonized, `cachefs.client.MountProcess`, the
   demo's too) and always unmounts, lazily if it must, even when the benchmark fails or is
   interrupted.
@@ -27,12 +27,12 @@ Nothing here prints; the scripts do.
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import contextlib
 import json
 import logging
 import math
-import mmap
 import multiprocessing
 import os
 import shutil
@@ -51,14 +51,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from cachefs.client import MountError, MountProcess  # noqa: E402
 from cachefs.errors import OrderError  # noqa: E402
-from cachefs.order import rank_of_file_name, scan_source, source_file_count  # noqa: E402
+from cachefs.manifest import scan_source  # noqa: E402
+from cachefs.order import rank_of_file_name  # noqa: E402
+from cachefs.publish import source_file_count  # noqa: E402
+from cachefs.workload import Waits, aligned_buffer, read_whole_file, write_dataset  # noqa: E402
 
 log = logging.getLogger(__name__)
 
 KIB = 1024
 MIB = 1024 * KIB
 GIB = 1024 * MIB
-POOL_BYTES = 64 * MIB  # random bytes that file contents are sliced from
 DEFAULT_READ_BYTES = 1 * MIB  # one read request of a reader
 MARKER_SUFFIX = ".bench-dataset.json"  # beside the data root, so not in its manifest
 
@@ -96,23 +98,6 @@ class DatasetSpec:
         return f"{self.kind}/class{index // 1000:04d}/sample_{index:07d}.bin"
 
 
-def _random_pool(seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, POOL_BYTES, dtype=np.uint8)
-
-
-def _write_file(path: Path, size_bytes: int, pool: np.ndarray, offset: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        written = 0
-        while written < size_bytes:
-            start = (offset + written) % POOL_BYTES
-            chunk = pool[start:start + min(size_bytes - written, POOL_BYTES - start)]
-            written += os.write(fd, memoryview(chunk))
-    finally:
-        os.close(fd)
-
-
 def generate_dataset(root: Path, spec: DatasetSpec) -> bool:
     """Create spec's files under root unless they are already there; True if it wrote any.
 
@@ -130,11 +115,8 @@ def generate_dataset(root: Path, spec: DatasetSpec) -> bool:
         pass
     top = root / spec.relpath(0).split("/")[0]
     shutil.rmtree(top, ignore_errors=True)
-    pool = _random_pool(spec.seed)
-    rng = np.random.default_rng(spec.seed + 1)
-    for index, size in enumerate(spec.sizes().tolist()):
-        offset = int(rng.integers(0, POOL_BYTES)) & ~4095
-        _write_file(root / spec.relpath(index), size, pool, offset)
+    write_dataset(root, [spec.relpath(index) for index in range(spec.files)], spec.sizes(),
+                  spec.seed)
     os.sync()
     marker.write_text(json.dumps(wanted))
     log.info("generated %d %s files under %s", spec.files, spec.kind, root)
@@ -232,20 +214,6 @@ class ReadTask:
 
 
 @dataclass
-class Waits:
-    """Time a reader spent in open() and in its reads, summed over files: where one reader's
-    time per file goes (through a FUSE mount, open is a LOOKUP and an OPEN request, the
-    reads one READ per request size; close is not waited for, its RELEASE is sent after)."""
-
-    open_s: float = 0.0
-    read_s: float = 0.0
-
-    def add(self, other: "Waits") -> None:
-        self.open_s += other.open_s
-        self.read_s += other.read_s
-
-
-@dataclass
 class PassResult:
     wall_s: float
     files: int
@@ -268,41 +236,9 @@ class PassResult:
                 "read_ms_per_file": round(self.waits.read_s * per_file_ms, 3)}
 
 
-def _aligned_buffer(size_bytes: int) -> memoryview:
-    return memoryview(mmap.mmap(-1, max(size_bytes, mmap.PAGESIZE)))  # page-aligned
-
-
-def read_whole_file(path: bytes, buffer: memoryview, delay_s: float = 0.0,
-                    waits: Waits | None = None) -> int:
-    """Read a file to its end in buffer-sized requests; returns the bytes read. With `waits`,
-    adds the time spent opening and reading to it."""
-    if delay_s:
-        time.sleep(delay_s)
-    opening_s = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    reading_s = time.perf_counter()
-    try:
-        size = os.fstat(fd).st_size if delay_s else -1
-        total = 0
-        while True:
-            if delay_s and total < size:
-                time.sleep(delay_s)  # a request that returns data; the EOF probe is free
-            count = os.readv(fd, [buffer])
-            if count == 0:
-                break
-            total += count
-    finally:
-        if waits is not None:
-            done_s = time.perf_counter()
-            waits.open_s += reading_s - opening_s
-            waits.read_s += done_s - reading_s
-        os.close(fd)
-    return total
-
-
 def _read_share(task: ReadTask, relpaths: list[bytes], share: np.ndarray
                 ) -> tuple[int, int, Waits]:
-    buffer = _aligned_buffer(task.read_bytes)
+    buffer = aligned_buffer(task.read_bytes)
     root = task.root + b"/"
     total = 0
     waits = Waits()
@@ -318,7 +254,7 @@ def _read_threaded(task: ReadTask, relpaths: list[bytes]) -> tuple[int, int, Wai
 
     def one(index: int) -> int:
         if not hasattr(local, "buffer"):
-            local.buffer = _aligned_buffer(task.read_bytes)
+            local.buffer = aligned_buffer(task.read_bytes)
             local.waits = Waits()
             per_thread.append(local.waits)
         return read_whole_file(root + relpaths[index], local.buffer, task.delay_s, local.waits)
@@ -397,6 +333,18 @@ class ReaderPool:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def parse_args_with_smoke(parser: argparse.ArgumentParser, argv, smoke: dict,
+                          smoke_help: str) -> argparse.Namespace:
+    """parser.parse_args(argv), with a last option --smoke that sets `smoke`'s settings (tiny
+    sizes: a check that the script works, not a measurement)."""
+    parser.add_argument("--smoke", action="store_true", help=smoke_help)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        for key, value in smoke.items():
+            setattr(args, key, value)
+    return args
 
 
 def walk_entries(root: Path) -> int:

@@ -111,7 +111,7 @@ async def _terminate_on(signals) -> None:
 
 async def _raise_read_ahead(mountpoint: str) -> None:
     """The mount's kernel read-ahead as cachefs sets its own (once INIT is answered)."""
-    from cachefs.client import mountinfo
+    from cachefs.mountinfo import mountinfo
 
     await trio.to_thread.run_sync(os.stat, mountpoint)
     target = os.fsencode(os.path.abspath(mountpoint))

@@ -64,9 +64,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from cachefs import ctrl  # noqa: E402
 from cachefs.client import (MountError, MountProcess, cachefs_command,  # noqa: E402
-                            mounted_paths, process_exited, stats_totals)
+                            process_exited, stats_totals)
 from cachefs.errors import CachefsError, OrderError  # noqa: E402
-from cachefs.order import permutation, publish, source_file_count  # noqa: E402
+from cachefs.mountinfo import mounted_paths  # noqa: E402
+from cachefs.order import permutation  # noqa: E402
+from cachefs.publish import publish, source_file_count  # noqa: E402
 from cachefs.revalidate import MIN_INTERVAL_S  # noqa: E402
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from cachefs.client import mounted_paths  # noqa: F401 - also used by the tests through conftest
+from cachefs.mountinfo import mounted_paths  # noqa: F401 - also used by the tests through conftest
 
 pytest_plugins = ["pytester"]  # test_fixtures.py runs the fixtures in an inner session
 
@@ -153,14 +153,20 @@ def pytest_runtest_makereport(item, call):
 @pytest.fixture
 def mounter(tmp_path, request):
     """mounter(source, *args) -> Mount; every mount is taken down after the test."""
+    yield from mounts_in(tmp_path, request)
+
+
+def mounts_in(directory: Path, request):
+    """A mounter fixture's body: mount points, state directories and logs go in `directory`;
+    after the test every mount is taken down, and its log printed if the test failed."""
     mounts: list[Mount] = []
 
     def start(source: Path, *args, prefix=()) -> Mount:
         index = len(mounts)
-        mountpoint = tmp_path / f"mnt{index}"
+        mountpoint = directory / f"mnt{index}"
         mountpoint.mkdir(exist_ok=True)
-        mount = Mount(Path(source), mountpoint, tmp_path / f"state{index}",
-                      tmp_path / f"daemon{index}.log", args, prefix)
+        mount = Mount(Path(source), mountpoint, directory / f"state{index}",
+                      directory / f"daemon{index}.log", args, prefix)
         mounts.append(mount)
         return mount
 
@@ -172,6 +178,15 @@ def mounter(tmp_path, request):
             print(f"--- daemon log of {mount.mountpoint} ---\n{mount.log()}")
 
 
+def release_fifo_readers(fifo: Path) -> None:
+    """Open `fifo` for writing once: a reader waiting in open() for a writer goes on. For tests
+    of code that must never wait there, so that they fail instead of hanging."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass  # ENXIO: no reader is waiting
+
+
 def write_file(path: Path, size_bytes: int, seed: int = 0) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     import numpy as np
@@ -179,6 +194,17 @@ def write_file(path: Path, size_bytes: int, seed: int = 0) -> Path:
     data = np.random.default_rng(seed).integers(0, 256, size_bytes, dtype=np.uint8).tobytes()
     path.write_bytes(data)
     return path
+
+
+def flat_dataset_fixture(count: int, size_bytes: int, vary: bool = True):
+    """A test module's `dataset` fixture: (source, relpaths) of `make_flat_dataset` under
+    tmp_path/src, with these arguments."""
+    @pytest.fixture(name="dataset")
+    def dataset(tmp_path) -> tuple[Path, list[str]]:
+        src = tmp_path / "src"
+        return src, make_flat_dataset(src, count, size_bytes, vary)
+
+    return dataset
 
 
 def make_flat_dataset(root: Path, count: int, size_bytes: int, vary: bool = True) -> list[str]:
@@ -200,11 +226,12 @@ def read_epoch(mount: Mount, relpaths: list[str], epoch: int, seed: int = 0,
     """Publish epoch `epoch` (next = epoch + 1) and read every file in that order, checking
     each against the source; returns the mount's record of that epoch."""
     from cachefs import order
+    from cachefs.publish import publish
 
     n = len(relpaths)
     current = order.permutation(n, seed, epoch)
     if publish:
-        order.publish(mount.mountpoint, epoch, current, next=order.permutation(n, seed, epoch + 1))
+        publish(mount.mountpoint, epoch, current, next=order.permutation(n, seed, epoch + 1))
     for index in current:
         relpath = relpaths[index]
         assert (mount.mountpoint / relpath).read_bytes() == (mount.source / relpath).read_bytes(), \

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cachefs import workload
 from cachefs.client import page_cache_bytes
 from conftest import mounted_paths
 
@@ -143,14 +144,20 @@ def test_dataset_is_generated_once_and_listed_in_manifest_order(tmp_path):
     assert len(benchlib.Manifest.scan(tmp_path / "d")) == 5
 
 
-def test_delayed_reader_sleeps_before_open_and_each_data_read(tmp_path, monkeypatch):
+@pytest.mark.parametrize("size, every, expected_sleeps", [
+    (10_000, 0, 1 + 3),  # the benchmarks': the open, then reads of 4096, 4096 and 1808 bytes
+    (20_000, 6000, 1 + 4),  # the demo's, per block: the open, then runs at 0, 6000, ... 18000
+])
+def test_delayed_reader_sleeps_before_open_and_each_data_read(tmp_path, monkeypatch, size,
+                                                              every, expected_sleeps):
     path = tmp_path / "f"
-    path.write_bytes(b"x" * 10_000)
+    path.write_bytes(b"x" * size)
     sleeps = []
-    monkeypatch.setattr(benchlib.time, "sleep", sleeps.append)
+    monkeypatch.setattr(workload.time, "sleep", sleeps.append)
     buffer = memoryview(mmap.mmap(-1, 4096))
-    assert benchlib.read_whole_file(bytes(path), buffer, delay_s=0.002) == 10_000
-    assert sleeps == [0.002] * (1 + 3)  # the open, then reads of 4096, 4096 and 1808 bytes
+    assert benchlib.read_whole_file(bytes(path), buffer, delay_s=0.002,
+                                    delay_every_bytes=every) == size
+    assert sleeps == [0.002] * expected_sleeps
 
 
 def test_reader_pool_splits_an_order_between_workers(tmp_path):

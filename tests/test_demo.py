@@ -165,6 +165,19 @@ def test_demo_rejects_bad_settings_before_doing_anything(tmp_path):
     assert list(tmpdir.iterdir()) == []
 
 
+def test_the_generated_data_set_keeps_its_shape(tmp_path):
+    """The data set of a seed is the same from one version to the next (sizes and names, so
+    the figures of two versions compare); these are the first version's."""
+    from cachefs.demo import generate_dataset
+
+    assert generate_dataset(tmp_path / "data", 300, 4.0, 0) == 1_278_142
+    files = sorted(p.relative_to(tmp_path / "data").as_posix()
+                   for p in (tmp_path / "data").rglob("*") if p.is_file())
+    assert len(files) == 300 and files[:2] == ["class_00/sample_000000.bin",
+                                                "class_00/sample_000010.bin"]
+    assert generate_dataset(tmp_path / "other", 7, 1.5, 5) == 10_378
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("interrupt_after", [
     "direct  epoch 0",   # reading the slow source; nothing mounted yet

@@ -21,16 +21,13 @@ import pytest
 from cachefs.cache.ram import page_bytes
 from cachefs.client import page_cache_bytes
 from cachefs.sim import SimConfig, simulate
-from conftest import make_flat_dataset, read_epoch, write_file
+from conftest import flat_dataset_fixture, make_flat_dataset, read_epoch, write_file
 
 N_FILES = 120
 FILE_BYTES = 50_000
 
 
-@pytest.fixture
-def dataset(tmp_path) -> tuple[Path, list[str]]:
-    src = tmp_path / "src"
-    return src, make_flat_dataset(src, N_FILES, FILE_BYTES, vary=False)
+dataset = flat_dataset_fixture(N_FILES, FILE_BYTES, vary=False)
 
 
 def read_all(mount, relpaths: list[str]) -> None:

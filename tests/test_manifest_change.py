@@ -16,7 +16,8 @@ import numpy as np
 import trio
 
 from cachefs.cache.tiered import block_count
-from cachefs.order import Manifest, Order
+from cachefs.manifest import Manifest
+from cachefs.order import Order
 from cachefs.sim import SimConfig, payload, run_script
 
 from conftest import make_flat_dataset
@@ -139,7 +140,7 @@ def test_orders_over_other_manifests_published_while_reading_through_a_mount(tmp
     relpaths = make_flat_dataset(src, 40, 20_000)
     train, validation = relpaths[:30], relpaths[30:]
     mount = mounter(src, "--source-delay-ms", 30, "--source-threads", 8, "--lookahead", 30)
-    from cachefs import order
+    from cachefs.publish import publish
 
     failures: list[str] = []
     stop = threading.Event()
@@ -154,9 +155,9 @@ def test_orders_over_other_manifests_published_while_reading_through_a_mount(tmp
     thread.start()
     try:
         for epoch in range(1, 4):
-            order.publish(mount.mountpoint, epoch, np.arange(len(train)), files=train)
-            order.publish(mount.mountpoint, epoch, np.arange(len(validation))[::-1],
-                          files=validation[::-1] + [train[0]])
+            publish(mount.mountpoint, epoch, np.arange(len(train)), files=train)
+            publish(mount.mountpoint, epoch, np.arange(len(validation))[::-1],
+                    files=validation[::-1] + [train[0]])
     finally:
         stop.set()
         thread.join()

@@ -213,7 +213,7 @@ def test_a_source_that_cannot_be_scanned_at_start_keeps_the_mount(tmp_path, moun
     """Issue 15, item 4: the start-up scan of the source ended the mount when the source's
     root could not be listed. The root's listing gets EIO and the daemon says why; once the
     source answers again, the mount serves it and an order can be published."""
-    from cachefs import order
+    from cachefs.publish import publish
     from cachefs.errors import OrderError
 
     src = tmp_path / "src"
@@ -229,11 +229,11 @@ def test_a_source_that_cannot_be_scanned_at_start_keeps_the_mount(tmp_path, moun
         os.listdir(mount.mountpoint)
     assert info.value.errno == errno.EIO
     with pytest.raises(OrderError, match="the source cannot be listed: Input/output error"):
-        order.publish(mount.mountpoint, 1, [0])
+        publish(mount.mountpoint, 1, [0])
     assert (mount.mountpoint / "d" / "f").read_bytes() == (src / "d" / "f").read_bytes()
     broken.unlink()
     assert os.listdir(mount.mountpoint) == ["d"]
-    assert order.publish(mount.mountpoint, 2, [0])["epoch"] == 2  # scanned again, now whole
+    assert publish(mount.mountpoint, 2, [0])["epoch"] == 2  # scanned again, now whole
     assert mount.process.poll() is None
 
 
@@ -288,7 +288,7 @@ def test_umount_does_not_wait_for_a_killed_daemon_nobody_reaped(tree, mounter):
 def test_the_mount_reads_ahead_one_mebibyte(tree, mounter):
     """man/cachefs-mount.1: run as root, the daemon sets the mount's kernel read-ahead to
     1 MiB, after the kernel has applied its own at FUSE_INIT."""
-    from cachefs.client import mountinfo
+    from cachefs.mountinfo import mountinfo
 
     mount = mounter(tree)
     assert (mount.mountpoint / "one").read_bytes() == b"x"

@@ -21,24 +21,21 @@ import numpy as np
 import pytest
 import trio
 
-from cachefs import order as order_mod
+from cachefs import manifest as manifest_mod
 from cachefs.errors import OrderError
+from cachefs.manifest import Manifest, scan_source
 from cachefs.order import (
     ORDER_VERSION,
     FileIdentity,
-    Manifest,
     load_order,
     permutation,
-    publish,
     rank_slice,
-    read_files_list,
-    read_index_file,
-    scan_source,
-    source_file_count,
     validate_arrays,
     write_order_file,
 )
 from cachefs.order_watch import OrderWatcher
+from cachefs.publish import publish, read_files_list, read_index_file, source_file_count
+from conftest import release_fifo_readers
 
 FILES = [f"train/c{i % 3}/img_{i:03d}.jpg" for i in range(12)]
 
@@ -102,9 +99,9 @@ def test_lookup_between_manifests_of_different_widths():
 
 def test_hash_collisions_cost_time_but_never_a_wrong_answer(monkeypatch, tmp_path):
     """With every path hashing alike, lookups, index_of and duplicate checks stay right."""
-    monkeypatch.setattr(order_mod, "_path_hashes",
+    monkeypatch.setattr(manifest_mod, "_path_hashes",
                         lambda paths: np.full(len(paths), 7, dtype=np.uint64))
-    monkeypatch.setattr(order_mod, "_path_hash_one", lambda path: 7)
+    monkeypatch.setattr(manifest_mod, "_path_hash_one", lambda path: 7)
     source = Manifest.from_paths(FILES)
     assert [source.index_of(p) for p in FILES] == list(range(12))
     assert source.index_of("train/c0/none.jpg") == -1
@@ -439,7 +436,7 @@ def test_paths_that_no_file_name_can_hold_are_an_order_error(tmp_path, source_ma
 def test_undecodable_bytes_as_surrogates_are_paths():
     """os.fsdecode of a name that is not UTF-8 gives U+DC80..U+DCFF: they are its bytes."""
     validate_arrays(0, [0], files=np.array(["train/\u00e9\udc80.jpg"]))
-    assert order_mod._paths_to_bytes_array(["train/\udcff.jpg"]).tolist() == [b"train/\xff.jpg"]
+    assert manifest_mod._paths_to_bytes_array(["train/\udcff.jpg"]).tolist() == [b"train/\xff.jpg"]
 
 
 @pytest.mark.parametrize("kind", ["fifo", "device"])
@@ -461,7 +458,7 @@ def test_order_file_that_is_not_a_regular_file_is_rejected_at_once(tmp_path, sou
         assert "not a regular file" in messages[0]
     finally:
         if loader.is_alive():  # unblock the reader's open, as a writer would
-            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            release_fifo_readers(path)
 
 
 def test_reject_rank_at_or_above_world_size(tmp_path, source_manifest):
@@ -574,7 +571,7 @@ def fake_mount(tmp_path, monkeypatch, source_manifest):
     mount.mkdir()
     daemon = FakeDaemon(mount, tmp_path / "state" / "order.npz", source_manifest)
     daemon.order_path.parent.mkdir()
-    monkeypatch.setattr(order_mod.os, "getxattr", daemon.getxattr)
+    monkeypatch.setattr(os, "getxattr", daemon.getxattr)
     return daemon
 
 
@@ -629,7 +626,7 @@ class WatcherThread:
                                     lambda p: load_order(p, source_manifest),
                                     self.switched.append)
         self._files = len(source_manifest)
-        monkeypatch.setattr(order_mod.os, "getxattr", self._getxattr)
+        monkeypatch.setattr(os, "getxattr", self._getxattr)
         self._ready, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=trio.run, args=(self._serve,))
 

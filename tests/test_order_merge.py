@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from cachefs.errors import OrderError
-from cachefs.order import FileIdentity, Manifest, Order, permutation, rank_of_file_name, \
+from cachefs.manifest import Manifest
+from cachefs.order import FileIdentity, Order, permutation, rank_of_file_name, \
     rank_order_path, rank_slice
 from cachefs.order_merge import PLAIN_IN_FORCE, Publication, check_rank_file, merge, \
     share_manifest

@@ -12,7 +12,8 @@ import trio
 
 from cachefs import order_watch
 from cachefs.errors import OrderError
-from cachefs.order import FileIdentity, Manifest, load_order, permutation, rank_order_path, \
+from cachefs.manifest import Manifest
+from cachefs.order import FileIdentity, load_order, permutation, rank_order_path, \
     write_order_file
 from cachefs.order_watch import OrderWatcher
 
@@ -265,7 +266,7 @@ def test_rejection_from_a_loader_uses_the_identity_of_the_file_it_read(tmp_path)
 
 def publish_rank(h: Harness, rank: int, epoch: int, world_size: int = 2, seed: int = 0,
                  with_next: bool = True) -> FileIdentity:
-    """What cachefs.order.publish writes for a rank: the whole order, to the rank's own file."""
+    """What cachefs.publish.publish writes for a rank: the whole order, to the rank's own file."""
     return write_order_file(rank_order_path(h.path, rank), epoch=epoch,
                             current=permutation(8, seed, epoch),
                             next=permutation(8, seed, epoch + 1) if with_next else None,

@@ -14,13 +14,13 @@ import os
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import Mount, cachefs_cmd, make_flat_dataset, write_file
+from conftest import cachefs_cmd, flat_dataset_fixture, mounts_in, release_fifo_readers, \
+    write_file
 
 NOBODY = 65534
 SETPRIV = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
@@ -50,28 +50,10 @@ def open_dir():
 def shared_mounter(open_dir, request):
     """mounter(source, *args) -> Mount, like conftest's, with its mount point, state directory
     and log in `open_dir`, where the other user can reach them."""
-    mounts: list[Mount] = []
-
-    def start(source: Path, *args) -> Mount:
-        index = len(mounts)
-        (open_dir / f"mnt{index}").mkdir()
-        mount = Mount(Path(source), open_dir / f"mnt{index}", open_dir / f"state{index}",
-                      open_dir / f"daemon{index}.log", args)
-        mounts.append(mount)
-        return mount
-
-    yield start
-    failed = getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed
-    for mount in mounts:
-        mount.stop()
-        if failed:
-            print(f"--- daemon log of {mount.mountpoint} ---\n{mount.log()}")
+    yield from mounts_in(open_dir, request)
 
 
-@pytest.fixture
-def dataset(tmp_path) -> tuple[Path, list[str]]:
-    src = tmp_path / "src"
-    return src, make_flat_dataset(src, 20, 5000)
+dataset = flat_dataset_fixture(20, 5000)
 
 
 def warm(*args, timeout_s: float = 20) -> subprocess.CompletedProcess:
@@ -112,22 +94,11 @@ def test_a_files_list_must_be_a_small_regular_file_and_is_never_quoted(dataset, 
     # also hold the unmount). Without the fix, be that writer once the test has failed.
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    stop = threading.Event()
-
-    def let_go():
-        while not stop.wait(1.0):
-            try:
-                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-            except OSError:
-                pass
-
     try:
         done = warm(mount.mountpoint, "--files", fifo)
     except subprocess.TimeoutExpired:
-        threading.Thread(target=let_go, daemon=True).start()
+        release_fifo_readers(fifo)
         pytest.fail("warm --files FIFO waited for a writer")
-    finally:
-        stop.set()
     assert done.returncode == 1 and "is not a regular file" in done.stdout, done
     # a refused line is named by its number: the warm's status is shown to every user
     secret = "SECRET-FIRST-LINE"

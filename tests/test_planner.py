@@ -15,7 +15,8 @@ import pytest
 
 from cachefs.cache.ram import BLOCK_OVERHEAD_BYTES, RamBlock, RamTier
 from cachefs.inodes import InodeTable
-from cachefs.order import Manifest, Order
+from cachefs.manifest import Manifest
+from cachefs.order import Order
 from cachefs.planner import NEVER, Planner
 from cachefs.source import SourceIdentity
 

@@ -5,22 +5,19 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from cachefs import order
 from cachefs.errors import OrderError
-from conftest import cachefs_cmd, make_flat_dataset, run_cachefs
+from cachefs.publish import publish
+from conftest import cachefs_cmd, flat_dataset_fixture, run_cachefs
 
 N_FILES = 60
 
 
-@pytest.fixture
-def dataset(tmp_path) -> tuple[Path, list[str]]:
-    src = tmp_path / "src"
-    return src, make_flat_dataset(src, N_FILES, 2000)
+dataset = flat_dataset_fixture(N_FILES, 2000)
 
 
 def wait_for(predicate, timeout_s=10.0):
@@ -75,7 +72,7 @@ def test_publish_from_files_and_rank_slice(dataset, mounter, tmp_path):
 def test_bad_order_file_is_rejected_and_previous_stays(dataset, mounter):
     src, relpaths = dataset
     mount = mounter(src)
-    order.publish(mount.mountpoint, 1, order.permutation(N_FILES, 0, 1))
+    publish(mount.mountpoint, 1, order.permutation(N_FILES, 0, 1))
     # a trainer writing garbage directly (no validation on its side)
     tmp = mount.order_file.with_name(".garbage.tmp")
     tmp.write_bytes(b"this is not an npz archive")
@@ -98,7 +95,7 @@ def test_bad_order_file_is_rejected_and_previous_stays(dataset, mounter):
 def test_cli_rejects_bad_orders_with_reason(dataset, mounter, tmp_path, args, message):
     src, relpaths = dataset
     mount = mounter(src)
-    order.publish(mount.mountpoint, 5, order.permutation(N_FILES, 0, 5))
+    publish(mount.mountpoint, 5, order.permutation(N_FILES, 0, 5))
     paths = {
         "bad_index": [N_FILES + 3, *range(N_FILES - 1)],
         "dup_index": [0, 0, *range(2, N_FILES)],
@@ -123,7 +120,7 @@ def test_python_publish_raises_the_daemon_reason(dataset, mounter):
     mount = mounter(src)
     files = relpaths[:-1] + ["class0/absent.bin"]
     with pytest.raises(OrderError, match="absent.bin"):
-        order.publish(mount.mountpoint, 0, np.arange(N_FILES), files=files)
+        publish(mount.mountpoint, 0, np.arange(N_FILES), files=files)
     assert mount.stats()["last_rejection"] is not None
     assert mount.stats()["order"] is None
 

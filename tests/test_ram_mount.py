@@ -7,19 +7,16 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from cachefs import order
-from conftest import epoch_record, make_flat_dataset, read_epoch, write_file
+from cachefs.publish import publish
+from conftest import epoch_record, flat_dataset_fixture, make_flat_dataset, read_epoch, write_file
 
 N_FILES = 240
 FILE_BYTES = 30_000
 
 
-@pytest.fixture
-def dataset(tmp_path) -> tuple[Path, list[str]]:
-    src = tmp_path / "src"
-    return src, make_flat_dataset(src, N_FILES, FILE_BYTES, vary=False)
+dataset = flat_dataset_fixture(N_FILES, FILE_BYTES, vary=False)
 
 
 def read_in_order_with_workers(mount, relpaths, current, workers: int) -> None:
@@ -47,8 +44,8 @@ def test_epochs_with_concurrent_readers(dataset, mounter):
     mount = mounter(src, "--ram-cache", ram_bytes, "--source-delay-ms", 1)
     for epoch in range(3):
         current = order.permutation(N_FILES, 0, epoch)
-        order.publish(mount.mountpoint, epoch, current,
-                      next=order.permutation(N_FILES, 0, epoch + 1))
+        publish(mount.mountpoint, epoch, current,
+                next=order.permutation(N_FILES, 0, epoch + 1))
         read_in_order_with_workers(mount, relpaths, current, workers=4)
         record = epoch_record(mount, epoch, reads=N_FILES)
         assert record["reads"] == N_FILES
@@ -80,7 +77,7 @@ def test_files_outside_the_order_do_not_move_the_cursor(dataset, mounter):
     src, relpaths = dataset
     mount = mounter(src)
     subset = relpaths[: N_FILES // 2]
-    order.publish(mount.mountpoint, 0, np.arange(len(subset)), files=subset)
+    publish(mount.mountpoint, 0, np.arange(len(subset)), files=subset)
     outside = relpaths[-1]
     assert (mount.mountpoint / outside).read_bytes() == (src / outside).read_bytes()
     for relpath in subset[:3]:
@@ -130,7 +127,7 @@ def test_files_read_ahead_are_looked_up_and_read_without_asking_the_source_again
     mount = mounter(src, "--ram-cache", 2 * N_FILES * FILE_BYTES, "--lookahead", N_FILES,
                     "--metadata-ttl", 600)
     current = order.permutation(N_FILES, 0, 0)
-    order.publish(mount.mountpoint, 0, current)
+    publish(mount.mountpoint, 0, current)
     deadline = time.monotonic() + 60
     while mount.stats()["source"]["requests"]["block_read"] < N_FILES:
         assert time.monotonic() < deadline, mount.stats()["source"]

@@ -13,7 +13,7 @@ import trio
 
 from cachefs import source as source_mod
 from cachefs import threads
-from conftest import write_file
+from conftest import release_fifo_readers, write_file
 
 
 @pytest.fixture
@@ -196,10 +196,7 @@ def test_a_fifo_in_the_source_is_refused_not_waited_on(tmp_path, resolution):
     def let_go():
         """Without the fix a reader waits in open() for a writer: be one, so the test ends."""
         while not done.wait(2.0):
-            try:
-                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-            except OSError:
-                pass  # no reader waiting
+            release_fifo_readers(fifo)
 
     async def main():
         started = time.monotonic()

@@ -22,7 +22,8 @@ import pytest
 
 from cachefs.cache import ssd as ssd_module
 from cachefs.cache.append_log import AppendLog
-from cachefs.cache.ssd import ENTRY_HEADER_BYTES, SsdTier
+from cachefs.cache.ssd import SsdTier
+from cachefs.cache.ssd_format import ENTRY_HEADER_BYTES
 from cachefs.errors import EXIT_CACHE_DIR, StartupError
 from cachefs.source import SourceIdentity
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cachefs.cache.ram import page_bytes
-from conftest import (epoch_record, make_flat_dataset, read_epoch, run_cachefs, sha256,
+from conftest import (epoch_record, flat_dataset_fixture, read_epoch, run_cachefs, sha256,
                       write_file)
 
 N_FILES = 200
@@ -24,10 +24,7 @@ RAM_BYTES = 64 * 1024  # a few files: the window only, so the SSD tier's share i
 BOUND_FILES = SSD_BYTES // FILE_BYTES + RAM_BYTES // page_bytes(FILE_BYTES)
 
 
-@pytest.fixture
-def dataset(tmp_path) -> tuple[Path, list[str]]:
-    src = tmp_path / "src"
-    return src, make_flat_dataset(src, N_FILES, FILE_BYTES, vary=False)
+dataset = flat_dataset_fixture(N_FILES, FILE_BYTES, vary=False)
 
 
 def ssd_args(ssd_dir: Path, *extra) -> list:
@@ -141,9 +138,10 @@ def test_warm_fills_the_tier_in_order_and_resumes(dataset, mounter, tmp_path):
     src, relpaths = dataset
     mount = mounter(src, *ssd_args(tmp_path / "ssd"))
     from cachefs import order
+    from cachefs.publish import publish
 
     current = order.permutation(N_FILES, 3, 0)
-    order.publish(mount.mountpoint, 0, current, next=order.permutation(N_FILES, 3, 1))
+    publish(mount.mountpoint, 0, current, next=order.permutation(N_FILES, 3, 1))
     done = run_cachefs("warm", mount.mountpoint, "--order")
     assert done.returncode == 0, done.stderr
     assert "the SSD tier is full" in done.stdout

@@ -28,6 +28,7 @@ import torch.multiprocessing as torch_mp  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset  # noqa: E402
 
 from cachefs import order as order_mod  # noqa: E402
+from cachefs import publish as publishing  # noqa: E402
 from cachefs.torch import CachefsSampler  # noqa: E402
 
 CLASSES = ("cat", "dog", "fox", "owl")
@@ -108,7 +109,8 @@ def epoch_record(stats: dict, epoch: int) -> dict:
 # -- without a mount -------------------------------------------------------------------------
 
 def test_import_cachefs_does_not_import_torch():
-    code = "import cachefs, cachefs.order, sys; assert 'torch' not in sys.modules"
+    code = ("import cachefs, cachefs.order, cachefs.publish, sys; "
+            "assert 'torch' not in sys.modules")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 
@@ -159,7 +161,7 @@ def test_rank_and_world_size_come_from_torch_distributed(tmp_path):
 def test_publishes_each_epoch_once_with_the_dataset_manifest(image_folder, monkeypatch):
     src, _ = image_folder
     calls = []
-    monkeypatch.setattr(order_mod, "publish", lambda mount, epoch, current, **kw: calls.append(
+    monkeypatch.setattr(publishing, "publish", lambda mount, epoch, current, **kw: calls.append(
         dict(mount=mount, epoch=epoch, current=current, **kw)) or
         {"length": len(current), "total_length": len(current)})
     dataset = ImageFiles(src)  # the source directory stands in for a mount here

@@ -7,34 +7,14 @@ square of that). Dropping an entry whose source changed, or whose bytes fail the
 frees its budget. The budget counts payload bytes; the 96-byte entry headers and the index
 (72 bytes per entry) are overhead on top (0.15% for 110 KB blocks).
 
-Layout of DIR::
-
-    lock                 flock'ed for the lifetime of an SsdTier: one mount per directory
-    meta                 JSON {"format", "block_bytes", "clean"}
-    index                append-only log of fixed 72-byte records (see below)
-    entries/00 .. ff/    256 fan-out directories, so no directory holds a million files
-    entries/ab/<name>    one block: a 96-byte header, then the payload
-    entries/ab/<name>.<random>.tmp   an entry being written; renamed to <name> when complete
+The bytes on disk (the directory's layout, entry headers, the index log and its checks) are
+`cachefs.cache.ssd_format`; this module decides what is kept, recovers after a crash, and
+keeps the in-memory index that the threads share.
 
 Private: the cached bytes may come from files only root may read, so DIR is created 0700,
 and every directory under it is 0700 and every file 0600. That is set again at each start:
 an older version made them 0755 and 0644. A DIR that existed already keeps its mode (it may
 be a directory with other uses); what cachefs keeps in it is private all the same.
-
-An entry's name is the 128-bit xxh3 of (xxh3_128(relpath), block_index), in hex. Its header
-holds magic, format version, block_bytes, the 128-bit hash of the relpath, the block index, the
-source identity (size, mtime_ns, ino), the payload length, xxh3_64 of the payload and xxh3_64
-of the header itself. A read checks all of them against the request, so a truncated,
-half-written, bit-flipped or misplaced entry is dropped and counted, never served.
-
-The index. The file is a 64-byte header (magic, version, record size, block_bytes, the count
-and xxh3_64 of a *base* section), then the base: live records sorted by key, written at
-compaction, then a *tail* of records appended one per admission or drop (a drop is a
-tombstone). Each tail record carries its own mixing checksum so a torn last record is
-recognised. Loading a cleanly closed index is one read, one xxh3 over the base and a
-vectorised sortedness check; lookups go to the sorted base with `np.searchsorted`, and to a
-dict for rows added since open. No Python object is created per loaded entry, which is what
-keeps a 1M-entry open well under a second (scripts/bench_ssd_index.py).
 
 Crash recovery. `meta` says ``"clean": false`` from open until `close` has compacted the index
 and fsynced it. An entry is written to a temporary name, renamed into place, and only then is
@@ -67,6 +47,10 @@ Invariants, under the lock:
   (admissions in flight) never exceeds the budget;
 - `close` refuses new work at once, waits for the writes in flight, takes the final copy of
   the index (`_index_final`: a row added later would not be saved, so none is), then compacts.
+
+Why this module is over 600 lines: it is one class, and every method of `SsdTier` keeps the
+invariants above; in one file, a reader can check each method against them. What has no share
+in them (the on-disk format) is `cachefs.cache.ssd_format`.
 """
 
 from __future__ import annotations
@@ -77,7 +61,6 @@ import logging
 import os
 import secrets
 import shutil
-import struct
 import threading
 from pathlib import Path
 
@@ -85,206 +68,21 @@ import numpy as np
 import xxhash
 
 from cachefs.cache.append_log import AppendLog
+from cachefs.cache.ssd_format import (
+    ENTRY_HEADER_BYTES, FANOUT, FORMAT_VERSION, MASK64, OP_ADD, OP_DROP, RECORD_DTYPE, BlockKey,
+    Corrupt, entry_name, load_index, merge_log, open_private, pack_header, pack_record,
+    unpack_header, write_index,
+)
 from cachefs.errors import EXIT_CACHE_DIR, StartupError
 from cachefs.source import SourceIdentity
 
 log = logging.getLogger(__name__)
-
-FORMAT_VERSION = 1
-FANOUT = 256
-
-_MASK64 = (1 << 64) - 1
-
-# Entry header: magic, version, header size, block_bytes, path hash (16 bytes, little endian),
-# block index, identity size, mtime_ns, ino, payload length, payload xxh3_64, header xxh3_64.
-_ENTRY_MAGIC = b"CFSBLK\x00\x01"
-_ENTRY_HEADER = struct.Struct("<8sIIQ16sQqqQQQQ")
-ENTRY_HEADER_BYTES = _ENTRY_HEADER.size  # 96
-
-# Index file header: magic, version, record size, block_bytes, base count, base xxh3_64,
-# reserved, header xxh3_64.
-_INDEX_MAGIC = b"CFSIDX\x00\x01"
-_INDEX_HEADER = struct.Struct("<8sIIQQQ16sQ")
-INDEX_HEADER_BYTES = _INDEX_HEADER.size  # 64
-
-_RECORD_MAGIC = 0x4346
-OP_ADD = 1
-OP_DROP = 2
-# One index record; the numpy dtype and the struct describe the same 72 bytes.
-RECORD_DTYPE = np.dtype([
-    ("magic", "<u2"), ("op", "u1"), ("pad", "u1"), ("length", "<u4"),
-    ("key_lo", "<u8"), ("key_hi", "<u8"), ("path_lo", "<u8"), ("block", "<u8"),
-    ("size", "<i8"), ("mtime_ns", "<i8"), ("ino", "<u8"), ("check", "<u8"),
-])
-_RECORD = struct.Struct("<HBBIQQQQqqQQ")
-RECORD_BYTES = _RECORD.size  # 72
-assert RECORD_DTYPE.itemsize == RECORD_BYTES
-
-# Odd multipliers of the per-record check: XOR over the first eight 64-bit words, each
-# multiplied by its constant (a bijection mod 2**64, so any single changed word changes it).
-_CHECK_MULTIPLIERS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
-                      0x27D4EB2F165667C5, 0x94D049BB133111EB, 0xBF58476D1CE4E5B9,
-                      0x85EBCA77C2B2AE63, 0xFF51AFD7ED558CCD)
-_WORDS = struct.Struct("<8Q")
 
 # How many damaged-entry warnings to log per mount before going quiet (a dying disk would
 # otherwise log one line per block); the count in stats() keeps going.
 _MAX_ENTRY_WARNINGS = 10
 # How long close() waits for entry writes in flight before giving up on a clean close.
 _CLOSE_WAIT_S = 30.0
-
-
-class _Corrupt(Exception):
-    """An entry file that does not verify; the message says which check failed."""
-
-
-class _Key:
-    """A block key hashed once: the path hash for the header, the entry hash for the name."""
-
-    __slots__ = ("block", "path_hash", "lo", "hi", "name")
-
-    def __init__(self, relpath: bytes, block_index: int):
-        self.block = block_index
-        self.path_hash = xxhash.xxh3_128_intdigest(relpath)
-        entry_hash = xxhash.xxh3_128_intdigest(
-            self.path_hash.to_bytes(16, "little") + block_index.to_bytes(8, "little"))
-        self.lo = entry_hash & _MASK64
-        self.hi = entry_hash >> 64
-        self.name = f"{entry_hash:032x}"
-
-
-def entry_name(key_hi: int, key_lo: int) -> str:
-    return f"{(key_hi << 64) | key_lo:032x}"
-
-
-def record_check(words8: tuple[int, ...]) -> int:
-    """The per-record check over the first 64 bytes of a record, as eight 64-bit words."""
-    check = 0
-    for word, mult in zip(words8, _CHECK_MULTIPLIERS):
-        check ^= (word * mult) & _MASK64
-    return check
-
-
-def records_check(records: np.ndarray) -> np.ndarray:
-    """`record_check` of every record, vectorised (uint64 arithmetic wraps mod 2**64)."""
-    words = records.view("<u8").reshape(len(records), RECORD_BYTES // 8)
-    check = np.zeros(len(records), dtype=np.uint64)
-    for column, mult in enumerate(_CHECK_MULTIPLIERS):
-        check ^= words[:, column] * np.uint64(mult)
-    return check
-
-
-def pack_record(op: int, length: int, key_lo: int, key_hi: int, path_lo: int, block: int,
-                identity: SourceIdentity) -> bytes:
-    fields = (_RECORD_MAGIC, op, 0, length, key_lo, key_hi, path_lo, block,
-              identity.size, identity.mtime_ns, identity.ino)
-    body = _RECORD.pack(*fields, 0)
-    return body[:64] + record_check(_WORDS.unpack_from(body)).to_bytes(8, "little")
-
-
-def write_index(path: Path, live: np.ndarray, block_bytes: int) -> None:
-    """Write a compacted index (live records only, sorted by key) atomically, fsynced."""
-    records = live[np.argsort(live["key_lo"], kind="stable")]  # a copy: the caller's is kept
-    records["op"] = OP_ADD
-    records["check"] = records_check(records)
-    base_hash = xxhash.xxh3_64_intdigest(records.view(np.uint8)) if len(records) else 0
-    fields = (_INDEX_MAGIC, FORMAT_VERSION, RECORD_BYTES, block_bytes, len(records), base_hash,
-              b"\0" * 16)
-    head = _INDEX_HEADER.pack(*fields, 0)[:-8]
-    head += xxhash.xxh3_64_intdigest(head).to_bytes(8, "little")
-    tmp = path.with_name(path.name + ".tmp")
-    with _open_private(tmp, "wb") as out:
-        out.write(head)
-        records.tofile(out)
-        out.flush()
-        os.fsync(out.fileno())
-    os.rename(tmp, path)
-
-
-def load_index(path: Path, block_bytes: int) -> tuple[np.ndarray, np.ndarray, bool] | None:
-    """Read an index file: (sorted base, valid tail records, tail intact).
-
-    None if the file is missing or its header or base section is damaged; a damaged tail
-    record ends the tail there (`tail intact` False) since a log is only good up to its first
-    bad record.
-    """
-    try:
-        with open(path, "rb") as f:
-            head = f.read(INDEX_HEADER_BYTES)
-            if len(head) != INDEX_HEADER_BYTES:
-                return None
-            (magic, version, record_bytes, index_block_bytes, base_count, base_hash, _reserved,
-             head_hash) = _INDEX_HEADER.unpack(head)
-            if (magic != _INDEX_MAGIC or version != FORMAT_VERSION or record_bytes != RECORD_BYTES
-                    or index_block_bytes != block_bytes
-                    or xxhash.xxh3_64_intdigest(head[:-8]) != head_hash):
-                return None
-            base = np.fromfile(f, dtype=RECORD_DTYPE, count=base_count)
-            if len(base) != base_count:
-                return None
-            tail_bytes = np.fromfile(f, dtype=np.uint8)
-    except FileNotFoundError:
-        return None
-    if base_count and xxhash.xxh3_64_intdigest(base.view(np.uint8)) != base_hash:
-        return None
-    if base_count > 1 and not np.all(base["key_lo"][1:] > base["key_lo"][:-1]):
-        return None
-    whole = len(tail_bytes) // RECORD_BYTES
-    tail = tail_bytes[:whole * RECORD_BYTES].view(RECORD_DTYPE)
-    good = ((tail["magic"] == _RECORD_MAGIC) & ((tail["op"] == OP_ADD) | (tail["op"] == OP_DROP))
-            & (tail["length"] <= block_bytes) & (tail["check"] == records_check(tail)))
-    intact = bool(good.all()) and whole * RECORD_BYTES == len(tail_bytes)
-    if not good.all():
-        tail = tail[:int(np.argmin(good))]
-    return base, tail.copy(), intact
-
-
-def _open_private(path: Path, mode: str):
-    """A file opened for writing, created or truncated, that only its owner may read (mode
-    0600 even if it existed: a leftover from a crash keeps the mode it was made with)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        return os.fdopen(fd, mode)
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def merge_log(records: np.ndarray) -> np.ndarray:
-    """Replay a log: the last record of each key wins; keep the keys whose last op is ADD."""
-    if not len(records):
-        return records.copy()
-    order = np.argsort(records["key_lo"], kind="stable")
-    ordered = records[order]
-    last = np.ones(len(ordered), dtype=bool)
-    last[:-1] = ordered["key_lo"][1:] != ordered["key_lo"][:-1]
-    ordered = ordered[last]
-    return ordered[ordered["op"] == OP_ADD]
-
-
-def _pack_header(key: _Key, block_bytes: int, identity: SourceIdentity, payload_len: int,
-                 payload_hash: int) -> bytes:
-    fields = (_ENTRY_MAGIC, FORMAT_VERSION, ENTRY_HEADER_BYTES, block_bytes,
-              key.path_hash.to_bytes(16, "little"), key.block, identity.size,
-              identity.mtime_ns, identity.ino, payload_len, payload_hash)
-    head = _ENTRY_HEADER.pack(*fields, 0)[:-8]
-    return head + xxhash.xxh3_64_intdigest(head).to_bytes(8, "little")
-
-
-def _unpack_header(head: bytes, block_bytes: int) -> tuple:
-    """The header's fields after checking magic, version, block size and its own checksum."""
-    if len(head) != ENTRY_HEADER_BYTES:
-        raise _Corrupt(f"short header ({len(head)} bytes)")
-    fields = _ENTRY_HEADER.unpack(head)
-    magic, version, header_bytes, entry_block_bytes = fields[:4]
-    if magic != _ENTRY_MAGIC or version != FORMAT_VERSION or header_bytes != ENTRY_HEADER_BYTES:
-        raise _Corrupt("bad magic or version")
-    if xxhash.xxh3_64_intdigest(head[:-8]) != fields[-1]:
-        raise _Corrupt("header checksum mismatch")
-    if entry_block_bytes != block_bytes:
-        raise _Corrupt(f"block size {entry_block_bytes} != {block_bytes}")
-    return fields
 
 
 class SsdTier:
@@ -324,7 +122,7 @@ class SsdTier:
     # ----------------------------------------------------------------- public API
 
     def contains(self, key: tuple[bytes, int], identity: SourceIdentity) -> bool:
-        k = _Key(*key)
+        k = BlockKey(*key)
         with self._lock:
             if self._closed:
                 return False
@@ -333,7 +131,7 @@ class SsdTier:
 
     def has_entry(self, key: tuple[bytes, int]) -> bool:
         """True if an entry for `key` exists, of any version. In memory only."""
-        k = _Key(*key)
+        k = BlockKey(*key)
         with self._lock:
             if self._closed:
                 return False
@@ -343,7 +141,7 @@ class SsdTier:
     def holds_other_version(self, key: tuple[bytes, int], identity: SourceIdentity) -> bool:
         """True if an entry for `key` exists for another identity (stale). In memory only;
         `read` with the current identity drops such an entry and counts it."""
-        k = _Key(*key)
+        k = BlockKey(*key)
         with self._lock:
             if self._closed:
                 return False
@@ -351,7 +149,7 @@ class SsdTier:
             return row is not None and row != -1 and not self._same_identity(row, identity)
 
     def read(self, key: tuple[bytes, int], identity: SourceIdentity) -> bytes | None:
-        k = _Key(*key)
+        k = BlockKey(*key)
         with self._lock:
             if self._closed:
                 return None
@@ -372,7 +170,7 @@ class SsdTier:
             return None
         try:
             return self._read_entry(k, identity, length)
-        except (OSError, _Corrupt) as exc:
+        except (OSError, Corrupt) as exc:
             self._reject(k, row, exc)
             return None
 
@@ -380,7 +178,7 @@ class SsdTier:
         length = len(data)
         if length > self._block_bytes:
             raise ValueError(f"block of {length} bytes exceeds block_bytes {self._block_bytes}")
-        k = _Key(*key)
+        k = BlockKey(*key)
         with self._lock:
             if self._closed or self._disabled is not None or k.lo in self._busy:
                 return False
@@ -431,7 +229,7 @@ class SsdTier:
     def drop_file(self, relpath: bytes, keep: SourceIdentity | None = None) -> int:
         """Drop every block of a file whose source changed, except those of identity `keep`
         (the current version, possibly admitted already); returns how many were dropped."""
-        path_lo = xxhash.xxh3_128_intdigest(relpath) & _MASK64
+        path_lo = xxhash.xxh3_128_intdigest(relpath) & MASK64
         keys = []
         with self._lock:
             if self._closed:
@@ -439,7 +237,7 @@ class SsdTier:
             used = self._n
             rows = np.nonzero(self._live[:used] & (self._path_lo[:used] == np.uint64(path_lo)))[0]
             for row in rows.tolist():
-                k = _Key(relpath, int(self._block[row]))
+                k = BlockKey(relpath, int(self._block[row]))
                 if self._find(k) == row and not (keep is not None
                                                   and self._same_identity(row, keep)):
                     # the same path (not merely a path-hash collision), another version
@@ -582,7 +380,7 @@ class SsdTier:
                     entry_hash = int(name, 16)
                 except ValueError:
                     continue  # not ours: leave it alone
-                row = known.get(entry_hash & _MASK64)
+                row = known.get(entry_hash & MASK64)
                 if row is not None and int(table["key_hi"][row]) == entry_hash >> 64:
                     seen[row] = True
                     continue
@@ -605,8 +403,8 @@ class SsdTier:
             with open(path, "rb") as f:
                 head = f.read(ENTRY_HEADER_BYTES)
                 file_bytes = os.fstat(f.fileno()).st_size
-            fields = _unpack_header(head, self._block_bytes)
-        except (OSError, _Corrupt):
+            fields = unpack_header(head, self._block_bytes)
+        except (OSError, Corrupt):
             return None
         path_hash, block, size, mtime_ns, ino, payload_len = fields[4:10]
         path_hash = int.from_bytes(path_hash, "little")
@@ -614,8 +412,8 @@ class SsdTier:
                                               + block.to_bytes(8, "little"))
         if name_hash != entry_hash or file_bytes != ENTRY_HEADER_BYTES + payload_len:
             return None
-        return pack_record(OP_ADD, payload_len, entry_hash & _MASK64, entry_hash >> 64,
-                           path_hash & _MASK64, block, SourceIdentity(size, mtime_ns, ino))
+        return pack_record(OP_ADD, payload_len, entry_hash & MASK64, entry_hash >> 64,
+                           path_hash & MASK64, block, SourceIdentity(size, mtime_ns, ino))
 
     def _wipe(self, meta: dict | None) -> None:
         """Remove our entries and index (only our own names: DIR may hold other files)."""
@@ -642,7 +440,7 @@ class SsdTier:
     def _write_meta(self, clean: bool) -> None:
         meta = {"format": FORMAT_VERSION, "block_bytes": self._block_bytes, "clean": clean}
         tmp = self._dir / "meta.tmp"
-        with _open_private(tmp, "w") as out:
+        with open_private(tmp, "w") as out:
             json.dump(meta, out)
             out.flush()
             # Durable before any entry is written: a "clean" meta that outlived a crash would
@@ -698,7 +496,7 @@ class SsdTier:
         self._size, self._mtime_ns, self._ino = table["size"], table["mtime_ns"], table["ino"]
         self._length = table["length"]
 
-    def _find(self, k: _Key) -> int | None:
+    def _find(self, k: BlockKey) -> int | None:
         """The live row of `k`, None if absent, -1 if another key holds its low 64 bits."""
         row = self._added.get(k.lo)
         if row is None and self._base_n:
@@ -717,8 +515,8 @@ class SsdTier:
     def _row_identity(self, row: int) -> SourceIdentity:
         return SourceIdentity(int(self._size[row]), int(self._mtime_ns[row]), int(self._ino[row]))
 
-    def _add_row(self, k: _Key, identity: SourceIdentity, length: int) -> None:
-        record = pack_record(OP_ADD, length, k.lo, k.hi, k.path_hash & _MASK64, k.block, identity)
+    def _add_row(self, k: BlockKey, identity: SourceIdentity, length: int) -> None:
+        record = pack_record(OP_ADD, length, k.lo, k.hi, k.path_hash & MASK64, k.block, identity)
         if self._n == len(self._table):
             self._grow()
         row = self._n
@@ -782,7 +580,7 @@ class SsdTier:
     def _entry_path(self, name: str) -> str:
         return os.path.join(self._entries_dir, name[:2], name)
 
-    def _write_entry(self, k: _Key, identity: SourceIdentity, data: bytes) -> None:
+    def _write_entry(self, k: BlockKey, identity: SourceIdentity, data: bytes) -> None:
         """Write to a temporary name in the entry's directory, then rename into place.
 
         No fsync: after a power loss the rename may be durable while the data is not, but the
@@ -791,7 +589,7 @@ class SsdTier:
         """
         final = self._entry_path(k.name)
         tmp = f"{final}.{secrets.token_hex(4)}.tmp"
-        header = _pack_header(k, self._block_bytes, identity, len(data),
+        header = pack_header(k, self._block_bytes, identity, len(data),
                               xxhash.xxh3_64_intdigest(data))
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -804,28 +602,28 @@ class SsdTier:
             self._unlink_quietly(tmp)
             raise
 
-    def _read_entry(self, k: _Key, identity: SourceIdentity, length: int) -> bytes:
+    def _read_entry(self, k: BlockKey, identity: SourceIdentity, length: int) -> bytes:
         fd = os.open(self._entry_path(k.name), os.O_RDONLY | os.O_CLOEXEC)
         try:
             head = os.pread(fd, ENTRY_HEADER_BYTES, 0)
-            fields = _unpack_header(head, self._block_bytes)
+            fields = unpack_header(head, self._block_bytes)
             # One byte more than expected, to notice a file longer than its header says.
             payload = os.pread(fd, length + 1, ENTRY_HEADER_BYTES)
         finally:
             os.close(fd)
         path_hash, block, size, mtime_ns, ino, payload_len, payload_hash = fields[4:11]
         if int.from_bytes(path_hash, "little") != k.path_hash or block != k.block:
-            raise _Corrupt("header names another block")
+            raise Corrupt("header names another block")
         if (size, mtime_ns, ino) != tuple(identity):
-            raise _Corrupt("header identity differs from the index")
+            raise Corrupt("header identity differs from the index")
         if payload_len != length or len(payload) != length:
-            raise _Corrupt(f"payload is {len(payload)} bytes, header says {payload_len}, "
+            raise Corrupt(f"payload is {len(payload)} bytes, header says {payload_len}, "
                            f"index says {length}")
         if xxhash.xxh3_64_intdigest(payload) != payload_hash:
-            raise _Corrupt("payload checksum mismatch")
+            raise Corrupt("payload checksum mismatch")
         return payload
 
-    def _reject(self, k: _Key, row: int, exc: Exception) -> None:
+    def _reject(self, k: BlockKey, row: int, exc: Exception) -> None:
         """A failed read: drop the entry and count it, unless it changed meanwhile."""
         with self._lock:
             if self._closed or self._find(k) != row:
@@ -840,7 +638,7 @@ class SsdTier:
                 "ssd cache %s: dropping entry %s: %s", self._dir, k.name, exc)
         self._unlink_entry(k)
 
-    def _unlink_entry(self, k: _Key) -> None:
+    def _unlink_entry(self, k: BlockKey) -> None:
         """Unlink a dropped entry's file, then let the key be admitted again."""
         self._unlink_quietly(self._entry_path(k.name))
         with self._lock:

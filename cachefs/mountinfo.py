@@ -1,0 +1,58 @@
+"""The kernel's mount table, as /proc/self/mountinfo gives it: one reader for the whole package.
+
+The daemon asks it whether its mount point is already mounted (`mounted_paths`), which device
+backs its mount (`MountInfo.device`, for the read-ahead) and what file system holds the source
+(`filesystem_type`); the CLI and `cachefs.client` ask whether a mount is up or gone. Reading
+mountinfo never touches a mount, so none of these can hang on a stuck FUSE daemon, and dead
+FUSE mounts are listed too.
+
+This module imports nothing of cachefs: the daemon (`cachefs.mount`) and the client side
+(`cachefs.cli`, `cachefs.client`) both import it, and neither imports the other.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+
+def unescape_mountinfo(field: bytes) -> bytes:
+    """Undo mountinfo's octal escapes (space, tab, newline, backslash)."""
+    return (field.replace(b"\\040", b" ").replace(b"\\011", b"\t")
+            .replace(b"\\012", b"\n").replace(b"\\134", b"\\"))
+
+
+class MountInfo(NamedTuple):
+    """One line of /proc/self/mountinfo, the fields cachefs uses."""
+
+    point: bytes  # the mount point, unescaped
+    device: str  # "major:minor"
+    fstype: bytes  # the file system type, e.g. b"ext4", b"fuse.sshfs"
+
+
+def mountinfo() -> list[MountInfo]:
+    """Every mount of this mount namespace, in the kernel's order (dead FUSE mounts too)."""
+    mounts = []
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split()
+            # the optional fields end with "-", followed by the file system type
+            mounts.append(MountInfo(unescape_mountinfo(fields[4]), fields[2].decode(),
+                                    fields[fields.index(b"-") + 1]))
+    return mounts
+
+
+def mounted_paths() -> set[str]:
+    """Mount points of this mount namespace (see `mountinfo`)."""
+    return {os.fsdecode(mount.point) for mount in mountinfo()}
+
+
+def filesystem_type(path: bytes) -> bytes:
+    """The type (mountinfo's field after " - ") of the mount holding `path`, e.g. b"ext4"."""
+    best, fstype = b"", b""
+    for mount in mountinfo():
+        point = mount.point
+        if (path == point or path.startswith(point.rstrip(b"/") + b"/")) and \
+                len(point) >= len(best):
+            best, fstype = point, mount.fstype
+    return fstype

@@ -1,0 +1,157 @@
+"""Publishing an order to a mount: the trainer's side of the order file.
+
+`publish` validates the arrays (everything it can check before writing), writes the order file
+atomically (`cachefs.order.write_checked`: a temporary file, fsync, rename) where the mount's
+daemon watches, and waits until the daemon has taken it or rejected it. It talks to the daemon
+only through two xattrs on the mount root: ``user.cachefs.order_file`` (where to write; a
+rank's file is derived from it, `cachefs.order.rank_order_path`) and ``user.cachefs.stats``
+(JSON; the daemon reports there which files the order in force was made of, and which files it
+rejected, and why). `source_file_count` waits in the same way for the daemon's scan of the
+source, so that a trainer can make a permutation of the right length.
+
+`read_index_file` and `read_files_list` read what `cachefs publish --current/--next/--files`
+name (man/cachefs-publish.1).
+
+`cachefs.torch`, the CLI and trainers call this module (README, man/cachefs.1); the names
+`cachefs.order.publish` and `cachefs.order.source_file_count`, which earlier versions
+documented, still reach it. It imports neither pyfuse3 nor torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cachefs import ctrl
+from cachefs.errors import OrderError
+from cachefs.order import NPY_MAGIC, check_arrays, check_indices, rank_order_path, write_checked
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.02
+
+
+def read_index_file(path: Path) -> np.ndarray:
+    """Indices from a ``.npy`` file (no pickles) or a text file with one integer per line.
+
+    Blank lines are ignored. A bad line raises OrderError naming the file and the line.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise OrderError(f"{path}: {err.strerror}") from None
+    if data.startswith(NPY_MAGIC):
+        try:
+            array = np.load(path, allow_pickle=False)
+        except ValueError as err:
+            raise OrderError(f"{path}: not a usable .npy array of indices: {err}") from None
+        if not isinstance(array, np.ndarray) or array.ndim != 1 or array.dtype.kind not in "iu":
+            raise OrderError(f"{path}: a .npy array of indices must be 1-D integers, got "
+                             f"{getattr(array, 'dtype', type(array).__name__)} of shape "
+                             f"{getattr(array, 'shape', '?')}")
+        return array.astype(np.int64, copy=False)
+    lines = np.char.strip(np.array(data.split(b"\n"), dtype="S"))
+    line_numbers = np.flatnonzero(lines != b"") + 1
+    try:
+        return lines[line_numbers - 1].astype(np.int64)
+    except (ValueError, OverflowError):
+        pass
+    for line_number in line_numbers:  # only on bad input: find the line to name
+        text = bytes(lines[line_number - 1])
+        try:
+            value = int(text)
+            if not -2**63 <= value < 2**63:
+                raise ValueError
+        except ValueError:
+            raise OrderError(f"{path}: line {line_number}: not an integer: "
+                             f"{text[:80].decode('utf-8', 'replace')!r}") from None
+    raise OrderError(f"{path}: could not read integers")  # unreachable in practice
+
+
+def read_files_list(path: Path) -> list[str]:
+    """Relative paths from a text file, one per line; blank lines ignored.
+
+    Lines end with LF; a CR before it is dropped (lists written on Windows). Spaces are kept:
+    they are legal in file names.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise OrderError(f"{path}: {err.strerror}") from None
+    names = []
+    for line in data.split(b"\n"):
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        if line:
+            names.append(line)
+    return [os.fsdecode(name) for name in names]
+
+
+def publish(mount: Path, epoch: int, current, next=None, files=None, rank=None,
+            world_size=None, timeout_s: float = 10.0) -> dict:
+    """Publish an order to a mount and wait until the daemon takes it.
+
+    Without a rank the order file itself is written; with one, the rank's own file next to it
+    (`rank_order_path`), which the daemon merges with the files of the node's other ranks.
+    Returns the daemon's status of the order in force (``stats["order"]``) once this file is
+    among the files it was made of; raises OrderError with the daemon's reason if it rejects
+    the file, or if it does not answer within timeout_s. A valid file that the daemon keeps
+    but leaves out of the merge (its epoch or world size does not fit the newest
+    publication's) returns too, with a warning giving the daemon's reason.
+    """
+    checked = check_arrays(epoch, current, next, files, rank, world_size)
+    mount = Path(mount)
+    order_path = Path(os.fsdecode(ctrl.read_attr(mount, ctrl.ORDER_FILE, OrderError)))
+    if checked.world_size is not None:
+        order_path = rank_order_path(order_path, checked.rank)
+    if checked.files is None:
+        # The daemon knows the source's size once it has scanned it: check the upper bound
+        # now, so that a bad index fails before anything is written.
+        known = (ctrl.read_stats(mount, OrderError).get("manifest") or {}).get("files")
+        if known is not None:
+            for key, indices in (("current", checked.current), ("next", checked.next)):
+                if indices is not None:
+                    check_indices(key, indices, known)
+    identity = write_checked(order_path, checked).to_json()
+    log.debug("wrote %s, waiting for the daemon of %s", order_path, mount)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = ctrl.read_stats(mount, OrderError)
+        in_force = stats.get("order") or {}
+        if in_force.get("file") == identity or identity in (in_force.get("files") or ()):
+            return in_force
+        # `rejections` holds the last few, so that ranks publishing at the same moment each
+        # find their own; a daemon older than the merge has `last_rejection` only
+        for rejection in stats.get("rejections") or [stats.get("last_rejection") or {}]:
+            if rejection.get("file") == identity:
+                raise OrderError(rejection.get("reason")
+                                 or "the daemon rejected the order file")
+        for publication in stats.get("publications") or ():
+            if publication.get("file") == identity and publication.get("left_out"):
+                log.warning("%s was accepted but is not merged into the order in force: %s",
+                            order_path, publication["left_out"])
+                return in_force
+        if time.monotonic() >= deadline:
+            raise OrderError(f"the cachefs daemon of {mount} did not answer within "
+                             f"{timeout_s:g} s (order file {order_path})")
+        time.sleep(_POLL_S)
+
+
+def source_file_count(mount: Path, timeout_s: float = 60.0) -> int:
+    """Number of regular files in the mount's source, waiting while the daemon scans it."""
+    mount = Path(mount)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        count = (ctrl.read_stats(mount, OrderError).get("manifest") or {}).get("files")
+        if count is not None:
+            return int(count)
+        if time.monotonic() >= deadline:
+            raise OrderError(f"the cachefs daemon of {mount} has not finished scanning the "
+                             f"source within {timeout_s:g} s")
+        time.sleep(_POLL_S * 5)
