@@ -29,6 +29,16 @@ class OrderError(CachefsError):
     file = None  # identity of the order file that was read, when there was one
 
 
+class StaleFileError(CachefsError):
+    """The source file changed since the kernel was given its attributes: the version a reader
+    holds is gone, and serving the new bytes under the old size would hand it a mix of the two
+    (the kernel cuts or zero-fills a READ at the size it holds). The reader gets ESTALE, as from
+    gcsfuse or NFS; the kernel's attributes are dropped, and its next lookup or stat of the file
+    learns the new version."""
+
+    errno_value = errno.ESTALE
+
+
 # Exit codes of `cachefs mount` (documented in man/cachefs-mount.1, EXIT STATUS).
 EXIT_OK = 0
 EXIT_ERROR = 1  # anything not listed below

@@ -235,9 +235,13 @@ class Operations(pyfuse3.Operations):
         handle = await self.reader.open(inode, entry.relpath, item, given if recent else None,
                                         pages_of)
         if handle.identity != given:
-            # the file changed since the kernel was given its attributes
+            # The file changed since the kernel was given its attributes. Of the same size, the
+            # new version is served whole (this open drops the kernel's pages of the old one);
+            # of another, the size the kernel holds would cut or pad it: the open fails, and
+            # the kernel learns the new version before the next (errors.StaleFileError)
             self.reader.tiered.source_changed(entry.relpath, handle.identity)
-            self.inodes.update_stat(inode, await self.source.lstat(entry.relpath))
+            if handle.identity.size != given.size:
+                raise errors.StaleFileError(f"{entry.relpath!r} changed in the source")
         if not handle.kernel_whole and self.kernel is not None:
             # The kernel drops the inode's pages when this open is answered: stores of the
             # pages of another version still queued must land before that, not after.
@@ -266,10 +270,11 @@ class Operations(pyfuse3.Operations):
     def _read_without_open(self, inode: int) -> OpenFile:
         """The handle of a READ that came with no OPEN: `fh` is the inode (patched pyfuse3)."""
         handle = self._without_open.get(inode)
-        if handle is None:
-            entry = self._entry(inode)
-            handle = self.reader.handle_without_open(
-                inode, entry.relpath, self._item_of(entry), self.source.identity_of(entry.stat))
+        entry = self._entry(inode)
+        told = self.source.identity_of(entry.stat)  # the version whose size the kernel holds
+        if handle is None or handle.identity != told:
+            handle = self.reader.handle_without_open(inode, entry.relpath, self._item_of(entry),
+                                                     told)
             self._without_open[inode] = handle
         return handle
 
@@ -341,6 +346,9 @@ class Operations(pyfuse3.Operations):
         if inode is None:
             return
         self.inodes.get(inode).page_identity = None
+        # the kernel's next read or stat of the file asks its attributes again (the mount's
+        # auto_inval_data) and learns the new version from the source (errors.StaleFileError)
+        self.inodes.expire(inode)
         if self.kernel is not None:
             self.kernel.invalidate(inode)  # after any store queued before: one FIFO
         elif self._nursery is not None:

@@ -24,6 +24,7 @@ Invariant: `_inode_by_path[p] == i` iff `_entries[i].relpath == p`.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import time
@@ -122,6 +123,14 @@ class InodeTable:
         entry = self._entries[inode]
         entry.stat = PackedStat.of(st)
         entry.stat_time_s = time.monotonic() if stat_time_s is None else stat_time_s
+
+    def expire(self, inode: int) -> None:
+        """The source file changed: its attributes are no longer trusted, so the next lookup
+        or stat asks the source. They stay what the kernel was last told until then, which is
+        the version a READ of the inode is checked against (errors.StaleFileError)."""
+        entry = self._entries.get(inode)
+        if entry is not None:
+            entry.stat_time_s = -math.inf
 
     def forget(self, inode: int, count: int) -> bytes | None:
         """The kernel dropped `count` references; the relpath if it holds the inode no more

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from cachefs import errors
 from cachefs import stats as stats_mod
 from cachefs.cache.ram import RamTier
 from cachefs.cache.tiered import KernelInodes, TieredCache, block_count
@@ -162,23 +163,19 @@ class Reader:
     async def read(self, handle: OpenFile, offset: int, size: int) -> bytes:
         handle.read_called = True
         block_bytes = self.block_bytes
-        while True:
-            identity = handle.identity
-            end = min(offset + size, identity.size)
-            if offset >= end:
-                if not handle.consume_at_release:
-                    self._consume(handle)
-                return b""
-            parts = []
-            for block_index in range(offset // block_bytes, (end - 1) // block_bytes + 1):
-                data = await self._block(handle, block_index)
-                if handle.identity != identity:
-                    break  # the file changed under us: start over with its new size
-                start = block_index * block_bytes
-                lo, hi = max(offset, start) - start, min(end, start + len(data)) - start
-                parts.append(data if (lo, hi) == (0, len(data)) else data[lo:hi])
-            else:
-                break
+        identity = handle.identity  # the version the kernel was given: the only one served
+        end = min(offset + size, identity.size)
+        if offset >= end:
+            if not handle.consume_at_release:
+                self._consume(handle)
+            return b""
+        parts = []
+        for block_index in range(offset // block_bytes, (end - 1) // block_bytes + 1):
+            data = await self._block(handle, block_index,
+                                     may_switch=not parts and not handle.bytes_served)
+            start = block_index * block_bytes
+            lo, hi = max(offset, start) - start, min(end, start + len(data)) - start
+            parts.append(data if (lo, hi) == (0, len(data)) else data[lo:hi])
         result = parts[0] if len(parts) == 1 else b"".join(parts)
         handle.bytes_served += len(result)
         if end >= identity.size and not handle.consume_at_release:
@@ -186,7 +183,10 @@ class Reader:
         self._read_ahead(handle, offset // block_bytes, (end - 1) // block_bytes)
         return result
 
-    async def _block(self, handle: OpenFile, block_index: int) -> bytes:
+    async def _block(self, handle: OpenFile, block_index: int, may_switch: bool) -> bytes:
+        """The block's bytes of the handle's version. `may_switch`: nothing was served from
+        the handle yet, so a new version of the same size (all the kernel can tell apart)
+        may replace its own; any other change is a StaleFileError."""
         handle.blocks_read.add(block_index)
         key = (handle.relpath, block_index)
         block = self.tiered.lookup(key, handle.identity)
@@ -205,8 +205,13 @@ class Reader:
         if cached is not None:
             cached.served = True
         if fetched.identity != handle.identity:
-            handle.identity = fetched.identity
             self.prefetcher.record_identity(handle.relpath, fetched.identity)
+            if not may_switch or fetched.identity.size != handle.identity.size:
+                # One handle, one version: the handle keeps the one the kernel was given, and
+                # its every read fails from now on rather than mix two (errors.StaleFileError)
+                raise errors.StaleFileError(
+                    f"{handle.relpath!r} changed in the source while it was read")
+            handle.identity = fetched.identity
         return fetched.data
 
     def _read_ahead(self, handle: OpenFile, first_block: int, last_block: int) -> None:

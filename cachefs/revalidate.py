@@ -88,7 +88,12 @@ class Revalidator:
         else:
             identity = self.source.identity_of(st)
             inode = self.inodes.inode_of(relpath)
-            if inode is not None:
+            if inode is not None and self.source.identity_of(
+                    self.inodes.get(inode).stat) == identity:
+                # still the version the kernel was given: trusted for another TTL. A changed
+                # one is not recorded here: the inode table holds what the kernel was told,
+                # and the kernel learns the new version by its next lookup or stat
+                # (fuse_ops._source_changed)
                 self.inodes.update_stat(inode, st, asked_s)
             self.prefetcher.record_identity(relpath, identity)
         block = self.tiered.ram.get((relpath, 0))

@@ -78,6 +78,7 @@ TRACEBACK = "Traceback (most recent call last)"
 MAX_FAILURES_KEPT = 50  # failures described in full; all are counted
 # what a FUSE mount whose daemon died answers
 DEAD_MOUNT_ERRNOS = (errno.ENOTCONN, errno.ECONNABORTED)
+ESTALE_RETRIES, ESTALE_RETRY_S = 10, 0.01
 
 
 @dataclass
@@ -320,6 +321,7 @@ class SoakReport:
     remounts: int = 0
     outage_s: float = 0.0
     errors_while_down: int = 0
+    estale_reads: int = 0  # reads answered ESTALE (a size-changing rewrite), retried once
     max_stale_served_s: float = 0.0  # longest time after a rename an old version was served
     ssd_entries_at_remount: int | None = None  # kept by the killed daemon, still valid
     tier_hits: dict = field(default_factory=dict)  # per mount: the counters of its epochs
@@ -351,7 +353,9 @@ class SoakReport:
                f"{self.remounts} remount on the same SSD directory "
                f"({self.outage_s:.2f} s down, {self.errors_while_down} reads failed "
                f"meanwhile, as expected)",
-               f"old versions served up to {self.max_stale_served_s:.2f} s after a rewrite",
+               f"old versions served up to {self.max_stale_served_s:.2f} s after a rewrite; "
+               f"{self.estale_reads} reads answered ESTALE for a file whose size changed, "
+               f"each read again within {ESTALE_RETRIES * ESTALE_RETRY_S:.1f} s",
                f"SSD entries found at the remount: {self.ssd_entries_at_remount}"]
         for name, counters in self.tier_hits.items():
             out.append(f"{name}: " + ", ".join(f"{key} {value}"
@@ -538,7 +542,7 @@ class Soak:
                 relpath, publisher = self.orders.next_item(rng)
                 offset, length = 0, None
             try:
-                self._read_and_check(mountpoint / relpath, relpath, offset, length)
+                self._read_checked(mountpoint / relpath, relpath, offset, length)
             except OSError as exc:
                 self._failed_read(generation, f"reading {relpath}: {exc!r}", exc)
             if publisher:
@@ -556,6 +560,26 @@ class Soak:
         if isinstance(exc, OSError) and exc.errno in DEAD_MOUNT_ERRNOS:
             self._died.set()  # the daemon died by itself: nothing more to check
             self._stopping.set()
+
+    def _read_checked(self, path: Path, relpath: str, offset: int, length: int | None,
+                      final: bool = False) -> None:
+        """A checked read; one answered ESTALE is read again (a few times, 10 ms apart, while
+        the mount's thread drops the kernel's attributes), and the last try must pass.
+
+        ESTALE is the mount's answer to a read of a file whose size changed since the kernel
+        was given its attributes (cachefs.errors.StaleFileError): the other choice would be
+        the new bytes cut or padded to the old size. A user's program sees the error once;
+        its next open of the file gets the new version."""
+        for _ in range(ESTALE_RETRIES):
+            try:
+                return self._read_and_check(path, relpath, offset, length, final)
+            except OSError as exc:
+                if exc.errno != errno.ESTALE:
+                    raise
+                with self._report_lock:
+                    self.report.estale_reads += 1
+                time.sleep(ESTALE_RETRY_S)  # the kernel drops the attributes in a thread
+        self._read_and_check(path, relpath, offset, length, final)
 
     def _read_and_check(self, path: Path, relpath: str, offset: int, length: int | None,
                         final: bool = False) -> None:
@@ -640,7 +664,7 @@ class Soak:
         mountpoint = Path(self.mount.mountpoint)
         for relpath in self.model.relpaths:
             try:
-                self._read_and_check(mountpoint / relpath, relpath, 0, None, final=True)
+                self._read_checked(mountpoint / relpath, relpath, 0, None, final=True)
             except OSError as exc:
                 report.fail(f"final pass, {relpath}: {exc!r}")
                 if exc.errno in DEAD_MOUNT_ERRNOS:
