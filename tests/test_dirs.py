@@ -9,6 +9,7 @@ import pytest
 import trio
 
 from cachefs.dirs import DirListings
+from cachefs.freshness import Freshness
 
 
 class SlowSource:
@@ -29,7 +30,7 @@ class SlowSource:
 
 def test_concurrent_opens_share_one_listing_dropped_with_the_last_handle():
     source = SlowSource()
-    dirs = DirListings(source, ttl_s=60.0)
+    dirs = DirListings(source, Freshness(60.0))
 
     async def main():
         async with trio.open_nursery() as nursery:
@@ -49,7 +50,7 @@ def test_concurrent_opens_share_one_listing_dropped_with_the_last_handle():
 
 def test_an_open_after_the_ttl_lists_again_for_every_handle():
     source = SlowSource(delay_s=0)
-    dirs = DirListings(source, ttl_s=0.05)
+    dirs = DirListings(source, Freshness(0.05))
 
     async def main():
         await dirs.open(b"d")
@@ -67,7 +68,7 @@ def test_an_open_after_the_ttl_lists_again_for_every_handle():
 def test_a_failed_listing_fails_the_open_and_holds_nothing():
     source = SlowSource()
     source.error = PermissionError(errno.EACCES, "Permission denied")
-    dirs = DirListings(source, ttl_s=60.0)
+    dirs = DirListings(source, Freshness(60.0))
 
     async def main():
         with pytest.raises(PermissionError):
