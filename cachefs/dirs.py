@@ -10,8 +10,9 @@ often they are opened.
 
 A listing is sorted by name, and readdir offsets are positions in it. An opendir of a directory
 whose listing is no longer trusted (cachefs/freshness.py: --metadata-ttl after the listing was
-started) lists it again, and the new listing replaces the old one for every handle: for an unchanged directory the positions are the same;
-for a changed one, POSIX leaves open whether a reader sees entries added or removed meanwhile.
+started) lists it again, and the new listing replaces the old one for every handle: for an
+unchanged directory the positions are the same; for a changed one, POSIX leaves open whether a
+reader sees entries added or removed meanwhile.
 
 Used from the trio thread only; the listing itself is read in a worker thread
 (`Source.listdir`).

@@ -18,7 +18,7 @@ waits for stores already queued for the inode, so no store of older bytes lands 
 In the keep-cache mode, opening a cached file revalidates its source identity when the one we
 know is no longer trusted (cachefs/freshness.py; cachefs/revalidate.py keeps that rare); a
 changed file drops its cached copies and the kernel's attributes and pages
-(`KernelInvalidation`, which the read path calls whoever finds the change).
+(`KernelInvalidation`, which the read path calls, whichever of its parts finds the change).
 
 What the handlers touch: the source (metadata, directories, extended attributes), the inode
 table, the kernel data plane, and of the read path and the control channel only their public

@@ -2,11 +2,11 @@
 
 `run(config)` is the whole life of a foreground mount: check the paths (clear errors with the
 exit codes of man/cachefs-mount.1), build source -> tiers -> read path (reader.build_read_path)
--> operations, each object after those it uses,
-`pyfuse3.init`, then one root nursery holding the services (SSD admission, prefetcher, order
-watcher, source scan, signal handler) and `pyfuse3.main`. SIGTERM/SIGINT and an external
-`fusermount3 -u` both end `pyfuse3.main`; the nursery is cancelled, the SSD index is closed and
-the kernel mount removed, and `run` returns 0.
+-> operations, each object after those it uses, `pyfuse3.init`, then one root nursery holding
+the services (kernel invalidation, SSD admission, prefetcher, order watcher, source scan,
+signal handler) and `pyfuse3.main`. SIGTERM/SIGINT and an external `fusermount3 -u` both end
+`pyfuse3.main`; the nursery is cancelled, the SSD index is closed and the kernel mount
+removed, and `run` returns 0.
 
 Daemonizing is the CLI's job (it starts this in a child process and waits for the mount).
 """
@@ -235,8 +235,7 @@ class Mount:
         # catch SIGTERM/SIGINT before the mount exists: one sent as soon as it appears must
         # unmount, not kill the process and leave a dead mount behind
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            # the root's stat was taken before trio's clock ran (freshness.py): it counts from
-            # now
+            # the root's stat, taken before trio's clock ran (freshness.py), counts from now
             self.inodes.update_stat(ROOT_INODE, self.inodes.get(ROOT_INODE).stat)
             pyfuse3.init(self.ops, str(self.config.mountpoint), options)
             log.info("mounted %s at %s", self.config.source, self.config.mountpoint)

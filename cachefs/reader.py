@@ -128,8 +128,8 @@ class Reader:
                    ) -> OpenFile:
         """A handle on one file, with its current source identity.
 
-        The identity is the one the prefetcher saw within the metadata TTL, else `recent`
-        (the caller's stat, if within the TTL), else fresh from the source: the read of the
+        The identity is the one the prefetcher saw, if still trusted (cachefs/freshness.py),
+        else `recent` (the caller's stat, if still trusted), else fresh from the source: the read of the
         file's first block if one is in flight, or an open and fstat. Waiting for the source
         here is a stall like any other. Waiting for the file's data in flight makes it a miss;
         a RAM hit that only needed a fresh stat stays a RAM hit.
