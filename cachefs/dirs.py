@@ -8,10 +8,11 @@ many open it at the same moment (one listing in flight per directory), and drops
 directory's last handle. Memory follows the directories of the source that are open, not how
 often they are opened.
 
-A listing is sorted by name, and readdir offsets are positions in it. An opendir more than
-`ttl_s` (--metadata-ttl) after the directory was listed lists it again, and the new listing
-replaces the old one for every handle: for an unchanged directory the positions are the same;
-for a changed one, POSIX leaves open whether a reader sees entries added or removed meanwhile.
+A listing is sorted by name, and readdir offsets are positions in it. An opendir of a directory
+whose listing is no longer trusted (cachefs/freshness.py: --metadata-ttl after the listing was
+started) lists it again, and the new listing replaces the old one for every handle: for an
+unchanged directory the positions are the same; for a changed one, POSIX leaves open whether a
+reader sees entries added or removed meanwhile.
 
 Used from the trio thread only; the listing itself is read in a worker thread
 (`Source.listdir`).
@@ -19,12 +20,12 @@ Used from the trio thread only; the listing itself is read in a worker thread
 
 from __future__ import annotations
 
-import math
 import os
-import time
 from dataclasses import dataclass
 
 import trio
+
+from cachefs.freshness import NEVER_S, Freshness, now_s
 
 Entries = list[tuple[bytes, os.stat_result]]
 
@@ -33,14 +34,14 @@ Entries = list[tuple[bytes, os.stat_result]]
 class _Dir:
     handles: int = 0
     entries: Entries | None = None
-    listed_at_s: float = -math.inf  # when the listing in `entries` was started
+    listed_at_s: float = NEVER_S  # freshness.now_s() when the listing in `entries` was started
     in_flight: trio.Event | None = None  # set when the listing being read is done
 
 
 class DirListings:
-    def __init__(self, source, ttl_s: float):
+    def __init__(self, source, freshness: Freshness):
         self._source = source
-        self._ttl_s = ttl_s
+        self._freshness = freshness
         self._dirs: dict[bytes, _Dir] = {}
 
     @property
@@ -49,21 +50,21 @@ class DirListings:
         return len(self._dirs)
 
     async def open(self, relpath: bytes) -> None:
-        """A handle of `relpath` opens: list it, unless a listing younger than ttl_s is held;
+        """A handle of `relpath` opens: list it, unless a listing still trusted is held;
         the listing's error (OSError) is the open's."""
         held = self._dirs.setdefault(relpath, _Dir())
         held.handles += 1
         try:
-            await self._listed(relpath, held, self._ttl_s)
+            await self._listed(relpath, held, check=True)
         except BaseException:
             self.close(relpath)
             raise
 
     async def entries(self, relpath: bytes) -> tuple[Entries, float]:
         """The listing of an open directory (the one held, of any age), and when it was
-        started (time.monotonic(): how old its lstat results are)."""
+        started (freshness.now_s(): how old its lstat results are)."""
         held = self._dirs[relpath]
-        entries = await self._listed(relpath, held, math.inf)
+        entries = await self._listed(relpath, held, check=False)
         return entries, held.listed_at_s
 
     def close(self, relpath: bytes) -> None:
@@ -74,15 +75,17 @@ class DirListings:
         if held.handles <= 0:
             del self._dirs[relpath]  # a listing still in flight completes into nothing
 
-    async def _listed(self, relpath: bytes, held: _Dir, max_age_s: float) -> Entries:
-        """`held`'s entries, from a listing started at most max_age_s before this call."""
-        asked_s = time.monotonic()
-        while held.entries is None or held.listed_at_s < asked_s - max_age_s:
+    async def _listed(self, relpath: bytes, held: _Dir, *, check: bool) -> Entries:
+        """`held`'s entries; `check`: from a listing trusted when this call was made (one
+        started since counts, however long it took)."""
+        asked_s = now_s()
+        while held.entries is None or (
+                check and not self._freshness.trusted(held.listed_at_s, at_s=asked_s)):
             if held.in_flight is not None:
                 await held.in_flight.wait()  # then look again: it may have failed
                 continue
             held.in_flight = trio.Event()
-            started_s = time.monotonic()
+            started_s = now_s()
             try:
                 entries = await self._source.listdir(relpath)
             finally:

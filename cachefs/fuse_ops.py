@@ -16,8 +16,13 @@ opened (`InodeEntry.page_identity`), and then a file the kernel holds whole is r
 READ. An open that must drop the kernel's pages (a first open, or the file changed) first
 waits for stores already queued for the inode, so no store of older bytes lands after it.
 In the keep-cache mode, opening a cached file revalidates its source identity when the one we
-know is older than `metadata_ttl_s` (cachefs/revalidate.py keeps that rare); a changed file
-drops its cached copies and the kernel's attributes and pages.
+know is no longer trusted (cachefs/freshness.py; cachefs/revalidate.py keeps that rare); a
+changed file drops its cached copies and the kernel's attributes and pages
+(`KernelInvalidation`, which the read path calls, whichever of its parts finds the change).
+
+What the handlers touch: the source (metadata, directories, extended attributes), the inode
+table, the kernel data plane, and of the read path and the control channel only their public
+methods (`Reader`, `Control`).
 
 The zero-request mode (`decide_mode`, mount.py decides before the first OPEN is answered): OPEN is answered ENOSYS, after
 which the kernel sends no OPEN or RELEASE on this connection and keeps every file's pages
@@ -34,20 +39,22 @@ import functools
 import logging
 import os
 import stat
-import time
 
 import pyfuse3
 import trio
 
-from cachefs import errors
+from cachefs import errors, threads
 from cachefs.ctrl import Control
 from cachefs.dirs import DirListings
+from cachefs.freshness import Freshness
 from cachefs.inodes import ROOT_INODE, InodeTable
 from cachefs.pagecache import KernelPages
 from cachefs.reader import OpenFile, Reader
 from cachefs.source import Source, SourceIdentity
 
 log = logging.getLogger(__name__)
+
+INVALIDATE_THREADS = 4  # invalidate_inode calls at once, with no kernel data plane
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 _WRITE_OPS = ("setattr", "mknod", "mkdir", "unlink", "rmdir", "symlink", "rename", "link",
@@ -85,21 +92,20 @@ class Operations(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(self, source: Source, reader: Reader, control: Control, inodes: InodeTable,
-                 kernel: KernelPages | None, *, kernel_timeout_s: float, metadata_ttl_s: float):
+                 kernel: KernelPages | None, freshness: Freshness, *, kernel_timeout_s: float):
         super().__init__()
         self.source = source
         self.reader = reader
         self.control = control
         self.kernel = kernel
         self.kernel_timeout_s = kernel_timeout_s
-        self.metadata_ttl_s = metadata_ttl_s
+        self.freshness = freshness
         self.inodes = inodes
         self._files: dict[int, OpenFile] = {}
         # open directories: fh -> relpath; their listings, one per directory, in _listings
         self._dirs: dict[int, bytes] = {}
-        self._listings = DirListings(source, ttl_s=metadata_ttl_s)
+        self._listings = DirListings(source, freshness)
         self._next_fh = 1
-        self._nursery: trio.Nursery | None = None
         self.no_open = False  # the zero-request mode is on (decide_mode)
         # Set once the mode is decided (mount.py): no OPEN is answered before, so no file is
         # opened with a handle that a READ of the zero-request mode (an inode where the
@@ -108,11 +114,6 @@ class Operations(pyfuse3.Operations):
         # the zero-request mode's handles, by inode: made at a file's first READ, released
         # when a close of it is reported
         self._without_open: dict[int, OpenFile] = {}
-        reader.tiered.on_source_changed.append(self._source_changed)
-
-    def bind(self, nursery: trio.Nursery) -> None:
-        """Background work (kernel cache invalidation) runs in this nursery."""
-        self._nursery = nursery
 
     # -- attributes ------------------------------------------------------------------------
 
@@ -146,23 +147,23 @@ class Operations(pyfuse3.Operations):
         self._entry(parent_inode)  # ENOENT for a parent we do not know
         relpath = self.inodes.child_path(parent_inode, name)
         # a file just read ahead is answered from the fstat of that read: no round trip
-        st, stat_time_s = await self.source.lstat_recent(relpath, self.metadata_ttl_s)
+        st, stat_time_s = await self.source.lstat_recent(relpath, self.freshness)
         inode = self.inodes.remember(relpath, st, lookup=True, stat_time_s=stat_time_s)
         return self._attrs(inode, st)
 
     @_guarded
     async def getattr(self, inode, ctx=None):
         entry = self._entry(inode)
-        if time.monotonic() - entry.stat_time_s > self.metadata_ttl_s:
+        if not self.freshness.trusted(entry.stat_time_s):
             self.inodes.update_stat(inode, *await self.source.lstat_recent(
-                entry.relpath, self.metadata_ttl_s))
+                entry.relpath, self.freshness))
         return self._attrs(inode, entry.stat)
 
     def forget(self, inode_list):
         for inode, count in inode_list:
             relpath = self.inodes.forget(inode, count)
             if relpath is not None:  # the kernel's pages of it went with the inode
-                self.reader.tiered.kernel_forgot(relpath)
+                self.reader.kernel_forgot(relpath)
 
     @_guarded
     async def readlink(self, inode, ctx):
@@ -230,7 +231,7 @@ class Operations(pyfuse3.Operations):
     async def _open(self, inode: int, entry) -> pyfuse3.FileInfo:
         item = self._item_of(entry)
         given = self.source.identity_of(entry.stat)  # what the kernel was told of the file
-        recent = time.monotonic() - entry.stat_time_s <= self.metadata_ttl_s
+        recent = self.freshness.trusted(entry.stat_time_s)
         pages_of = entry.page_identity if self.kernel is not None else None
         handle = await self.reader.open(inode, entry.relpath, item, given if recent else None,
                                         pages_of)
@@ -239,7 +240,7 @@ class Operations(pyfuse3.Operations):
             # new version is served whole (this open drops the kernel's pages of the old one);
             # of another, the size the kernel holds would cut or pad it: the open fails, and
             # the kernel learns the new version before the next (errors.StaleFileError)
-            self.reader.tiered.source_changed(entry.relpath, handle.identity)
+            self.reader.source_changed(entry.relpath, handle.identity)
             if handle.identity.size != given.size:
                 raise errors.StaleFileError(f"{entry.relpath!r} changed in the source")
         if not handle.kernel_whole and self.kernel is not None:
@@ -254,10 +255,10 @@ class Operations(pyfuse3.Operations):
 
     def _item_of(self, entry) -> int:
         """The file's index in the order's manifest, searched once per manifest."""
-        prefetcher = self.reader.prefetcher
-        if entry.manifest is not prefetcher.manifest:
-            entry.manifest = prefetcher.manifest
-            entry.manifest_index = prefetcher.item_of(entry.relpath)
+        manifest = self.reader.manifest
+        if entry.manifest is not manifest:
+            entry.manifest = manifest
+            entry.manifest_index = self.reader.item_of(entry.relpath)
         return entry.manifest_index
 
     @_guarded
@@ -338,29 +339,49 @@ class Operations(pyfuse3.Operations):
         names = await self.source.listxattr(self._entry(inode).relpath)
         return [os.fsencode(name) for name in names]
 
-    # -- changes seen in the source ----------------------------------------------------------
 
-    def _source_changed(self, relpath: bytes, identity: SourceIdentity) -> None:
-        """Drop the kernel's cached attributes and pages of a file that changed."""
-        inode = self.inodes.inode_of(relpath)
+for _name in _WRITE_OPS:
+    setattr(Operations, _name, _read_only)
+
+
+class KernelInvalidation:
+    """Drops the kernel's cached attributes and pages of a file that changed at the source.
+
+    The read path's `on_source_changed` (reader.build_read_path): built before the read path,
+    which calls it whichever of its parts finds the change, and sharing the inode table with
+    the operations. With the kernel data plane the drop is queued behind the stores already
+    queued for the inode (KernelPages, one FIFO); without, `invalidate_inode` runs in a worker
+    thread, never inside a handler (the kernel may hold the inode while it waits for us), in
+    the nursery of `run`.
+    """
+
+    def __init__(self, inodes: InodeTable, kernel: KernelPages | None):
+        self._inodes = inodes
+        self._kernel = kernel
+        self._run_sync = threads.pool(INVALIDATE_THREADS)
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    def source_changed(self, relpath: bytes, identity: SourceIdentity) -> None:
+        inode = self._inodes.inode_of(relpath)
         if inode is None:
             return
-        self.inodes.get(inode).page_identity = None
+        self._inodes.get(inode).page_identity = None
         # the kernel's next read or stat of the file asks its attributes again (the mount's
         # auto_inval_data) and learns the new version from the source (errors.StaleFileError)
-        self.inodes.expire(inode)
-        if self.kernel is not None:
-            self.kernel.invalidate(inode)  # after any store queued before: one FIFO
+        self._inodes.expire(inode)
+        if self._kernel is not None:
+            self._kernel.invalidate(inode)  # after any store queued before: one FIFO
         elif self._nursery is not None:
             self._nursery.start_soon(self._invalidate, inode)
 
     async def _invalidate(self, inode: int) -> None:
         try:
-            # not from inside a handler: the kernel may hold the inode while it waits for us
-            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, inode)
+            await self._run_sync(pyfuse3.invalidate_inode, inode)
         except OSError as exc:
             log.debug("invalidate_inode(%d): %s", inode, exc)
-
-
-for _name in _WRITE_OPS:
-    setattr(Operations, _name, _read_only)

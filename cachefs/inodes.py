@@ -3,9 +3,11 @@
 The kernel names files by inode number; the source by path. This table hands out our own
 inode numbers (1 is the root, as FUSE requires) for relative paths, keeps each one stable while
 the kernel holds a reference (lookup counts, `forget`), and remembers the lstat result it last
-saw with the monotonic time it was taken. That time is how `fuse_ops` decides whether a file's
-identity must be re-checked at open (`metadata_ttl_s`): a changed source file is never served
-from a cache, yet an unchanged one costs no extra round trip to the source.
+saw with the time it was taken (`freshness.now_s`, trio's clock). That time is how `fuse_ops`
+decides whether a file's identity must be re-checked at open or its attributes at getattr
+(`Freshness.trusted`): a changed source file is never served from a cache, yet an unchanged
+one costs no extra round trip to the source. The root's stat, taken before trio's clock runs,
+is stamped `NEVER_S` until the mount stamps it when it starts serving.
 
 It is also the daemon's record of what the kernel holds of each inode, for the kernel data
 plane (cachefs/pagecache.py): whether the kernel has the inode at all (a lookup count above
@@ -27,8 +29,9 @@ from __future__ import annotations
 import math
 import os
 import struct
-import time
 from dataclasses import dataclass
+
+from cachefs.freshness import NEVER_S, now_s
 
 ROOT_INODE = 1  # the same value as pyfuse3.ROOT_INODE; this module does not import pyfuse3
 
@@ -62,7 +65,7 @@ for _index, _name in enumerate(PackedStat.FIELDS):
 class InodeEntry:
     relpath: bytes
     stat: PackedStat  # the last lstat of the source file
-    stat_time_s: float  # time.monotonic() when `stat` was taken
+    stat_time_s: float  # freshness.now_s() when `stat` was asked
     lookups: int = 0
     # The file's index in `manifest` (the order's, when it was asked), cached so that an open
     # does not search the manifest again; a new manifest object means ask again.
@@ -77,7 +80,7 @@ class InodeTable:
         # identity_of(stat) -> SourceIdentity: the source's (Source.identity_of)
         self._identity_of = identity_of
         self._entries: dict[int, InodeEntry] = {
-            ROOT_INODE: InodeEntry(b"", PackedStat.of(root_stat), time.monotonic(), lookups=1)}
+            ROOT_INODE: InodeEntry(b"", PackedStat.of(root_stat), NEVER_S, lookups=1)}
         self._inode_by_path: dict[bytes, int] = {b"": ROOT_INODE}
         self._next_inode = ROOT_INODE + 1
 
@@ -100,7 +103,7 @@ class InodeTable:
         """Record `st` (taken at `stat_time_s`, default now) for `relpath` and return its
         inode; `lookup` counts a kernel reference."""
         inode = self._inode_by_path.get(relpath)
-        now = time.monotonic() if stat_time_s is None else stat_time_s
+        now = now_s() if stat_time_s is None else stat_time_s
         if inode is None:
             inode = self._next_inode
             self._next_inode += 1
@@ -122,7 +125,7 @@ class InodeTable:
                     stat_time_s: float | None = None) -> None:
         entry = self._entries[inode]
         entry.stat = PackedStat.of(st)
-        entry.stat_time_s = time.monotonic() if stat_time_s is None else stat_time_s
+        entry.stat_time_s = now_s() if stat_time_s is None else stat_time_s
 
     def expire(self, inode: int) -> None:
         """The source file changed: its attributes are no longer trusted, so the next lookup

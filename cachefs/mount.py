@@ -1,11 +1,12 @@
 """Builds a mount's objects, runs pyfuse3 under trio, and takes it down cleanly.
 
 `run(config)` is the whole life of a foreground mount: check the paths (clear errors with the
-exit codes of man/cachefs-mount.1), build source -> tiers -> planner -> reader -> operations,
-`pyfuse3.init`, then one root nursery holding the services (SSD admission, prefetcher, order
-watcher, source scan, signal handler) and `pyfuse3.main`. SIGTERM/SIGINT and an external
-`fusermount3 -u` both end `pyfuse3.main`; the nursery is cancelled, the SSD index is closed and
-the kernel mount removed, and `run` returns 0.
+exit codes of man/cachefs-mount.1), build source -> tiers -> read path (reader.build_read_path)
+-> operations, each object after those it uses, `pyfuse3.init`, then one root nursery holding
+the services (kernel invalidation, SSD admission, prefetcher, order watcher, source scan,
+signal handler) and `pyfuse3.main`. SIGTERM/SIGINT and an external `fusermount3 -u` both end
+`pyfuse3.main`; the nursery is cancelled, the SSD index is closed and the kernel mount
+removed, and `run` returns 0.
 
 Daemonizing is the CLI's job (it starts this in a child process and waits for the mount).
 """
@@ -26,13 +27,14 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from cachefs import __version__, errors
+from cachefs import __version__, errors, threads
 from cachefs.cache.ram import RamTier
 from cachefs.mountinfo import mounted_paths, mountinfo
 from cachefs.config import MountConfig
 from cachefs.ctrl import Control
-from cachefs.fuse_ops import Operations
-from cachefs.inodes import InodeTable
+from cachefs.freshness import Freshness
+from cachefs.fuse_ops import KernelInvalidation, Operations
+from cachefs.inodes import ROOT_INODE, InodeTable
 from cachefs.manifest import Manifest, scan_source
 from cachefs.order import load_order
 from cachefs.order_watch import OrderWatcher
@@ -117,7 +119,7 @@ class SourceManifest:
         """The scan, in a worker thread, once the mount serves; a failure is the warning
         `get` logs, never the end of the mount."""
         with contextlib.suppress(OSError):  # `get` logged it
-            await trio.to_thread.run_sync(self.get)
+            await threads.run_one(self.get)
 
 
 class Mount:
@@ -128,6 +130,7 @@ class Mount:
         cache = config.cache
         self.started_at = time.time()
         self.stats = Stats(refetch_window_blocks(cache.ram_bytes, cache.block_bytes))
+        self.freshness = Freshness(config.metadata_ttl_s)
         self.source = Source(config.source, threads=config.prefetch.source_threads,
                              delay_s=config.source_delay_s)
         self.ssd = None
@@ -140,17 +143,19 @@ class Mount:
                        if config.data_plane != "daemon" else None)
         self.data_plane = "daemon" if self.kernel is None else "keep-cache"  # until no-open
         self.close_watcher: CloseWatcher | None = None
-        self.reader = build_read_path(
-            self.source, self.stats, RamTier(cache.ram_bytes), self.ssd,
+        self.invalidation = KernelInvalidation(self.inodes, self.kernel)
+        self.ram = RamTier(cache.ram_bytes)
+        read_path = build_read_path(
+            self.source, self.stats, self.ram, self.ssd, self.freshness,
             block_bytes=cache.block_bytes, source_threads=config.prefetch.source_threads,
             lookahead_items=config.prefetch.lookahead_items,
-            metadata_ttl_s=config.metadata_ttl_s,
             sequential_blocks=config.prefetch.sequential_blocks,
-            kernel=self.kernel, kernel_inodes=self.inodes)
-        self.tiered = self.reader.tiered
-        self.ram = self.tiered.ram
-        self.prefetcher = self.reader.prefetcher
-        self.planner = self.prefetcher.planner
+            kernel=self.kernel, kernel_inodes=self.inodes,
+            on_source_changed=self.invalidation.source_changed)
+        self.planner = read_path.planner
+        self.tiered = read_path.tiered
+        self.prefetcher = read_path.prefetcher
+        self.reader = read_path.reader
         self.source_manifest = SourceManifest(config.source)
         self.watcher = OrderWatcher(config.order_file, self._load_order,
                                     self.prefetcher.set_order, resume=config.resume_order)
@@ -158,12 +163,12 @@ class Mount:
                              threads=config.prefetch.source_threads,
                              order_paths=self._order_paths,
                              all_paths=lambda: list(self.source_manifest.get().paths))
-        self.revalidator = Revalidator(self.source, self.tiered, self.prefetcher, self.inodes,
-                                       metadata_ttl_s=config.metadata_ttl_s)
+        self.revalidator = Revalidator(self.source, self.ram, self.inodes, self.freshness,
+                                       record_identity=self.prefetcher.record_identity,
+                                       source_changed=self.reader.source_changed)
         self.control = Control(self.snapshot, config.order_file, self.warmer.request)
         self.ops = Operations(self.source, self.reader, self.control, self.inodes, self.kernel,
-                              kernel_timeout_s=config.kernel_timeout_s,
-                              metadata_ttl_s=config.metadata_ttl_s)
+                              self.freshness, kernel_timeout_s=config.kernel_timeout_s)
 
     def _order_paths(self) -> list[bytes] | None:
         """The current order's files from the cursor on, for `cachefs warm --order`."""
@@ -231,13 +236,15 @@ class Mount:
         # catch SIGTERM/SIGINT before the mount exists: one sent as soon as it appears must
         # unmount, not kill the process and leave a dead mount behind
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            # the root's stat, taken before trio's clock ran (freshness.py), counts from now
+            self.inodes.update_stat(ROOT_INODE, self.inodes.get(ROOT_INODE).stat)
             pyfuse3.init(self.ops, str(self.config.mountpoint), options)
             log.info("mounted %s at %s", self.config.source, self.config.mountpoint)
             if self.kernel is not None:
                 self.kernel.start()
             try:
                 async with trio.open_nursery() as nursery:
-                    self.ops.bind(nursery)
+                    await nursery.start(self.invalidation.run)
                     nursery.start_soon(_terminate_on_signal, signals)
                     await nursery.start(self.tiered.run)
                     await nursery.start(self.prefetcher.run)
@@ -285,10 +292,8 @@ class Mount:
         trio_token = trio.lowlevel.current_trio_token()
         if reason is None:
             try:
-                await trio.to_thread.run_sync(os.stat, self.config.mountpoint,
-                                              abandon_on_cancel=True)
-                fd = await trio.to_thread.run_sync(
-                    open_close_events, os.fsencode(self.config.mountpoint))
+                await threads.run_abandoning(os.stat, self.config.mountpoint)
+                fd = await threads.run_one(open_close_events, os.fsencode(self.config.mountpoint))
             except OSError as exc:
                 reason = f"fanotify: {exc.strerror}"
         if fd is None:
@@ -338,7 +343,7 @@ async def _raise_read_ahead(mountpoint: Path) -> None:
     """
     target = os.fsencode(os.path.abspath(mountpoint))
     try:
-        await trio.to_thread.run_sync(os.stat, mountpoint, abandon_on_cancel=True)
+        await threads.run_abandoning(os.stat, mountpoint)
         # the last line for the path: a mount over an earlier one at the same point
         devices = [mount.device for mount in mountinfo() if mount.point == target]
         if not devices:

@@ -54,6 +54,7 @@ from typing import Callable
 
 import trio
 
+from cachefs import threads
 from cachefs.errors import OrderError
 from cachefs.manifest import Manifest
 from cachefs.order import FileIdentity, Order, rank_of_file_name, rank_order_path
@@ -220,7 +221,7 @@ class OrderWatcher:
     async def check(self) -> None:
         """Load the order files that are not the ones handled last, and merge what is held."""
         try:
-            found = await trio.to_thread.run_sync(self._list_candidates)
+            found = await threads.run_one(self._list_candidates)
         except FileNotFoundError:
             found = {}  # no directory (yet): nothing published
         except OSError as err:
@@ -290,8 +291,7 @@ class OrderWatcher:
         path = self.order_path.parent / name
         manifests = self._held_manifests(accepted)
         try:
-            order = await trio.to_thread.run_sync(self._load_checked, path, rank, manifests,
-                                                  abandon_on_cancel=True)
+            order = await threads.run_abandoning(self._load_checked, path, rank, manifests)
         except OrderError as err:
             self._reject(str(err), getattr(err, "file", None) or identity, name)
             return None

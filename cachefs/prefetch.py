@@ -1,7 +1,7 @@
 """Carries out the planner's plan: read ahead the window, re-rank RAM on every consumption.
 
 Design. The planner says which items come next and how soon each is used; the RAM tier keeps
-the nearest uses within its budget. This module connects them:
+the nearest uses within its budget, ranked by cachefs/ranking.py. This module connects them:
 
 - `run` is one trio task that walks the planner's window in order and starts a fetch for every
   item not yet in RAM, as long as (a) fewer than `source_threads` fetches are in flight and
@@ -14,15 +14,17 @@ the nearest uses within its budget. This module connects them:
   cheaply, so the tiers stay disjoint) is dropped at once. When the whole order is consumed the
   next order becomes current and every block in RAM is re-ranked; the retained head of the new
   epoch is now the start of its window, with nothing read again.
-- `priority_of` is the single definition of a block's rank, used by the tiered cache when a
-  fetched block lands as well.
+- `Ranking.priority_of` (cachefs/ranking.py) is the single definition of a block's rank, used
+  by the tiered cache when a fetched block lands as well.
 
 Source identities of the order's items are kept in numpy arrays (size, mtime_ns, ino and when
-they were seen). A file with nothing cached is fetched in one source round trip: the fstat of
-that read is its fresh identity. A file with a copy in RAM or on the SSD is stat'ed first (the
-copy is only good for that identity). Either way the identity is fresh, off the reader's path,
-so a reader opening a prefetched file needs no round trip to the source to know its bytes are
-current.
+they were seen, on cachefs/freshness.py's clock). A file with nothing cached is fetched in one
+source round trip: the fstat of that read is its fresh identity. A file with a copy in RAM or
+on the SSD is stat'ed first (the copy is only good for that identity). Either way the identity
+is fresh, off the reader's path, so a reader opening a prefetched file needs no round trip to
+the source to know its bytes are current: identities the freshness rule calls due for a
+refresh are re-checked as the window reaches them, and `known_identity` gives a reader only
+one it still trusts.
 
 Item numbers and manifests. An item number is an index into one manifest and means nothing
 without it: a new manifest (another data set's order on the same mount, a reordered or longer
@@ -46,35 +48,21 @@ the RAM budget in all (`planner.max_span_items`, see planner.py).
 from __future__ import annotations
 
 import logging
-import math
 
 import numpy as np
 import trio
 
 from cachefs.cache.ram import RamTier
 from cachefs.cache.tiered import TieredCache, block_count
-from cachefs.planner import NEVER, Planner
-from cachefs.recent import RecentMap
+from cachefs.freshness import NEVER_S, Freshness, now_s
+from cachefs.planner import Planner
+from cachefs.ranking import Ranking
 from cachefs.source import Source, SourceIdentity
 from cachefs.stats import Stats
 
 log = logging.getLogger(__name__)
 
-# A file of the order stays in the kernel's page cache only (no daemon copy) if its next use
-# is due within this many seconds (kernel_may_keep): well under the idle age at which these VMs
-# reclaim page cache (about 60 s)
-KERNEL_KEEP_S = 20.0
 MAX_SPAN_ITEMS = 2048  # the window's span at most: 8 DataLoader workers' batches of 256
-RATE_WEIGHT = 0.01  # of each new gap between consumptions in the smoothed rate
-MAX_GAP_S = 0.05  # a longer gap between two consumptions counts as this much
-# Files read ahead whose manifest index is remembered for their open (RecentMap): a window is
-# tens of files, opened within a window's time of their read-ahead.
-RECENT_ITEMS = 8192
-BLOCK_TIEBREAK = 1e-6  # keeps a file's blocks in order under one item priority
-# The prefetcher re-stats an identity older than this fraction of metadata_ttl_s, not
-# the whole TTL, so that it is still fresh when the reader opens the file a window later
-# (an identity just under the TTL at prefetch time expired before the open: a round trip).
-REFRESH_AGE_FRACTION = 0.5
 
 
 class ItemMeta:
@@ -84,7 +72,7 @@ class ItemMeta:
         self.size = np.full(manifest_len, -1, np.int64)
         self.mtime_ns = np.zeros(manifest_len, np.int64)
         self.ino = np.zeros(manifest_len, np.int64)
-        self.seen_s = np.full(manifest_len, -math.inf)
+        self.seen_s = np.full(manifest_len, NEVER_S)  # freshness.now_s() when seen
         # running totals of the known sizes, so that mean_size is O(1): the automatic window
         # is recomputed as sizes become known (see Prefetcher._start_fetches)
         self._known_count = 0
@@ -97,12 +85,11 @@ class ItemMeta:
             previous = 0
         self._known_bytes += identity.size - previous
         self.size[item], self.mtime_ns[item], self.ino[item] = identity
-        # trio's clock (time.monotonic in a mount) so that the simulator's virtual clock ages
-        # identities too
-        self.seen_s[item] = trio.current_time()
+        self.seen_s[item] = now_s()
 
-    def identity(self, item: int, max_age_s: float) -> SourceIdentity | None:
-        if self.size[item] < 0 or trio.current_time() - self.seen_s[item] > max_age_s:
+    def identity(self, item: int) -> SourceIdentity | None:
+        """The item's identity as last seen, however long ago; None if never seen."""
+        if self.size[item] < 0:
             return None
         return SourceIdentity(int(self.size[item]), int(self.mtime_ns[item]), int(self.ino[item]))
 
@@ -111,106 +98,43 @@ class ItemMeta:
 
 
 class Prefetcher:
-    def __init__(self, planner: Planner, ram: RamTier, source: Source, stats: Stats, *,
-                 block_bytes: int, source_threads: int, lookahead_items: int,
-                 metadata_ttl_s: float):
+    def __init__(self, planner: Planner, ranking: Ranking, tiered: TieredCache, ram: RamTier,
+                 source: Source, stats: Stats, freshness: Freshness, *, block_bytes: int,
+                 source_threads: int, lookahead_items: int):
         self.planner = planner
+        self.ranking = ranking
+        self.tiered = tiered
         self.ram = ram
         self.source = source
         self.stats = stats
+        self.freshness = freshness
         self.block_bytes = block_bytes
         self.max_inflight = source_threads
         self.configured_lookahead = lookahead_items
-        self.metadata_ttl_s = metadata_ttl_s
-        self.tiered: TieredCache | None = None  # set by attach(); the tiered cache needs us too
         self.meta = ItemMeta(0)
-        self._manifest = None
-        self._member = np.zeros(0, bool)  # items in the current or next order
-        # relpath -> manifest index of files read ahead lately: an open finds its item without
-        # hashing the path (Manifest.index_of was about 5% of the daemon's busy main thread)
-        self._recent_items: RecentMap[bytes, int] = RecentMap(RECENT_ITEMS)
         self._inflight_items: set[int] = set()  # of the manifest in force
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.prefetch_errors = 0
-        # seconds between consumptions, smoothed (kernel_may_keep); None until two are seen
-        self._s_per_item: float | None = None
-        self.kernel_losses = 0  # files of the order lost with the kernel's pages
-        self._last_consumed_s: float | None = None
-
-    def attach(self, tiered: TieredCache) -> None:
-        self.tiered = tiered
 
     def poke(self) -> None:
         self._wake.set()
 
-    # -- ranking ---------------------------------------------------------------------------
-
-    def priority_of(self, item: int, block_index: int, identity: SourceIdentity | None
-                    ) -> float | None:
-        """A block's rank in RAM (smaller = sooner), or None if it should not be kept."""
-        planner = self.planner
-        if not planner.active or item < 0 or not self._in_orders(item):
-            return math.inf  # no known future: plain LRU among such blocks
-        use = planner.next_use(item)
-        if use == NEVER:
-            return None  # consumed and not read again in the known future
-        if use >= planner.length and self._on_ssd(item, block_index, identity):
-            return None  # retained only for the next epoch, and the SSD tier has it
-        return use + block_index * BLOCK_TIEBREAK
-
-    def _in_orders(self, item: int) -> bool:
-        return item < len(self._member) and bool(self._member[item])
-
-    def _on_ssd(self, item: int, block_index: int, identity: SourceIdentity | None) -> bool:
-        ssd = self.tiered.ssd if self.tiered is not None else None
-        if ssd is None or identity is None:
-            return False
-        return ssd.contains((self._manifest.path(item), block_index), identity)
-
-    def _rerank(self, item: int) -> None:
-        relpath = self._manifest.path(item)
-        size = self.meta.size[item]
-        for block_index in range(block_count(max(int(size), 0), self.block_bytes)):
-            key = (relpath, block_index)
-            block = self.ram.get(key)
-            if block is None:
-                continue
-            priority = self.priority_of(item, block_index, block.identity)
-            if priority is None:
-                self.ram.drop(key)
-            else:
-                self.ram.set_priority(key, priority)
-
-    def _rerank_all(self) -> None:
-        self.ram.rebuild(lambda key, block: self.priority_of(block.item, key[1], block.identity))
-
     # -- events from the order watcher and the reader ---------------------------------------
 
     def set_order(self, order) -> None:
-        if order.manifest is not self._manifest:
+        if self.ranking.use_manifest(order.manifest):
             # every item number changes meaning: fetches in flight finish on their own and
             # drop their results (_fetch_item), and the state per item starts over
-            self._manifest = order.manifest
-            self._recent_items.clear()
             self._inflight_items = set()
             self.meta = ItemMeta(len(order.manifest))
             self.stats.track_items(len(order.manifest))
-            self._relabel_ram()
-        self._member = np.zeros(len(order.manifest), bool)
-        self._member[order.current] = True
-        if order.next is not None:
-            self._member[order.next] = True
+        self.ranking.set_members(order.current, order.next)
         if self.planner.set_order(order):
             self.stats.start_epoch(order.epoch)
         self._size_window()
-        self._rerank_all()
+        self.ranking.rerank_all()
         self.poke()
-
-    def _relabel_ram(self) -> None:
-        """A new manifest: blocks in RAM learn their item numbers in it."""
-        for key, block in self.ram.blocks.items():
-            block.item = self._manifest.index_of(key[0])
 
     def _size_window(self) -> None:
         """The window from the RAM budget and the mean file size seen so far: `--lookahead`, or
@@ -236,60 +160,52 @@ class Prefetcher:
 
     @property
     def manifest(self):
-        return self._manifest
+        return self.ranking.manifest
 
     def item_of(self, relpath: bytes) -> int:
-        if self._manifest is None:
-            return -1
-        item = self._recent_items.get(relpath)
-        return item if item is not None else self._manifest.index_of(relpath)
-
-    def item_now(self, relpath: bytes, item: int, manifest) -> tuple[int, object]:
-        """`item`, an index into `manifest`, as numbered in the manifest in force, with that
-        manifest: unchanged while `manifest` is in force, else found again by its path (-1:
-        the new manifest does not have it). Asked after an await by whatever held the
-        number across it (module docstring)."""
-        if manifest is self._manifest:
-            return item, manifest
-        return self.item_of(relpath), self._manifest
+        return self.ranking.item_of(relpath)
 
     def known_identity(self, item: int) -> SourceIdentity | None:
-        if item < 0 or self._manifest is None:
+        """The item's identity, if still trusted (cachefs/freshness.py)."""
+        if item < 0 or self.ranking.manifest is None:
             return None
-        return self.meta.identity(item, self.metadata_ttl_s)
+        identity = self.meta.identity(item)
+        if identity is None or not self.freshness.trusted(self.meta.seen_s[item]):
+            return None
+        return identity
+
+    def _identity_not_due(self, item: int) -> SourceIdentity | None:
+        """The item's identity, unless it is due for a refresh (or unknown)."""
+        identity = self.meta.identity(item)
+        if identity is None or self.freshness.refresh_due(self.meta.seen_s[item]):
+            return None
+        return identity
 
     def record_identity(self, relpath: bytes, identity: SourceIdentity) -> None:
         """A fresh identity of `relpath` learnt outside the read-ahead (a reader's open or
         read, a revalidation): recorded in its item of the manifest in force, found by path
         now, so that one learnt across a manifest change lands in its own file's slot."""
-        item = self.item_of(relpath)
+        item = self.ranking.item_of(relpath)
         if item >= 0:
             self.meta.record(item, identity)
 
     def _record_checked(self, item: int, identity: SourceIdentity) -> None:
         """Record a fresh stat; if the file changed since we last saw it, drop its copies."""
-        known = self.meta.identity(item, math.inf)
+        known = self.meta.identity(item)
         self.meta.record(item, identity)
         if known is not None and known != identity:
-            self.tiered.source_changed(self._manifest.path(item), identity)
+            self.tiered.source_changed(self.ranking.manifest.path(item), identity)
 
     def consumed(self, item: int) -> None:
         if not self.planner.active or item < 0:
             return
-        now_s = trio.current_time()
-        if self._last_consumed_s is not None:
-            # a pause (validation, a checkpoint, the trainer between epochs) is not the rate
-            gap_s = min(now_s - self._last_consumed_s, MAX_GAP_S)
-            self._s_per_item = (gap_s if self._s_per_item is None
-                                else self._s_per_item + RATE_WEIGHT * (gap_s - self._s_per_item))
-        self._last_consumed_s = now_s
+        self.ranking.consumed_at(now_s())
         completed = self.planner.consume(item)
-        self._rerank(item)
+        self.ranking.rerank(item, int(self.meta.size[item]))
         if completed and self.planner.switch_to_next():
             self.stats.start_epoch(self.planner.epoch)
-            self._member[:] = False
-            self._member[self.planner.current] = True
-            self._rerank_all()
+            self.ranking.set_members(self.planner.current)
+            self.ranking.rerank_all()
         self.poke()
 
     # -- the read-ahead loop ---------------------------------------------------------------
@@ -305,7 +221,8 @@ class Prefetcher:
 
     def _start_fetches(self) -> None:
         planner = self.planner
-        if not planner.active or self._manifest is None:
+        manifest = self.ranking.manifest
+        if not planner.active or manifest is None:
             return
         # The window depends on file sizes, and at set_order none may be known yet:
         # recompute it as sizes become known.
@@ -318,33 +235,30 @@ class Prefetcher:
             if item in self._inflight_items:
                 pass
             elif self._resident(item):
-                identity = self.meta.identity(item, self._refresh_age_s())
+                identity = self._identity_not_due(item)
                 if identity is None:
                     # An item kept in RAM (the next epoch's head) has an identity from
                     # the last epoch; without this re-stat off the reader's path, the reader's
                     # open pays a source round trip for every RAM hit (fuse_ops.open).
                     # _fetch_item stats it, finds its blocks resident and pushes them.
                     self._inflight_items.add(item)
-                    self._nursery.start_soon(self._fetch_item, item, self._manifest)
+                    self._nursery.start_soon(self._fetch_item, item, manifest)
                 elif kernel:
                     self._push(item, identity)
             else:
                 size = int(self.meta.size[item])
                 need = min(size if size >= 0 else estimate, self.block_bytes)
-                if not self._room_for(need, self.priority_of(item, 0, None)):
+                if not self._room_for(need, self.ranking.priority_of(item, 0, None)):
                     return  # RAM holds only nearer uses: wait for a consumption
                 self._inflight_items.add(item)
-                self._nursery.start_soon(self._fetch_item, item, self._manifest)
+                self._nursery.start_soon(self._fetch_item, item, manifest)
             planner.scan = position + 1
-
-    def _refresh_age_s(self) -> float:
-        return self.metadata_ttl_s * REFRESH_AGE_FRACTION
 
     def _resident(self, item: int) -> bool:
         size = int(self.meta.size[item])
         if size < 0:
             return False
-        relpath = self._manifest.path(item)
+        relpath = self.ranking.manifest.path(item)
         return all((relpath, b) in self.ram
                    for b in range(block_count(size, self.block_bytes)))
 
@@ -359,7 +273,7 @@ class Prefetcher:
     def _superseded(self, manifest) -> bool:
         """Work started for `manifest` resumes with another in force: its item numbers mean
         other files now, so it stops (module docstring)."""
-        return manifest is not self._manifest
+        return manifest is not self.ranking.manifest
 
     async def _fetch_item(self, item: int, manifest) -> None:
         """Read ahead one item of `manifest`; after every await it stops if the manifest
@@ -368,13 +282,13 @@ class Prefetcher:
         if self._superseded(manifest):
             return  # set_order ran before this task started: not counted in the new set
         relpath = manifest.path(item)
-        self._recent_items.put(relpath, item)
+        self.ranking.remember_item(relpath, item)
         # fetched for this epoch's window: if a reader consumes it first (a demand read, or a
         # close reported while this waited), its blocks are not read again for this epoch
         for_current = self._unconsumed(item)
         try:
             first_block = 0
-            identity = self.meta.identity(item, self._refresh_age_s())
+            identity = self._identity_not_due(item)
             if identity is None and not self._needs_stat(relpath):
                 # Nothing cached to validate: read block 0 at once; the fstat of that read is
                 # the fresh identity, so one source round trip does the work of two.
@@ -422,51 +336,18 @@ class Prefetcher:
                 self._inflight_items.discard(item)
             self.poke()
 
-    # -- the kernel's page cache ------------------------------------------------------------
-    #
     # The files of the window are stored into the kernel's page cache (TieredCache.push) as
     # the window reaches them (a file kept in RAM) or as their read lands, so a reader opens
     # them with no READ to send. The daemon keeps its own copy of a pushed file until its
-    # reader lets go of it (the kernel may drop pages at any time); then `kernel_may_keep`
-    # decides which copy stays.
-
-    def kernel_may_keep(self, item: int, priority: float | None) -> bool:
-        """Whether the kernel's pages of a file a reader is done with may be its only copy
-        (the daemon's goes): yes for a file with no known future (LRU among such files, as
-        the RAM tier ranks them), and for one read again within KERNEL_KEEP_S at the rate
-        files are being consumed, the next epoch's head included, as long as the kernel has
-        never lost pages it was trusted with. Page cache is reclaimable (memory pressure,
-        `drop_caches`, these VMs' idle-page reclaim after about 60 s, hence the time limit):
-        once the kernel has forgotten a file kept this way (`note_kernel_loss`), the daemon
-        keeps its own copy of the next epoch's head, and the kernel's pages are dropped,
-        so that the head the policy keeps across the epoch boundary survives.
-        `priority`: the file's first block's in the RAM tier (None: not kept)."""
-        if priority is None:
-            return False
-        if math.isinf(priority):
-            return True
-        if self._s_per_item is None or (self.kernel_losses
-                                        and priority >= self.planner.length):
-            return False
-        return (priority - self.planner.cursor) * self._s_per_item <= KERNEL_KEEP_S
-
-    def note_kernel_loss(self) -> None:
-        """The kernel forgot the inode, and the pages, of a file of the manifest that only it
-        held (`drop_caches`, inode reclaim). Pages reclaimed from an inode it keeps show as a
-        READ of a block only the kernel held; those are counted as the misses they are, but
-        do not switch this off: a READ can also come for pages being stored (not yet
-        measured apart)."""
-        if not self.kernel_losses:
-            log.info("the kernel forgot files of the order that only it held: the daemon "
-                     "keeps its own copy of the next epoch's head from now on")
-        self.kernel_losses += 1
+    # reader lets go of it (the kernel may drop pages at any time); then
+    # `Ranking.kernel_may_keep` decides which copy stays.
 
     def _unconsumed(self, item: int) -> bool:
         pos_cur = self.planner.pos_cur
         return item < len(pos_cur) and pos_cur[item] >= 0
 
     def _push(self, item: int, identity: SourceIdentity) -> None:
-        self.tiered.push(self._manifest.path(item), identity,
+        self.tiered.push(self.ranking.manifest.path(item), identity,
                          range(block_count(identity.size, self.block_bytes)))
 
     def _revisit(self, item: int, block_index: int, identity: SourceIdentity | None) -> None:
@@ -475,7 +356,7 @@ class Prefetcher:
         reservation, e.g. to several files of unknown size started at once), so walk the
         window again from the cursor, or the item would never be read ahead. A block not worth
         keeping (its only use is next epoch's and the SSD holds it) is left to the SSD."""
-        if self.priority_of(item, block_index, identity) is not None:
+        if self.ranking.priority_of(item, block_index, identity) is not None:
             self.planner.scan = self.planner.cursor
 
     def _needs_stat(self, relpath: bytes) -> bool:
@@ -512,4 +393,4 @@ class Prefetcher:
 
     def status(self) -> dict:
         return {"inflight": len(self._inflight_items), "errors": self.prefetch_errors,
-                "kernel_losses": self.kernel_losses}
+                "kernel_losses": self.ranking.kernel_losses}

@@ -21,28 +21,35 @@ daemon, so its hits are counted at open (each block classified as a READ would h
 its consumption at release: the stats of a pass are the same whichever way the bytes went. In
 the zero-request mode there is no open: `handle_without_open` serves the READs that come, and
 `closed_without_reads` counts a file the kernel served whole, when its close is reported.
-At release the kernel's copy is settled (`_settle_pages`, `Prefetcher.kernel_may_keep`): a
+At release the kernel's copy is settled (`_settle_pages`, `Ranking.kernel_may_keep`): a
 file the kernel holds whole whose next use is soon, or unknown (no order: LRU among such
 files), stays in the kernel only, and the daemon's copy goes; any other file's pages are
 dropped, so that the kernel holds nothing the RAM budget does not count and nothing it may lose
 before it is needed (a file of the order is pushed again when the window reaches it).
+
+Wiring (`build_read_path`, the one wiring of the mount and the simulator): planner, ranking,
+tiered cache, prefetcher, reader, each built after the objects it uses and given them at
+construction, so that no object is told of another after it is built. The reader's public
+methods are all that fuse_ops touches of the read path.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-
-import trio
+from typing import Callable
 
 from cachefs import errors
 from cachefs import stats as stats_mod
 from cachefs.cache.ram import RamTier
 from cachefs.cache.tiered import KernelInodes, TieredCache, block_count
+from cachefs.freshness import Freshness, now_s
 from cachefs.pagecache import KernelPages
 from cachefs.planner import Planner
 from cachefs.prefetch import Prefetcher
+from cachefs.ranking import Ranking
 from cachefs.source import SourceIdentity
+from cachefs.threads import RunSync
 
 log = logging.getLogger(__name__)
 
@@ -84,22 +91,46 @@ class OpenFile:
 
 
 class Reader:
-    def __init__(self, tiered: TieredCache, prefetcher: Prefetcher, stats: stats_mod.Stats,
-                 *, block_bytes: int, sequential_blocks: int):
-        self.tiered = tiered
-        self.prefetcher = prefetcher
-        self.stats = stats
+    def __init__(self, planner: Planner, ranking: Ranking, tiered: TieredCache,
+                 prefetcher: Prefetcher, stats: stats_mod.Stats, *, block_bytes: int,
+                 sequential_blocks: int):
+        self._planner = planner
+        self._ranking = ranking
+        self._tiered = tiered
+        self._prefetcher = prefetcher
+        self._stats = stats
         self.block_bytes = block_bytes
         self.sequential_blocks = sequential_blocks
         self.kernel_opens = 0  # opens of files the kernel held whole (no READ needed)
+
+    # -- what fuse_ops asks besides reads ---------------------------------------------------
+
+    @property
+    def manifest(self):
+        """The manifest in force: item numbers index it (prefetch.py's module docstring)."""
+        return self._ranking.manifest
+
+    def item_of(self, relpath: bytes) -> int:
+        """The file's index in the manifest in force; -1 if it is in none."""
+        return self._ranking.item_of(relpath)
+
+    def source_changed(self, relpath: bytes, identity: SourceIdentity) -> None:
+        """The source's file is now `identity`: every cached copy of another version goes."""
+        self._tiered.source_changed(relpath, identity)
+
+    def kernel_forgot(self, relpath: bytes) -> None:
+        """The kernel forgot the file's inode, and with it its pages of the file."""
+        self._tiered.kernel_forgot(relpath)
+
+    # -- files -------------------------------------------------------------------------------
 
     async def open(self, inode: int, relpath: bytes, item: int,
                    recent: SourceIdentity | None, pages_of: SourceIdentity | None = None
                    ) -> OpenFile:
         """A handle on one file, with its current source identity.
 
-        The identity is the one the prefetcher saw within the metadata TTL, else `recent`
-        (the caller's stat, if within the TTL), else fresh from the source: the read of the
+        The identity is the one the prefetcher saw, if still trusted (cachefs/freshness.py),
+        else `recent` (the caller's stat, if still trusted), else fresh from the source: the read of the
         file's first block if one is in flight, or an open and fstat. Waiting for the source
         here is a stall like any other. Waiting for the file's data in flight makes it a miss;
         a RAM hit that only needed a fresh stat stays a RAM hit.
@@ -107,17 +138,17 @@ class Reader:
         `pages_of`: the version of the file whose pages the kernel may hold (None: none). The
         kernel keeps them if they are of the version opened (see the module docstring).
         """
-        identity = self.prefetcher.known_identity(item) or recent
-        handle = OpenFile(inode, relpath, identity, item, self.prefetcher.manifest,
-                          epoch_record=self.stats.current,
-                          order_serial=self.prefetcher.planner.order_serial)
+        identity = self._prefetcher.known_identity(item) or recent
+        handle = OpenFile(inode, relpath, identity, item, self._ranking.manifest,
+                          epoch_record=self._stats.current,
+                          order_serial=self._planner.order_serial)
         if identity is None:
-            started_s = trio.current_time()
-            handle.identity, waited_for_data = await self.tiered.fresh_identity(relpath)
-            handle.stall_s = trio.current_time() - started_s
+            started_s = now_s()
+            handle.identity, waited_for_data = await self._tiered.fresh_identity(relpath)
+            handle.stall_s = now_s() - started_s
             if waited_for_data:
                 handle.origin = stats_mod.ORIGIN_MISS
-            self.prefetcher.record_identity(relpath, handle.identity)
+            self._prefetcher.record_identity(relpath, handle.identity)
         if pages_of is not None and pages_of == handle.identity:
             self._kernel_holds(handle)
         return handle
@@ -125,7 +156,7 @@ class Reader:
     def _kernel_holds(self, handle: OpenFile) -> bool:
         """If the kernel holds the whole file, mark the handle served from its pages (each
         block counted as a READ would count it) and say so."""
-        blocks = self.tiered.file_blocks(handle.relpath, handle.identity)
+        blocks = self._tiered.file_blocks(handle.relpath, handle.identity)
         if blocks is None or not all(block.in_kernel for _, block in blocks):
             return False
         handle.kernel_whole = True
@@ -138,9 +169,9 @@ class Reader:
                             identity: SourceIdentity) -> OpenFile:
         """A handle for reads that came with no OPEN (the zero-request mode, fuse_ops): the
         file's last known identity; its READs check it against the source's as they read."""
-        return OpenFile(inode, relpath, identity, item, self.prefetcher.manifest,
-                        epoch_record=self.stats.current,
-                        order_serial=self.prefetcher.planner.order_serial,
+        return OpenFile(inode, relpath, identity, item, self._ranking.manifest,
+                        epoch_record=self._stats.current,
+                        order_serial=self._planner.order_serial,
                         consume_at_release=True)
 
     def closed_without_reads(self, inode: int, relpath: bytes, item: int,
@@ -157,7 +188,7 @@ class Reader:
         the handle's class counts where it came from, once per load (stats.py)."""
         origin = stats_mod.ORIGIN_RAM if block.served else block.origin
         block.served = True
-        self.tiered.ram.touch(key, block)
+        self._tiered.ram.touch(key, block)
         handle.origin = max(handle.origin, origin)
 
     async def read(self, handle: OpenFile, offset: int, size: int) -> bytes:
@@ -189,23 +220,22 @@ class Reader:
         may replace its own; any other change is a StaleFileError."""
         handle.blocks_read.add(block_index)
         key = (handle.relpath, block_index)
-        block = self.tiered.lookup(key, handle.identity)
+        block = self._tiered.lookup(key, handle.identity)
         if block is not None:  # the hot path: no await
             self._served(handle, key, block)
             return block.data
-        # trio's clock (time.monotonic in a mount) so the simulator's virtual clock measures
-        # stalls too
-        started_s = trio.current_time()
-        fetched = await self.tiered.fetch(key, handle.identity, handle.item, handle.manifest,
+        # the one clock (freshness.py), so that the simulator's virtual clock measures stalls too
+        started_s = now_s()
+        fetched = await self._tiered.fetch(key, handle.identity, handle.item, handle.manifest,
                                           demand=True)
         if fetched.origin == stats_mod.ORIGIN_MISS:
-            handle.stall_s += trio.current_time() - started_s
+            handle.stall_s += now_s() - started_s
         handle.origin = max(handle.origin, fetched.origin)
-        cached = self.tiered.ram.get(key)
+        cached = self._tiered.ram.get(key)
         if cached is not None:
             cached.served = True
         if fetched.identity != handle.identity:
-            self.prefetcher.record_identity(handle.relpath, fetched.identity)
+            self._prefetcher.record_identity(handle.relpath, fetched.identity)
             if not may_switch or fetched.identity.size != handle.identity.size:
                 # One handle, one version: the handle keeps the one the kernel was given, and
                 # its every read fails from now on rather than mix two (errors.StaleFileError)
@@ -221,10 +251,10 @@ class Reader:
             return
         total = block_count(handle.identity.size, self.block_bytes)
         wanted = range(last_block + 1, min(total, last_block + 1 + self.sequential_blocks))
-        self.prefetcher.read_ahead(handle.relpath, handle.identity, handle.item,
+        self._prefetcher.read_ahead(handle.relpath, handle.identity, handle.item,
                                    handle.manifest, wanted)
         # those already in RAM go to the kernel's pages: the reader finds them there
-        self.tiered.push(handle.relpath, handle.identity, wanted)
+        self._tiered.push(handle.relpath, handle.identity, wanted)
 
     def _consume(self, handle: OpenFile) -> None:
         if handle.consumed:
@@ -232,9 +262,9 @@ class Reader:
         handle.consumed = True
         # the same plan: the item numbers are those the handle holds (a manifest with other
         # paths is always a new plan, planner.set_order)
-        if handle.order_serial == self.prefetcher.planner.order_serial:
-            handle.epoch_record = self.stats.current
-            self.prefetcher.consumed(handle.item)
+        if handle.order_serial == self._planner.order_serial:
+            handle.epoch_record = self._stats.current
+            self._prefetcher.consumed(handle.item)
         # else the order it was read for was replaced while it was open: it counts in the
         # epoch it was opened in and consumes nothing of the new order
 
@@ -248,35 +278,53 @@ class Reader:
             return
         if handle.bytes_served:
             self._consume(handle)
-        self.stats.file_read(handle.origin, handle.stall_s, handle.bytes_served,
+        self._stats.file_read(handle.origin, handle.stall_s, handle.bytes_served,
                              record=handle.epoch_record)
         if last:
             self._settle_pages(handle)
 
     def _settle_pages(self, handle: OpenFile) -> None:
         """What the kernel keeps of a file the last reader let go (module docstring)."""
-        first = self.tiered.ram.get((handle.relpath, 0))
+        first = self._tiered.ram.get((handle.relpath, 0))
         priority = first.priority if first is not None else None
-        if self.prefetcher.kernel_may_keep(handle.item, priority):
-            self.tiered.hand_to_kernel(handle.relpath, handle.identity, handle.blocks_read)
+        if self._ranking.kernel_may_keep(handle.item, priority):
+            self._tiered.hand_to_kernel(handle.relpath, handle.identity, handle.blocks_read)
         elif handle.read_called or handle.kernel_whole:
-            self.tiered.drop_pages(handle.relpath, handle.identity.size)
+            self._tiered.drop_pages(handle.relpath, handle.identity.size)
 
 
-def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, *, block_bytes: int,
-                    source_threads: int, lookahead_items: int, metadata_ttl_s: float,
+@dataclass(frozen=True)
+class ReadPath:
+    """The read path's objects (build_read_path), for whoever runs their services and reports
+    their state (mount.py, sim.py)."""
+
+    planner: Planner
+    ranking: Ranking
+    tiered: TieredCache
+    prefetcher: Prefetcher
+    reader: Reader
+
+
+def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, freshness: Freshness, *,
+                    block_bytes: int, source_threads: int, lookahead_items: int,
                     sequential_blocks: int, kernel: KernelPages | None = None,
-                    kernel_inodes: KernelInodes | None = None) -> Reader:
-    """Planner, prefetcher, tiered cache and reader, wired; the one wiring used by the mount
-    and the simulator, so that what the simulator tests is what the mount runs. `kernel` and
-    `kernel_inodes`: the kernel data plane (None: the daemon serves every READ)."""
-    prefetcher = Prefetcher(Planner(lookahead_items or 1), ram, source, stats,
-                            block_bytes=block_bytes, source_threads=source_threads,
-                            lookahead_items=lookahead_items, metadata_ttl_s=metadata_ttl_s)
-    tiered = TieredCache(ram, source, stats, block_bytes, prefetcher.priority_of, ssd=ssd,
+                    kernel_inodes: KernelInodes | None = None,
+                    on_source_changed: Callable[[bytes, SourceIdentity], None] | None = None,
+                    run_ssd: RunSync | None = None) -> ReadPath:
+    """Planner, ranking, tiered cache, prefetcher and reader, wired in that order (each is
+    given the ones it uses when it is built); the one wiring used by the mount and the
+    simulator, so that what the simulator tests is what the mount runs. `kernel` and
+    `kernel_inodes`: the kernel data plane (None: the daemon serves every READ).
+    `on_source_changed(relpath, identity)`: a file changed at the source (its cached copies
+    are gone). `run_ssd`: the worker-thread hop of the SSD tier's calls (None: threads)."""
+    planner = Planner(lookahead_items or 1)
+    ranking = Ranking(planner, ram, ssd, block_bytes=block_bytes)
+    tiered = TieredCache(ram, source, stats, block_bytes, ranking, ssd=ssd, run_ssd=run_ssd,
                          kernel=kernel, kernel_inodes=kernel_inodes,
-                         item_now=prefetcher.item_now)
-    tiered.on_kernel_loss = prefetcher.note_kernel_loss
-    prefetcher.attach(tiered)
-    return Reader(tiered, prefetcher, stats, block_bytes=block_bytes,
-                  sequential_blocks=sequential_blocks)
+                         on_source_changed=on_source_changed)
+    prefetcher = Prefetcher(planner, ranking, tiered, ram, source, stats, freshness,
+                            block_bytes=block_bytes, source_threads=source_threads,
+                            lookahead_items=lookahead_items)
+    reader = Reader(planner, ranking, tiered, prefetcher, stats, block_bytes=block_bytes,
+                    sequential_blocks=sequential_blocks)
+    return ReadPath(planner, ranking, tiered, prefetcher, reader)

@@ -8,9 +8,10 @@ the kernel's attributes and pages of the file before another open can keep them.
 
 Where the checks happen, so that an open waits for none of them:
 - the read-ahead re-checks the files of the order before the reader gets to them (prefetch.py);
-- this task re-checks every other file the RAM tier holds once its identity is half a TTL old:
-  every quarter of a TTL it collects them and lstats them in batches of `BATCH_FILES`, one
-  worker-thread hop per batch (not one per file, and none on an open);
+- this task re-checks every other file the RAM tier holds once its identity is due for a
+  refresh (`Freshness.refresh_due`, half a TTL old): every quarter of a TTL it collects them
+  and lstats them in batches of `BATCH_FILES`, one worker-thread hop per batch (not one per
+  file, and none on an open);
 - in the keep-cache mode, an open of a cached file whose identity has expired anyway (this
   task fell behind, or the TTL is 0) checks it itself, one source round trip (fuse_ops.open,
   reader.Reader.open). The zero-request mode has no open: there the sweeps are the contract,
@@ -24,10 +25,12 @@ expects of a training set.
 from __future__ import annotations
 
 import logging
-import time
+from typing import Callable
 
 import trio
 
+from cachefs.cache.ram import RamTier
+from cachefs.freshness import Freshness, now_s
 from cachefs.source import Source, SourceIdentity
 
 log = logging.getLogger(__name__)
@@ -38,12 +41,18 @@ GONE = SourceIdentity(-1, 0, 0)  # the identity of a file the source no longer h
 
 
 class Revalidator:
-    def __init__(self, source: Source, tiered, prefetcher, inodes, *, metadata_ttl_s: float):
+    def __init__(self, source: Source, ram: RamTier, inodes, freshness: Freshness, *,
+                 record_identity: Callable[[bytes, SourceIdentity], None],
+                 source_changed: Callable[[bytes, SourceIdentity], None]):
+        """`record_identity(relpath, identity)`: a fresh identity, for the read-ahead
+        (Prefetcher.record_identity); `source_changed(relpath, identity)`: the file changed,
+        its cached copies go (Reader.source_changed)."""
         self.source = source
-        self.tiered = tiered
-        self.prefetcher = prefetcher
+        self.ram = ram
         self.inodes = inodes
-        self.metadata_ttl_s = metadata_ttl_s
+        self.freshness = freshness
+        self._record_identity = record_identity
+        self._source_changed = source_changed
         self.sweeps = 0
         self.checked = 0
         self.changed = 0
@@ -52,29 +61,29 @@ class Revalidator:
         task_status.started()
         # with a TTL of 0 opens check their file in the keep-cache mode; the zero-request
         # mode has no open to check at, so the sweeps run as often as they may
-        interval_s = max(MIN_INTERVAL_S, self.metadata_ttl_s / 4)
+        interval_s = max(MIN_INTERVAL_S, self.freshness.ttl_s / 4)
         while True:
             await trio.sleep(interval_s)
             await self.sweep()
 
     def _due(self) -> list[bytes]:
-        """Files the RAM tier holds whose identity is over half a TTL old. A file the kernel
+        """Files the RAM tier holds whose identity is due for a refresh. A file the kernel
         has no inode for is skipped: the lookup that must come before its open stats it."""
-        now_s = time.monotonic()
-        limit_s = self.metadata_ttl_s / 2
+        at_s = now_s()
         due = []
-        for relpath, block_index in list(self.tiered.ram.blocks):
+        for relpath, block_index in list(self.ram.blocks):
             if block_index:
                 continue
             inode = self.inodes.inode_of(relpath)
-            if inode is not None and now_s - self.inodes.get(inode).stat_time_s > limit_s:
+            if inode is not None and self.freshness.refresh_due(
+                    self.inodes.get(inode).stat_time_s, at_s=at_s):
                 due.append(relpath)
         return due
 
     async def sweep(self) -> None:
         due = self._due()
         for start in range(0, len(due), BATCH_FILES):
-            asked_s = time.monotonic()
+            asked_s = now_s()
             results = await self.source.lstat_many(due[start:start + BATCH_FILES])
             for relpath, st in results:
                 self._apply(relpath, st, asked_s)
@@ -93,14 +102,14 @@ class Revalidator:
                 # still the version the kernel was given: trusted for another TTL. A changed
                 # one is not recorded here: the inode table holds what the kernel was told,
                 # and the kernel learns the new version by its next lookup or stat
-                # (fuse_ops._source_changed)
+                # (fuse_ops.KernelInvalidation)
                 self.inodes.update_stat(inode, st, asked_s)
-            self.prefetcher.record_identity(relpath, identity)
-        block = self.tiered.ram.get((relpath, 0))
+            self._record_identity(relpath, identity)
+        block = self.ram.get((relpath, 0))
         if block is not None and block.identity != identity:
             log.info("source file changed: %r", relpath)
             self.changed += 1
-            self.tiered.source_changed(relpath, identity)
+            self._source_changed(relpath, identity)
 
     def status(self) -> dict:
         return {"sweeps": self.sweeps, "checked": self.checked, "changed": self.changed}

@@ -6,9 +6,10 @@ never exceeded, no block read twice in one epoch. Checking them against a real m
 storage takes minutes and is noisy. Here the same claims are checked in a fraction of a second
 of real time, deterministically.
 
-What is real and what is simulated. `simulate` builds the real `Planner`, `RamTier`,
-`Prefetcher`, `TieredCache`, `Reader` and `Stats` with `cachefs.reader.build_read_path`, the wiring
-`cachefs.mount.Mount` uses too. Only the edges are fakes:
+What is real and what is simulated. `simulate` builds the real `Planner`, `Ranking`, `RamTier`,
+`Prefetcher`, `TieredCache`, `Reader`, `Freshness` and `Stats` with
+`cachefs.reader.build_read_path`, the wiring `cachefs.mount.Mount` uses too. Only the edges are
+fakes, passed in through that wiring (no library is patched):
 - `SimSource` has the interface the code uses from `cachefs.source.Source` (`read_block`,
   `lstat`, `check_readable`, `identity_of`). Every request holds one slot of a
   `trio.CapacityLimiter(parallelism)` and sleeps `latency_s` (plus `size / bandwidth` when a
@@ -21,11 +22,12 @@ What is real and what is simulated. `simulate` builds the real `Planner`, `RamTi
   `SimKernelInodes`, a kernel that holds every file's inode: the read path decides what to
   push and drop exactly as in a mount, and a file whose open finds it whole in the kernel is
   read with no request (`Reader.open`'s `kernel_whole`), as the kernel would serve it.
-- Time is trio's virtual clock (`MockClock(autojump_threshold=0)`): whenever every task waits,
-  the clock jumps to the next deadline, so three epochs of thousands of items take well under
-  a second. A real worker thread would let the clock jump while it runs, so during a run the
-  tiered cache's thread calls into the SimSsd run inline after a virtual `ssd_latency_s` (see
-  `_inline_ssd_calls`); nothing else uses threads.
+- Time is trio's virtual clock (`MockClock(autojump_threshold=0)`), the one clock the read
+  path times and ages identities on (cachefs/freshness.py): whenever every task waits, the
+  clock jumps to the next deadline, so three epochs of thousands of items take well under a
+  second. A real worker thread would let the clock jump while it runs, so the tiered cache is
+  given a worker-thread hop (`run_ssd`) that runs its calls into the SimSsd inline after a
+  virtual `ssd_latency_s` (`inline_ssd_calls`); nothing else uses threads.
 
 The consumer plays the trainer. For each epoch it publishes an `Order` (current = this
 epoch's permutation, next = the following one) through `prefetcher.set_order`, as the order
@@ -58,13 +60,15 @@ import trio.testing
 
 from cachefs import stats as stats_mod
 from cachefs.cache.ram import RamTier
-from cachefs.cache.tiered import block_length
+from cachefs.cache.tiered import SSD_THREADS, block_length
 from cachefs.config import KIB, MIB
+from cachefs.freshness import Freshness
 from cachefs.order import Manifest, Order, permutation
 from cachefs.pagecache import KernelPages
 from cachefs.reader import build_read_path
 from cachefs.source import BlockData, SourceIdentity
 from cachefs.stats import Stats, refetch_window_blocks
+from cachefs.threads import RunSync
 
 log = logging.getLogger(__name__)
 
@@ -299,31 +303,21 @@ class SimSsd:
         pass
 
 
-@contextlib.contextmanager
-def _inline_ssd_calls(ssd: SimSsd | None, latency_s: float):
-    """Run the tiered cache's worker-thread calls into `ssd` inline, after a virtual delay.
+def inline_ssd_calls(latency_s: float, threads: int = SSD_THREADS) -> RunSync:
+    """The tiered cache's worker-thread hop for a `SimSsd`: each call runs inline, holding
+    one of `threads` slots, after a virtual delay of `latency_s`.
 
     The SimSsd does no blocking I/O, and under the MockClock a real thread lets virtual time
-    jump ahead while it runs, which would make SSD reads cost an arbitrary time. Every other
-    call still goes to the real `trio.to_thread.run_sync`.
+    jump ahead while it runs, which would make SSD reads cost an arbitrary time.
     """
-    original = trio.to_thread.run_sync
-    if ssd is None:
-        yield
-        return
+    limiter = trio.CapacityLimiter(threads)
 
-    async def run_sync(fn, *args, limiter=None, **kwargs):
-        if getattr(fn, "__self__", None) is not ssd:
-            return await original(fn, *args, limiter=limiter, **kwargs)
-        async with limiter if limiter is not None else contextlib.nullcontext():
+    async def run_sync(fn, *args):
+        async with limiter:
             await trio.sleep(latency_s)
             return fn(*args)
 
-    trio.to_thread.run_sync = run_sync
-    try:
-        yield
-    finally:
-        trio.to_thread.run_sync = original
+    return run_sync
 
 
 @contextlib.contextmanager
@@ -398,14 +392,16 @@ class Sim:
         self.ram = _ObservedRamTier(config.ram_bytes)
         self.kernel = (KernelPages(lambda inode, offset, data: None, lambda inode: None)
                        if config.kernel_cache else None)
-        self.reader = build_read_path(
-            self.source, self.stats, self.ram, self.ssd, block_bytes=config.block_bytes,
-            source_threads=config.parallelism, lookahead_items=config.lookahead_items,
-            metadata_ttl_s=config.metadata_ttl_s, sequential_blocks=config.sequential_blocks,
-            kernel=self.kernel, kernel_inodes=SimKernelInodes(self.manifest))
-        self.tiered = self.reader.tiered
-        self.prefetcher = self.reader.prefetcher
-        self.planner = self.prefetcher.planner
+        read_path = build_read_path(
+            self.source, self.stats, self.ram, self.ssd, Freshness(config.metadata_ttl_s),
+            block_bytes=config.block_bytes, source_threads=config.parallelism,
+            lookahead_items=config.lookahead_items, sequential_blocks=config.sequential_blocks,
+            kernel=self.kernel, kernel_inodes=SimKernelInodes(self.manifest),
+            run_ssd=inline_ssd_calls(config.ssd_latency_s))
+        self.planner = read_path.planner
+        self.tiered = read_path.tiered
+        self.prefetcher = read_path.prefetcher
+        self.reader = read_path.reader
         rng = np.random.default_rng(config.seed)
         self.jitter_s = rng.uniform(0, config.open_jitter_s, (config.epochs, n))
         self.data_errors = 0
@@ -520,7 +516,7 @@ class Sim:
 def simulate(config: SimConfig) -> SimResult:
     """Run the trace on virtual time; see the module docstring."""
     sim = Sim(config)
-    with _inline_ssd_calls(sim.ssd, config.ssd_latency_s), _seeded_scheduler(config.seed):
+    with _seeded_scheduler(config.seed):
         epochs = trio.run(sim.main, clock=trio.testing.MockClock(autojump_threshold=0))
     # backend reads of the window's next-epoch items count in the epoch that made them, until
     # the switch; read the counters once the run is over
@@ -537,7 +533,7 @@ def run_script(config: SimConfig, script):
     sequences the trainer of `simulate` does not make (orders over other manifests published
     while fetches are in flight). Returns what the script returns."""
     sim = Sim(config)
-    with _inline_ssd_calls(sim.ssd, config.ssd_latency_s), _seeded_scheduler(config.seed):
+    with _seeded_scheduler(config.seed):
         return trio.run(sim.serving, lambda: script(sim),
                         clock=trio.testing.MockClock(autojump_threshold=0))
 

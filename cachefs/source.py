@@ -1,7 +1,7 @@
 """The slow source directory: every access to it, and nothing else.
 
 The source may be NFS, Lustre, sshfs or a spinning disk, where one call can take milliseconds.
-So every call runs in a worker thread (`cachefs.threads.run_sync`, a leaner hop than
+So every call runs in a worker thread (`cachefs.threads.pool`, a leaner hop than
 `trio.to_thread.run_sync` for this, the daemon's busiest one) holding one of a fixed number of
 slots: that number is how many source requests are in flight at once, which is what hides the
 source's latency. There are two sets: read-ahead and warming (`background=True`) share
@@ -24,10 +24,11 @@ Identities are made only by `identity_of`, which leaves the inode number out on 
 forgets one (after `drop_caches`, or a remount), which would make every cached copy look stale.
 
 Stats are remembered (a bounded memo of the latest stat of each recently seen path, with the
-time it was taken), so that a lookup of a file the prefetcher has just read is answered from the
-fstat of that read instead of a second round trip: on network storage that round trip was the
-reader's whole wait per file once the data was read ahead. `lstat_recent` is the only reader of
-the memo, and it honours the caller's `max_age_s` (the mount's metadata TTL).
+time it was asked, `freshness.now_s`), so that a lookup of a file the prefetcher has just read is
+answered from the fstat of that read instead of a second round trip: on network storage that
+round trip was the reader's whole wait per file once the data was read ahead. `lstat_recent`
+is the only reader of the memo, and uses a remembered stat only while the caller's
+`Freshness` trusts it (the mount's metadata TTL).
 
 `delay_s` is a testing aid (`--source-delay-ms`): it sleeps before every open and every read,
 in the worker thread, to turn a fast local directory into a slow one.
@@ -47,6 +48,7 @@ from typing import NamedTuple
 
 from cachefs import threads as threads_mod
 from cachefs.beneath import open_beneath, proc_path
+from cachefs.freshness import Freshness, now_s
 from cachefs.mountinfo import filesystem_type
 from cachefs.recent import RecentMap
 
@@ -85,10 +87,10 @@ class Source:
         self._root_fd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         weakref.finalize(self, os.close, self._root_fd)
         self.stable_inodes = not filesystem_type(self.root).startswith(b"fuse")
-        self.background_slots = threads_mod.Slots(threads)
-        self.demand_slots = threads_mod.Slots(DEMAND_THREADS)
+        self._background = threads_mod.pool(threads)
+        self._demand = threads_mod.pool(DEMAND_THREADS)
         self.delay_s = delay_s
-        # relpath -> (latest stat, time.monotonic() before it was asked)
+        # relpath -> (latest stat, freshness.now_s() before it was asked)
         self._recent_stats: RecentMap[bytes, tuple[os.stat_result, float]] = \
             RecentMap(RECENT_STATS)
         # requests made to the source, by kind, and stats answered from the memo instead
@@ -103,8 +105,7 @@ class Source:
         return open_beneath(self._root_fd, relpath, os.O_PATH)
 
     async def _run(self, fn, *args, background: bool = False):
-        slots = self.background_slots if background else self.demand_slots
-        return await threads_mod.run_sync(slots, fn, *args)
+        return await (self._background if background else self._demand)(fn, *args)
 
     # -- metadata --------------------------------------------------------------------------
 
@@ -116,21 +117,21 @@ class Source:
             os.close(fd)
 
     async def lstat(self, relpath: bytes, *, background: bool = False) -> os.stat_result:
-        asked_s = time.monotonic()
+        asked_s = now_s()
         self.requests["lstat"] += 1
         st = await self._run(self.lstat_sync, relpath, background=background)
         self._remember(relpath, st, asked_s)
         return st
 
-    async def lstat_recent(self, relpath: bytes, max_age_s: float
+    async def lstat_recent(self, relpath: bytes, freshness: Freshness
                            ) -> tuple[os.stat_result, float]:
-        """An lstat at most `max_age_s` old, and the time.monotonic() it was taken: the
-        remembered one if fresh enough (no round trip), else a new one."""
+        """An lstat `freshness` trusts, and the freshness.now_s() it was asked: the
+        remembered one if still trusted (no round trip), else a new one."""
         seen = self._recent_stats.get(relpath)
-        if seen is not None and time.monotonic() - seen[1] <= max_age_s:
+        if seen is not None and freshness.trusted(seen[1]):
             self.stats_reused += 1
             return seen
-        asked_s = time.monotonic()
+        asked_s = now_s()
         return await self.lstat(relpath), asked_s
 
     def status(self) -> dict:
@@ -144,7 +145,7 @@ class Source:
         """lstat of each path in one worker-thread call (a batch costs one hop, not one per
         file); a path that fails gets its OSError in place of the stat. Remembered as
         `lstat`'s are."""
-        asked_s = time.monotonic()
+        asked_s = now_s()
         self.requests["lstat"] += len(relpaths)
         results = await self._run(self._lstat_many, relpaths, background=True)
         for relpath, st in results:
@@ -249,7 +250,7 @@ class Source:
 
     async def read_block(self, relpath: bytes, block_index: int, block_bytes: int, *,
                          background: bool = False) -> BlockData:
-        asked_s = time.monotonic()
+        asked_s = now_s()
         self.requests["block_read"] += 1
         block = await self._run(self.read_block_sync, relpath, block_index, block_bytes,
                                 background=background)

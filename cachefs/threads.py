@@ -1,11 +1,20 @@
-"""A blocking call in a worker thread, with as little trio machinery per call as a hop allows.
+"""Trips to a worker thread (a blocking call off the trio thread): the one way cachefs hops.
 
-Why not `trio.to_thread.run_sync` here: it is the right default, and the rest of cachefs uses
-it, but the source's hot path makes one call per file read ahead (hundreds to thousands a
-second, on a daemon that shares two cores with the storage client), and there its per-call
-machinery cost more CPU than the hop itself: a `CapacityLimiter` whose acquire and release
-each pass through the scheduler, a copied context, the `from_thread` plumbing.
-`scripts/bench_thread_hop.py` measures both in one run.
+An object that blocks (the source, the tiered cache's SSD calls, warming) holds a `RunSync`,
+`await run(fn, *args)`, made by `pool(threads)`: at most `threads` of its calls run at once. A
+call made once (at start-up, for one request) goes through `run_one`; one that may never
+return while this process runs (a stat of the process's own mount before it answers, an order
+file on a hung file system) through `run_abandoning`, which a cancellation leaves behind
+instead of waiting for. Where the simulator needs other hops, the wiring passes them in: the
+simulator (cachefs/sim.py) gives the tiered cache a `RunSync` that runs its in-memory SSD's
+calls inline on virtual time, and no library is patched.
+
+Why not `trio.to_thread.run_sync` for the pools: it is the right default, but the source's hot
+path makes one call per file read ahead (hundreds to thousands a second, on a daemon that
+shares two cores with the storage client), and there its per-call machinery cost more CPU than
+the hop itself: a `CapacityLimiter` whose acquire and release each pass through the scheduler,
+a copied context, the `from_thread` plumbing. `scripts/bench_thread_hop.py` measures both in
+one run.
 
 `run_sync(slots, fn, *args)`:
 - takes a slot from `Slots`, a FIFO counting semaphore whose fast path (a slot is free) does
@@ -23,12 +32,16 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from typing import Callable, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
 import outcome
 import trio
 
 T = TypeVar("T")
+
+# `await run(fn, *args)`: fn(*args) in a worker thread, its value returned or its exception
+# raised (module docstring)
+RunSync = Callable[..., Awaitable[Any]]
 
 
 class Slots:
@@ -84,3 +97,19 @@ async def run_sync(slots: Slots, fn: Callable[..., T], *args) -> T:
             lambda _raise_cancel: trio.lowlevel.Abort.FAILED)
     finally:
         slots.release()
+
+
+def pool(threads: int) -> RunSync:
+    """A `RunSync` with at most `threads` calls in worker threads at once."""
+    return functools.partial(run_sync, Slots(threads))
+
+
+async def run_one(fn: Callable[..., T], *args) -> T:
+    """`fn(*args)` in a worker thread, for a call made once (at start-up, for one request)."""
+    return await run_sync(Slots(1), fn, *args)
+
+
+async def run_abandoning(fn: Callable[..., T], *args) -> T:
+    """`fn(*args)` in a worker thread; a cancellation returns at once and leaves the thread
+    to finish on its own (for a call that may never return, module docstring)."""
+    return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)

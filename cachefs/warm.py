@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import trio
 
+from cachefs import threads as threads_mod
 from cachefs.cache.tiered import block_count, block_length
 from cachefs.errors import CachefsError, OrderError
 from cachefs.manifest import check_relpaths
@@ -58,6 +59,7 @@ class Warmer:
         self.ssd = ssd
         self.block_bytes = block_bytes
         self.threads = threads
+        self._run_ssd = threads_mod.pool(threads)  # one admission per worker at most
         self._order_paths = order_paths  # () -> list[bytes] | None: current order from cursor
         self._all_paths = all_paths  # () -> list[bytes]: the source manifest (in a thread)
         self._status: dict = {"state": "idle"}
@@ -115,13 +117,13 @@ class Warmer:
     async def _paths(self, request: dict) -> list[bytes]:
         mode = request["mode"]
         if mode == "files":
-            return await trio.to_thread.run_sync(_read_list, Path(request["files_path"]))
+            return await threads_mod.run_one(_read_list, Path(request["files_path"]))
         if mode == "order":
             paths = self._order_paths()
             if paths is not None:
                 return paths
             log.info("warm --order: no order published; warming every file")
-        return await trio.to_thread.run_sync(self._all_paths)
+        return await threads_mod.run_one(self._all_paths)
 
     async def _warm(self, request: dict) -> None:
         self._started_s = time.monotonic()
@@ -164,7 +166,7 @@ class Warmer:
                 return False
             block = await self.source.read_block(relpath, block_index, self.block_bytes,
                                                  background=True)
-            if await trio.to_thread.run_sync(self.ssd.admit, key, block.identity, block.data):
+            if await self._run_ssd(self.ssd.admit, key, block.identity, block.data):
                 self._status["bytes_admitted"] += len(block.data)
                 self._status["blocks_admitted"] += 1
         return True

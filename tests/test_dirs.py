@@ -7,8 +7,10 @@ import os
 
 import pytest
 import trio
+import trio.testing
 
 from cachefs.dirs import DirListings
+from cachefs.freshness import Freshness
 
 
 class SlowSource:
@@ -29,7 +31,7 @@ class SlowSource:
 
 def test_concurrent_opens_share_one_listing_dropped_with_the_last_handle():
     source = SlowSource()
-    dirs = DirListings(source, ttl_s=60.0)
+    dirs = DirListings(source, Freshness(60.0))
 
     async def main():
         async with trio.open_nursery() as nursery:
@@ -49,7 +51,7 @@ def test_concurrent_opens_share_one_listing_dropped_with_the_last_handle():
 
 def test_an_open_after_the_ttl_lists_again_for_every_handle():
     source = SlowSource(delay_s=0)
-    dirs = DirListings(source, ttl_s=0.05)
+    dirs = DirListings(source, Freshness(0.05))
 
     async def main():
         await dirs.open(b"d")
@@ -64,10 +66,29 @@ def test_an_open_after_the_ttl_lists_again_for_every_handle():
     trio.run(main)
 
 
+def test_a_listing_ages_on_trios_clock():
+    """The TTL runs on trio's clock (cachefs/freshness.py), which the simulator and tests move:
+    virtual time ages a listing as real time does in a mount (before, listings were stamped
+    with time.monotonic, and an hour of virtual time left them fresh)."""
+    source = SlowSource(delay_s=0)
+    dirs = DirListings(source, Freshness(60.0))
+
+    async def main():
+        await dirs.open(b"d")
+        await trio.sleep(30)
+        await dirs.open(b"d")
+        assert source.listings == 1
+        await trio.sleep(3600)
+        await dirs.open(b"d")
+        assert source.listings == 2
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
 def test_a_failed_listing_fails_the_open_and_holds_nothing():
     source = SlowSource()
     source.error = PermissionError(errno.EACCES, "Permission denied")
-    dirs = DirListings(source, ttl_s=60.0)
+    dirs = DirListings(source, Freshness(60.0))
 
     async def main():
         with pytest.raises(PermissionError):

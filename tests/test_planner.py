@@ -339,7 +339,8 @@ def test_block_overhead_covers_bookkeeping():
         inodes, ram = InodeTable(root_stat), RamTier(1 << 40)
         for i in range(files):
             relpath = b"train/class%03d/sample%09d.jpg" % (i % 1000, i)
-            inodes.remember(relpath, os.lstat("/"), lookup=True)
+            # stamped as a mount stamps it: a float of its own (freshness.now_s)
+            inodes.remember(relpath, os.lstat("/"), lookup=True, stat_time_s=float(i))
             key = (b"train/class%03d/sample%09d.jpg" % (i % 1000, i), 0)  # its own copy
             charge = ram.charge_of(1)
             assert ram.reserve(charge, math.inf)

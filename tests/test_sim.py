@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import trio
 
 from cachefs import stats as stats_mod
 from cachefs.cache.ram import BLOCK_OVERHEAD_BYTES, page_bytes
 from cachefs.config import KIB
-from cachefs.sim import SimConfig, simulate
+from cachefs.sim import SimConfig, run_script, simulate
 
 ITEM_BYTES = 110_000
 N = 1000
@@ -235,3 +236,24 @@ def test_workers_moving_to_their_next_batches_find_them_read_ahead():
         assert epoch.refetched_blocks == 0
     low, high = retained_bounds(int(n * ITEM_BYTES * 0.5))
     assert low <= result.epochs[1].hits_ram <= high
+
+
+def test_the_ssd_tiers_calls_run_through_the_hop_the_wiring_gives_with_trio_untouched():
+    """The simulator runs the SSD tier's calls inline on virtual time through the worker-thread
+    hop it gives the tiered cache (cachefs/threads.py), and patches no library: before, it
+    replaced `trio.to_thread.run_sync` for the whole process while it ran."""
+    original = trio.to_thread.run_sync
+    n = 200
+    config = SimConfig(items=n, item_bytes=ITEM_BYTES, ram_bytes=n * ITEM_BYTES // 10,
+                       ssd_bytes=n * ITEM_BYTES, epochs=2)
+
+    async def script(sim):
+        untouched = trio.to_thread.run_sync is original
+        await sim._epochs()
+        return untouched, sim
+
+    untouched, sim = run_script(config, script)
+    assert untouched
+    second, = [record for record in sim.stats.epochs if record.epoch == 2]
+    assert second.hits_ssd > 0.8 * n  # read from the SSD tier through the simulator's hop
+    assert sim.ssd.reads >= second.hits_ssd

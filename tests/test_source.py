@@ -13,6 +13,7 @@ import trio
 
 from cachefs import source as source_mod
 from cachefs import threads
+from cachefs.freshness import Freshness
 from conftest import release_fifo_readers, write_file
 
 
@@ -28,16 +29,16 @@ def test_a_read_blocks_stat_answers_the_lookup_that_follows(source_dir):
 
     async def main():
         block = await source.read_block(b"a", 0, 4096, background=True)
-        st, seen_s = await source.lstat_recent(b"a", max_age_s=60)
+        st, seen_s = await source.lstat_recent(b"a", Freshness(60))
         assert st.st_size == len(block.data) == 1000 + ord("a")
         assert (st.st_mtime_ns, st.st_mode) == (block.stat.st_mtime_ns, block.stat.st_mode)
-        assert seen_s <= time.monotonic()
+        assert seen_s <= trio.current_time()
         assert source.requests["lstat"] == 0 and source.stats_reused == 1
         # too old for the caller: asked again, and the answer replaces the remembered one
         os.truncate(source_dir / "a", 10)
-        st, _ = await source.lstat_recent(b"a", max_age_s=0)
+        st, _ = await source.lstat_recent(b"a", Freshness(0))
         assert st.st_size == 10 and source.requests["lstat"] == 1
-        st, _ = await source.lstat_recent(b"a", max_age_s=60)
+        st, _ = await source.lstat_recent(b"a", Freshness(60))
         assert st.st_size == 10 and source.stats_reused == 2
 
     trio.run(main)
@@ -50,10 +51,10 @@ def test_remembered_stats_are_bounded_oldest_first(source_dir, monkeypatch):
     async def main():
         for name in (b"a", b"b", b"c"):
             await source.lstat(name)
-        await source.lstat_recent(b"b", max_age_s=60)
-        await source.lstat_recent(b"c", max_age_s=60)
+        await source.lstat_recent(b"b", Freshness(60))
+        await source.lstat_recent(b"c", Freshness(60))
         assert source.stats_reused == 2 and source.requests["lstat"] == 3
-        await source.lstat_recent(b"a", max_age_s=60)  # forgotten: asked again
+        await source.lstat_recent(b"a", Freshness(60))  # forgotten: asked again
         assert source.requests["lstat"] == 4
 
     trio.run(main)
@@ -64,9 +65,9 @@ def test_a_missing_file_is_not_remembered(source_dir):
 
     async def main():
         with pytest.raises(FileNotFoundError):
-            await source.lstat_recent(b"nothing", max_age_s=60)
+            await source.lstat_recent(b"nothing", Freshness(60))
         with pytest.raises(FileNotFoundError):
-            await source.lstat_recent(b"nothing", max_age_s=60)
+            await source.lstat_recent(b"nothing", Freshness(60))
         assert source.requests["lstat"] == 2 and source.stats_reused == 0
 
     trio.run(main)

@@ -9,11 +9,16 @@ to the SSD tier's admission queue.
 SSD admission never delays a reader: it happens after the block is in RAM, in worker tasks fed
 by a bounded channel; when the channel is full the block is simply not admitted (cache-once
 admits something else later). Any SSD error is a warning and a miss, never a failed read
-(mountpoint-s3's rule for a multi-level cache).
+(mountpoint-s3's rule for a multi-level cache). Every SSD call runs through `run_ssd`, the
+worker-thread hop the wiring gives (cachefs/threads.py; the simulator's runs them inline).
+
+What it asks of the plan is `BlockRanking` (cachefs/ranking.py implements it): a block's rank,
+an item's number in the manifest in force, and a note when the kernel lost a file only it held.
+The ranking is built before this cache and never refers to it.
 
 A block read from the source whose identity differs from the one the caller expected means the
-file changed: every cached copy of the file is dropped (`on_source_changed`) and the new bytes
-are served.
+file changed: every cached copy of the file is dropped, and `on_source_changed` (the kernel's
+attributes and pages of it, fuse_ops) is told, and the new bytes are served.
 
 The kernel's page cache is the fastest tier (cachefs/pagecache.py carries out the stores and
 drops): `push` stores blocks held in RAM into it for the kernel to serve without a READ, and
@@ -40,6 +45,7 @@ from typing import Callable, Protocol
 import trio
 
 from cachefs import stats as stats_mod
+from cachefs import threads
 from cachefs.cache.ram import BlockKey, RamBlock, RamTier
 from cachefs.pagecache import KernelPages
 from cachefs.source import Source, SourceIdentity
@@ -47,6 +53,7 @@ from cachefs.source import Source, SourceIdentity
 log = logging.getLogger(__name__)
 
 ADMISSION_QUEUE_BLOCKS = 64
+SSD_THREADS = 4  # SSD calls in flight at once, and admission workers
 
 
 @dataclass
@@ -83,6 +90,20 @@ class KernelInodes(Protocol):
         does not hold the file, or holds other attributes or pages of another version."""
 
 
+class BlockRanking(Protocol):
+    """What the tiered cache asks of the plan (cachefs/ranking.py)."""
+
+    def priority_of(self, item: int, block_index: int, identity: SourceIdentity | None
+                    ) -> float | None:
+        """The block's rank in RAM (smaller = sooner), None: not to be kept."""
+
+    def item_now(self, relpath: bytes, item: int, manifest) -> tuple[int, object]:
+        """`item` of `manifest`, numbered in the manifest in force, with that manifest."""
+
+    def note_kernel_loss(self) -> None:
+        """The kernel forgot a file of the manifest that only it held (kernel_forgot)."""
+
+
 class NoKernelInodes:
     """A read path with no kernel data plane: nothing is ever stored."""
 
@@ -95,29 +116,26 @@ class NoKernelInodes:
 
 class TieredCache:
     def __init__(self, ram: RamTier, source: Source, stats: stats_mod.Stats, block_bytes: int,
-                 priority_of: Callable[[int, int, SourceIdentity], float | None], *,
-                 item_now: Callable[[bytes, int, object], tuple[int, object]],
-                 ssd=None, ssd_threads: int = 4, kernel: KernelPages | None = None,
-                 kernel_inodes: KernelInodes | None = None):
+                 ranking: BlockRanking, *, ssd=None, run_ssd: threads.RunSync | None = None,
+                 kernel: KernelPages | None = None, kernel_inodes: KernelInodes | None = None,
+                 on_source_changed: Callable[[bytes, SourceIdentity], None] | None = None):
         self.ram = ram
         self.source = source
         self.stats = stats
         self.block_bytes = block_bytes
-        self.priority_of = priority_of  # (item, block_index, identity) -> priority or None
-        # (relpath, item, its manifest) -> (item, manifest) in force (Prefetcher.item_now)
-        self.item_now = item_now
+        self.priority_of = ranking.priority_of
+        self.item_now = ranking.item_now
+        self._ranking = ranking
         self.ssd = ssd
-        self.ssd_limiter = trio.CapacityLimiter(ssd_threads)
-        self._ssd_threads = ssd_threads
+        self._run_ssd = run_ssd if run_ssd is not None else threads.pool(SSD_THREADS)
         self.inflight: dict[BlockKey, _Flight] = {}
-        self.on_source_changed: list[Callable[[bytes, SourceIdentity], None]] = []
+        # (relpath, identity) of a file that changed at the source, once its copies are gone
+        self._on_source_changed = on_source_changed or (lambda relpath, identity: None)
         self.admissions_skipped = 0
         self._admit_send, self._admit_recv = trio.open_memory_channel(ADMISSION_QUEUE_BLOCKS)
         self._nursery: trio.Nursery | None = None
         self.kernel = kernel
         self.kernel_inodes = kernel_inodes if kernel is not None else NoKernelInodes()
-        # called when the kernel forgot a file of the manifest that only it held (kernel_forgot)
-        self.on_kernel_loss: Callable[[], None] = lambda: None
         ram.on_kernel_drop = self._kernel_dropped
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
@@ -126,7 +144,7 @@ class TieredCache:
             self._nursery = nursery
             if self.ssd is not None:
                 async with self._admit_recv:
-                    for _ in range(self._ssd_threads):
+                    for _ in range(SSD_THREADS):
                         nursery.start_soon(self._admission_worker, self._admit_recv.clone())
             task_status.started()
             await trio.sleep_forever()
@@ -236,12 +254,10 @@ class TieredCache:
             if self.ssd.holds_other_version(key, identity):
                 # stale (the file changed, perhaps while unmounted): free its budget so the
                 # new version can be admitted; `read` drops and counts it
-                await trio.to_thread.run_sync(self.ssd.read, key, identity,
-                                              limiter=self.ssd_limiter)
+                await self._run_ssd(self.ssd.read, key, identity)
             return None
         try:
-            data = await trio.to_thread.run_sync(self.ssd.read, key, identity,
-                                                 limiter=self.ssd_limiter)
+            data = await self._run_ssd(self.ssd.read, key, identity)
         except Exception:  # a tier failure is a miss, never a failed read
             log.warning("SSD tier read failed for %r; reading the source", key, exc_info=True)
             self.stats.ssd_errors += 1
@@ -323,10 +339,10 @@ class TieredCache:
 
     def kernel_forgot(self, relpath: bytes) -> None:
         """The kernel forgot the file's inode, and its pages with it: a loss if only the
-        kernel held some of the file (`on_kernel_loss`)."""
+        kernel held some of the file (`BlockRanking.note_kernel_loss`)."""
         block = self.ram.get((relpath, 0))
         if block is not None and block.data is None and block.item >= 0:
-            self.on_kernel_loss()
+            self._ranking.note_kernel_loss()
         self.kernel_pages_gone(relpath)
 
     def kernel_pages_gone(self, relpath: bytes, size_bytes: int | None = None) -> None:
@@ -357,13 +373,11 @@ class TieredCache:
             self.ram.drop(key)
         if self.ssd is not None and self._nursery is not None:
             self._nursery.start_soon(self._drop_ssd_file, relpath, identity)
-        for callback in self.on_source_changed:
-            callback(relpath, identity)
+        self._on_source_changed(relpath, identity)
 
     async def _drop_ssd_file(self, relpath: bytes, keep: SourceIdentity) -> None:
         try:
-            await trio.to_thread.run_sync(self.ssd.drop_file, relpath, keep,
-                                          limiter=self.ssd_limiter)
+            await self._run_ssd(self.ssd.drop_file, relpath, keep)
         except Exception:
             log.warning("SSD tier: could not drop entries of %r", relpath, exc_info=True)
 
@@ -381,8 +395,7 @@ class TieredCache:
         async with receive:
             async for key, identity, data in receive:
                 try:
-                    admitted = await trio.to_thread.run_sync(self.ssd.admit, key, identity, data,
-                                                             limiter=self.ssd_limiter)
+                    admitted = await self._run_ssd(self.ssd.admit, key, identity, data)
                 except Exception:
                     log.warning("SSD tier admission failed for %r", key, exc_info=True)
                     self.stats.ssd_errors += 1

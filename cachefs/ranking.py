@@ -1,0 +1,194 @@
+"""Where each block should be, under the orders in force: its rank in RAM, and the kernel's keep.
+
+The planner says when each item of the order is used next; this module turns that into what
+the tiers ask of a block, and nothing else reads the plan for them:
+
+- `priority_of(item, block_index, identity)` is the single definition of a block's rank in the
+  RAM tier (smaller = sooner; None: not worth keeping). A block of no known future ranks
+  infinite (LRU among such blocks); one consumed and not read again in the known future, or
+  kept only for the next epoch while the SSD tier holds it (the tiers stay disjoint), is not
+  kept. The tiered cache ranks every block that lands with it, the prefetcher re-ranks RAM
+  on every consumption and new order (`rerank`, `rerank_all`).
+- Item numbers. An item number is an index into one manifest and means nothing without it
+  (prefetch.py's module docstring): this module holds the manifest in force, finds a file's
+  item (`item_of`, with the files read ahead lately remembered so an open hashes no path),
+  and renumbers an item held across an await (`item_now`).
+- `kernel_may_keep`: whether the kernel's pages of a file a reader is done with may be its
+  only copy, from how soon it is read again at the rate files are consumed, and whether the
+  kernel has lost pages it was trusted with (`note_kernel_loss`).
+
+It is built before the tiered cache and the prefetcher, which both ask it (the prefetcher also
+tells it of new orders and consumptions): it refers to neither.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+
+from cachefs.cache.ram import RamTier
+from cachefs.cache.tiered import block_count
+from cachefs.planner import NEVER, Planner
+from cachefs.recent import RecentMap
+from cachefs.source import SourceIdentity
+
+log = logging.getLogger(__name__)
+
+# A file of the order stays in the kernel's page cache only (no daemon copy) if its next use
+# is due within this many seconds (kernel_may_keep): well under the idle age at which these VMs
+# reclaim page cache (about 60 s)
+KERNEL_KEEP_S = 20.0
+RATE_WEIGHT = 0.01  # of each new gap between consumptions in the smoothed rate
+MAX_GAP_S = 0.05  # a longer gap between two consumptions counts as this much
+# Files read ahead whose manifest index is remembered for their open (RecentMap): a window is
+# tens of files, opened within a window's time of their read-ahead.
+RECENT_ITEMS = 8192
+BLOCK_TIEBREAK = 1e-6  # keeps a file's blocks in order under one item priority
+
+
+class Ranking:
+    def __init__(self, planner: Planner, ram: RamTier, ssd, *, block_bytes: int):
+        self.planner = planner
+        self.ram = ram
+        self.ssd = ssd
+        self.block_bytes = block_bytes
+        self._manifest = None
+        self._member = np.zeros(0, bool)  # items in the current or next order
+        # relpath -> manifest index of files read ahead lately: an open finds its item without
+        # hashing the path (Manifest.index_of was about 5% of the daemon's busy main thread)
+        self._recent_items: RecentMap[bytes, int] = RecentMap(RECENT_ITEMS)
+        # seconds between consumptions, smoothed (kernel_may_keep); None until two are seen
+        self._s_per_item: float | None = None
+        self._last_consumed_s: float | None = None
+        self.kernel_losses = 0  # files of the order lost with the kernel's pages
+
+    # -- the order in force ------------------------------------------------------------------
+
+    @property
+    def manifest(self):
+        return self._manifest
+
+    def use_manifest(self, manifest) -> bool:
+        """The manifest of a new order; True if it is another one than before, whose item
+        numbers mean other files: blocks in RAM learn their item numbers in it."""
+        if manifest is self._manifest:
+            return False
+        self._manifest = manifest
+        self._recent_items.clear()
+        for key, block in self.ram.blocks.items():
+            block.item = manifest.index_of(key[0])
+        return True
+
+    def set_members(self, current, next_=None) -> None:
+        """The items of the current order and of the next (None: none known)."""
+        self._member = np.zeros(len(self._manifest), bool)
+        self._member[current] = True
+        if next_ is not None:
+            self._member[next_] = True
+
+    def consumed_at(self, now_s: float) -> None:
+        """A file of the order was consumed at `now_s`: the rate of consumption (for
+        kernel_may_keep)."""
+        if self._last_consumed_s is not None:
+            # a pause (validation, a checkpoint, the trainer between epochs) is not the rate
+            gap_s = min(now_s - self._last_consumed_s, MAX_GAP_S)
+            self._s_per_item = (gap_s if self._s_per_item is None
+                                else self._s_per_item + RATE_WEIGHT * (gap_s - self._s_per_item))
+        self._last_consumed_s = now_s
+
+    # -- ranking ---------------------------------------------------------------------------
+
+    def priority_of(self, item: int, block_index: int, identity: SourceIdentity | None
+                    ) -> float | None:
+        """A block's rank in RAM (smaller = sooner), or None if it should not be kept."""
+        planner = self.planner
+        if not planner.active or item < 0 or not self._in_orders(item):
+            return math.inf  # no known future: plain LRU among such blocks
+        use = planner.next_use(item)
+        if use == NEVER:
+            return None  # consumed and not read again in the known future
+        if use >= planner.length and self._on_ssd(item, block_index, identity):
+            return None  # retained only for the next epoch, and the SSD tier has it
+        return use + block_index * BLOCK_TIEBREAK
+
+    def _in_orders(self, item: int) -> bool:
+        return item < len(self._member) and bool(self._member[item])
+
+    def _on_ssd(self, item: int, block_index: int, identity: SourceIdentity | None) -> bool:
+        if self.ssd is None or identity is None:
+            return False
+        return self.ssd.contains((self._manifest.path(item), block_index), identity)
+
+    def rerank(self, item: int, size_bytes: int) -> None:
+        """New priorities for the blocks of one item (of `size_bytes`, -1 if unknown)."""
+        relpath = self._manifest.path(item)
+        for block_index in range(block_count(max(size_bytes, 0), self.block_bytes)):
+            key = (relpath, block_index)
+            block = self.ram.get(key)
+            if block is None:
+                continue
+            priority = self.priority_of(item, block_index, block.identity)
+            if priority is None:
+                self.ram.drop(key)
+            else:
+                self.ram.set_priority(key, priority)
+
+    def rerank_all(self) -> None:
+        self.ram.rebuild(lambda key, block: self.priority_of(block.item, key[1], block.identity))
+
+    # -- item numbers ------------------------------------------------------------------------
+
+    def item_of(self, relpath: bytes) -> int:
+        """The file's index in the manifest in force; -1 if it has none."""
+        if self._manifest is None:
+            return -1
+        item = self._recent_items.get(relpath)
+        return item if item is not None else self._manifest.index_of(relpath)
+
+    def remember_item(self, relpath: bytes, item: int) -> None:
+        """`relpath` is `item` of the manifest in force, and is read ahead: its open is near."""
+        self._recent_items.put(relpath, item)
+
+    def item_now(self, relpath: bytes, item: int, manifest) -> tuple[int, object]:
+        """`item`, an index into `manifest`, as numbered in the manifest in force, with that
+        manifest: unchanged while `manifest` is in force, else found again by its path (-1:
+        the new manifest does not have it). Asked after an await by whatever held the
+        number across it (prefetch.py's module docstring)."""
+        if manifest is self._manifest:
+            return item, manifest
+        return self.item_of(relpath), self._manifest
+
+    # -- the kernel's page cache ------------------------------------------------------------
+
+    def kernel_may_keep(self, item: int, priority: float | None) -> bool:
+        """Whether the kernel's pages of a file a reader is done with may be its only copy
+        (the daemon's goes): yes for a file with no known future (LRU among such files, as
+        the RAM tier ranks them), and for one read again within KERNEL_KEEP_S at the rate
+        files are being consumed, the next epoch's head included, as long as the kernel has
+        never lost pages it was trusted with. Page cache is reclaimable (memory pressure,
+        `drop_caches`, these VMs' idle-page reclaim after about 60 s, hence the time limit):
+        once the kernel has forgotten a file kept this way (`note_kernel_loss`), the daemon
+        keeps its own copy of the next epoch's head, and the kernel's pages are dropped,
+        so that the head the policy keeps across the epoch boundary survives.
+        `priority`: the file's first block's in the RAM tier (None: not kept)."""
+        if priority is None:
+            return False
+        if math.isinf(priority):
+            return True
+        if self._s_per_item is None or (self.kernel_losses
+                                        and priority >= self.planner.length):
+            return False
+        return (priority - self.planner.cursor) * self._s_per_item <= KERNEL_KEEP_S
+
+    def note_kernel_loss(self) -> None:
+        """The kernel forgot the inode, and the pages, of a file of the manifest that only it
+        held (`drop_caches`, inode reclaim). Pages reclaimed from an inode it keeps show as a
+        READ of a block only the kernel held; those are counted as the misses they are, but
+        do not switch this off: a READ can also come for pages being stored (not yet
+        measured apart)."""
+        if not self.kernel_losses:
+            log.info("the kernel forgot files of the order that only it held: the daemon "
+                     "keeps its own copy of the next epoch's head from now on")
+        self.kernel_losses += 1

@@ -1,0 +1,111 @@
+"""The FUSE handlers called directly, without a kernel (issue 16): what they may touch of the
+read path, and how they age what the source told them.
+
+The read path is the real one (`build_read_path` over a `Source` of a temporary directory);
+time is a `trio.testing.MockClock` that only moves when a test jumps it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import trio
+import trio.testing
+
+from cachefs.cache.ram import RamTier
+from cachefs.ctrl import Control
+from cachefs.freshness import Freshness
+from cachefs.fuse_ops import Operations
+from cachefs.inodes import ROOT_INODE, InodeTable
+from cachefs.reader import Reader, build_read_path
+from cachefs.source import Source
+from cachefs.stats import Stats
+
+from conftest import write_file
+
+BLOCK_BYTES = 64 * 1024
+TTL_S = 60.0
+
+
+class PublicOnly:
+    """The reader as fuse_ops may use it: the public methods and properties of `Reader`,
+    nothing it holds (reaching through to the tiered cache or the prefetcher fails)."""
+
+    def __init__(self, reader: Reader):
+        self._reader = reader
+
+    def __getattr__(self, name: str):
+        member = getattr(Reader, name, None)
+        if name.startswith("_") or not (callable(member) or isinstance(member, property)):
+            raise AttributeError(f"fuse_ops reached for Reader.{name}, which is no public "
+                                 f"method of it")
+        return getattr(self._reader, name)
+
+
+def operations(src: Path, ttl_s: float = TTL_S, changed: list | None = None) -> Operations:
+    source = Source(src, threads=2)
+    freshness = Freshness(ttl_s)
+    read_path = build_read_path(
+        source, Stats(), RamTier(16 * BLOCK_BYTES), None, freshness, block_bytes=BLOCK_BYTES,
+        source_threads=2, lookahead_items=0, sequential_blocks=0,
+        on_source_changed=None if changed is None else (
+            lambda relpath, identity: changed.append(relpath)))
+    control = Control(lambda: {}, src / "order", lambda request: {})
+    ops = Operations(source, PublicOnly(read_path.reader), control,
+                     InodeTable(os.lstat(src), source.identity_of), None, freshness,
+                     kernel_timeout_s=1.0)
+    ops.decide_mode(no_open=False)
+    return ops
+
+
+async def read_file(ops: Operations, inode: int) -> bytes:
+    info = await ops.open(inode, os.O_RDONLY, None)
+    data = await ops.read(info.fh, 0, 4 * BLOCK_BYTES)
+    await ops.release(info.fh)
+    return data
+
+
+def test_the_handlers_use_only_the_readers_public_methods(tmp_path):
+    """Lookup, open, read (twice: from the source, then from RAM), release, an open that finds
+    the file changed, and forget: the operations need nothing of the read path but the
+    reader's public methods (before, they reached through it to the tiered cache and the
+    prefetcher)."""
+    src = tmp_path / "src"
+    write_file(src / "a", 100_000, seed=1)
+    changed: list[bytes] = []
+    ops = operations(src, ttl_s=1.0, changed=changed)
+    clock = trio.testing.MockClock()
+
+    async def main():
+        inode = (await ops.lookup(ROOT_INODE, b"a", None)).st_ino
+        assert await read_file(ops, inode) == (src / "a").read_bytes()
+        assert await read_file(ops, inode) == (src / "a").read_bytes()
+        write_file(src / "a", 50_000, seed=2)
+        clock.jump(2.0)  # past the TTL: the open checks the file at the source
+        assert await read_file(ops, inode) == (src / "a").read_bytes()
+        assert changed == [b"a"]
+        assert (await ops.getattr(inode, None)).st_size == 50_000
+        ops.forget([(inode, 1)])
+
+    trio.run(main, clock=clock)
+
+
+def test_attributes_age_on_trios_clock(tmp_path):
+    """What the source said of a file is trusted for the TTL on trio's clock, the one the
+    simulator and these tests move (before, inode stamps were on time.monotonic and virtual
+    time never aged them)."""
+    src = tmp_path / "src"
+    write_file(src / "a", 10)
+    ops = operations(src)
+    clock = trio.testing.MockClock()
+
+    async def main():
+        inode = (await ops.lookup(ROOT_INODE, b"a", None)).st_ino
+        write_file(src / "a", 20)
+        clock.jump(TTL_S / 2)
+        assert (await ops.getattr(inode, None)).st_size == 10  # still trusted
+        clock.jump(TTL_S)
+        assert (await ops.getattr(inode, None)).st_size == 20  # asked again
+
+    trio.run(main, clock=clock)
