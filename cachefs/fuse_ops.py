@@ -2,7 +2,7 @@
 
 Every handler is wrapped once (`_guarded`) so that whatever goes wrong becomes a FUSEError:
 pyfuse3 ends the whole mount on any other exception (an ExceptionGroup from a nursery
-included), and one bad file must never take the mount down. The errno map (STYLE.md):
+included), and one bad file must never take the mount down. The errno map (docs/design.md §8):
 source OSError -> its errno; cachefs errors -> their errno; anything unexpected -> logged with
 its traceback, EIO. Write-like operations answer EROFS (the mount is also made with `ro`, so
 the kernel usually answers them itself).

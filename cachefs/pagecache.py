@@ -14,7 +14,7 @@ man/cachefs-mount.1, "Kernel page cache"), and this module carries those decisio
 Both kernel calls run in one worker thread, never on the trio thread: a store waits on the lock
 of each page it fills, and a READ pending in the kernel holds that lock until the trio thread
 answers it (a store from the trio thread can deadlock). The trio thread only appends to a queue
-(no lock is shared with the thread that calls the kernel, DESIGN.md §5). One thread, one FIFO:
+(no lock is shared with the thread that calls the kernel, docs/design.md §8). One thread, one FIFO:
 a store queued before an invalidation always lands before it, so an invalidation (or a `drain`
 before an open that drops the pages) can never be overtaken by a store of older bytes.
 

@@ -3,7 +3,7 @@
 Pure: no I/O, no trio, no FUSE. The prefetcher, the reader and the simulator all ask this
 module the same questions, so the policy tested in the simulator is the policy that runs.
 
-The rule (DESIGN.md §2, after Cao et al., SIGMETRICS'95): an item's *next use* is
+The rule (docs/design.md §2, after Cao et al., SIGMETRICS'95): an item's *next use* is
 - its position in the current order, if it has not been consumed yet;
 - else N + its position in the next order (N = length of the current order);
 - else never (infinity).

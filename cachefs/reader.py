@@ -4,7 +4,7 @@ The hot path is a RAM hit: it never awaits (no thread, no scheduling), so hits a
 while other requests wait on the source. A miss awaits the tiered cache's single-flight fetch;
 the time a reader spends waiting on the source is its stall.
 
-Consumption (DESIGN.md §2): a file of the order is consumed when its last byte has been
+Consumption (docs/design.md §2): a file of the order is consumed when its last byte has been
 returned to a reader, or when a handle that read from it is released, whichever comes first.
 The prefetcher is told, and moves the window. Each handle is classified once, at release,
 into the stats' per-epoch counters (see stats.py for the classes).

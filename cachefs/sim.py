@@ -1,6 +1,6 @@
 """Trace-driven simulator of the order-driven cache: the mount's own code, without FUSE.
 
-Why it exists. The policy (DESIGN.md §2) makes claims about time and memory: no stalls once
+Why it exists. The policy (docs/design.md §2) makes claims about time and memory: no stalls once
 the read-ahead window is full, the head of every later epoch served from RAM, a budget that is
 never exceeded, no block read twice in one epoch. Checking them against a real mount over slow
 storage takes minutes and is noisy. Here the same claims are checked in a fraction of a second

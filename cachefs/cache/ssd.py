@@ -1,4 +1,4 @@
-"""SSD/NVRAM tier: cache-once, persistent, checksummed, crash-safe (DESIGN.md §2 "Tiers").
+"""SSD/NVRAM tier: cache-once, persistent, checksummed, crash-safe (docs/design.md §3).
 
 Policy. Blocks are admitted until the byte budget is full; after that nothing is admitted and
 nothing is replaced (seed 004: on a data set larger than the cache, a cache filled once and
