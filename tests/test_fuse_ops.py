@@ -7,9 +7,12 @@ time is a `trio.testing.MockClock` that only moves when a test jumps it.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
+import pyfuse3
+import pytest
 import trio
 import trio.testing
 
@@ -68,7 +71,7 @@ async def read_file(ops: Operations, inode: int) -> bytes:
 
 def test_the_handlers_use_only_the_readers_public_methods(tmp_path):
     """Lookup, open, read (twice: from the source, then from RAM), release, an open that finds
-    the file changed, and forget: the operations need nothing of the read path but the
+    the file changed to another size (ESTALE, then the new version after a stat), and forget: the operations need nothing of the read path but the
     reader's public methods (before, they reached through it to the tiered cache and the
     prefetcher)."""
     src = tmp_path / "src"
@@ -83,9 +86,14 @@ def test_the_handlers_use_only_the_readers_public_methods(tmp_path):
         assert await read_file(ops, inode) == (src / "a").read_bytes()
         write_file(src / "a", 50_000, seed=2)
         clock.jump(2.0)  # past the TTL: the open checks the file at the source
-        assert await read_file(ops, inode) == (src / "a").read_bytes()
+        # the kernel holds the old size, which would cut or pad the new bytes: ESTALE, and
+        # the next stat learns the new version, whose open then reads it whole
+        with pytest.raises(pyfuse3.FUSEError) as raised:
+            await read_file(ops, inode)
+        assert raised.value.errno == errno.ESTALE
         assert changed == [b"a"]
         assert (await ops.getattr(inode, None)).st_size == 50_000
+        assert await read_file(ops, inode) == (src / "a").read_bytes()
         ops.forget([(inode, 1)])
 
     trio.run(main, clock=clock)
