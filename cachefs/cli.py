@@ -24,9 +24,9 @@ import click
 
 from cachefs import __version__, errors
 from cachefs.client import process_exited
+from cachefs.config import (DATA_PLANES, CacheConfig, MountConfig, PrefetchConfig,
+                            default_state_dir, parse_size)
 from cachefs.mountinfo import mounted_paths
-from cachefs.config import (DATA_PLANES, CacheConfig, MountConfig, PrefetchConfig, default_state_dir,
-                            parse_size)
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def mount(source, mountpoint, foreground, debug, fuse_options, order_file, state
             source_delay_s=source_delay_ms / 1000.0, data_plane=data_plane,
             resume_order=resume_order)
     except ValueError as exc:
-        raise click.UsageError(str(exc))
+        raise click.UsageError(str(exc)) from None
     if foreground:
         _mount_foreground(config)
     else:
@@ -472,7 +472,7 @@ def demo(files, file_kb, epochs, workers, ram_fraction, ssd_fraction, delay_ms, 
                                      ssd_fraction=ssd_fraction, delay_ms=delay_ms, seed=seed,
                                      output=output, keep=keep)
     except ValueError as exc:
-        raise click.UsageError(str(exc))
+        raise click.UsageError(str(exc)) from None
     try:
         result = demo_mod.run(config, progress=lambda message: click.echo(message, err=True))
     except errors.CachefsError as exc:

@@ -11,10 +11,11 @@ is stamped `NEVER_S` until the mount stamps it when it starts serving.
 
 It is also the daemon's record of what the kernel holds of each inode, for the kernel data
 plane (cachefs/pagecache.py): whether the kernel has the inode at all (a lookup count above
-zero), the handles open on it, and `page_identity`, the version of the file whose pages the kernel may hold (set when
-a file is opened or pushed, cleared when the source file changed). `store_target` is the one
-check before pages are stored: the kernel holds the inode, with attributes of the version
-stored (a store past the size the kernel holds would extend it) and no pages of another one.
+zero), the handles open on it, and `page_identity`, the version of the file whose pages the
+kernel may hold (set when a file is opened or pushed, cleared when the source file changed).
+`store_target` is the one check before pages are stored: the kernel holds the inode, with
+attributes of the version stored (a store past the size the kernel holds would extend it) and
+no pages of another one.
 
 The table has an entry for every file the kernel knows, which with many small samples is
 every sample: entries are slotted and keep the attributes packed (`PackedStat`, 137 bytes where
@@ -46,7 +47,7 @@ class PackedStat(bytes):
     _FORMAT = struct.Struct(f"{len(FIELDS)}q")
 
     @classmethod
-    def of(cls, st) -> "PackedStat":
+    def of(cls, st) -> PackedStat:
         if isinstance(st, cls):
             return st
         return cls(cls._FORMAT.pack(*(getattr(st, name) for name in cls.FIELDS)))

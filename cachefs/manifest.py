@@ -194,14 +194,14 @@ class Manifest:
         self._sorted_hashes: np.ndarray | None = None
 
     @classmethod
-    def from_paths(cls, paths) -> "Manifest":
+    def from_paths(cls, paths) -> Manifest:
         """Accepts str/bytes sequences or U/S arrays, keeps the order given."""
         return cls(_paths_to_bytes_array(paths))
 
     def __len__(self) -> int:
         return len(self.paths)
 
-    def same_paths(self, other: "Manifest") -> bool:
+    def same_paths(self, other: Manifest) -> bool:
         """The same paths in the same order (the same object, or an equal copy)."""
         return self is other or (len(self) == len(other)
                                  and bool(np.array_equal(self.paths, other.paths)))
@@ -214,7 +214,7 @@ class Manifest:
             raise IndexError(f"manifest index {index} out of range (0..{len(self.paths) - 1})")
         return bytes(self.paths[index])
 
-    def prepare(self) -> "Manifest":
+    def prepare(self) -> Manifest:
         """Build the lookup table now (it is otherwise built by the first lookup)."""
         if self._sorted_hashes is None:
             hashes = _path_hashes(self.paths)
@@ -223,7 +223,7 @@ class Manifest:
             self._sorted_hashes = hashes[by_hash]
         return self
 
-    def lookup(self, relpaths: "np.ndarray | Manifest") -> np.ndarray:
+    def lookup(self, relpaths: np.ndarray | Manifest) -> np.ndarray:
         """Manifest index of each path of an ``S`` array or Manifest, -1 where absent.
 
         Vectorised: the queries are hashed and sorted (a Manifest brings its own table), then

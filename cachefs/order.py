@@ -47,9 +47,10 @@ import re
 import stat
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -74,7 +75,7 @@ class FileIdentity(NamedTuple):
     size: int
 
     @classmethod
-    def from_stat(cls, st: os.stat_result) -> "FileIdentity":
+    def from_stat(cls, st: os.stat_result) -> FileIdentity:
         return cls(st.st_ino, st.st_mtime_ns, st.st_size)
 
     def to_json(self) -> dict:

@@ -49,8 +49,8 @@ import logging
 import os
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import trio
 
@@ -83,7 +83,7 @@ class _Inotify:
         self.fd = fd
 
     @classmethod
-    def open(cls, directory: Path) -> "_Inotify | None":
+    def open(cls, directory: Path) -> _Inotify | None:
         """The watch, or None when inotify is unavailable (then the caller polls)."""
         try:
             libc = ctypes.CDLL(None, use_errno=True)

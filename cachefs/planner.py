@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -149,7 +149,7 @@ class Planner:
         self.consumed_count += len(positions)
         if len(positions):
             self.front = max(self.front, int(positions.max()) + 1)
-        for item, count in zip(unique[~simple].tolist(), counts[~simple].tolist()):
+        for item, count in zip(unique[~simple].tolist(), counts[~simple].tolist(), strict=True):
             for _ in range(count):
                 self.consume(item)
         unconsumed = np.flatnonzero(~self.consumed)

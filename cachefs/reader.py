@@ -36,8 +36,8 @@ methods are all that fuse_ops touches of the read path.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from cachefs import errors
 from cachefs import stats as stats_mod
@@ -130,10 +130,10 @@ class Reader:
         """A handle on one file, with its current source identity.
 
         The identity is the one the prefetcher saw, if still trusted (cachefs/freshness.py),
-        else `recent` (the caller's stat, if still trusted), else fresh from the source: the read of the
-        file's first block if one is in flight, or an open and fstat. Waiting for the source
-        here is a stall like any other. Waiting for the file's data in flight makes it a miss;
-        a RAM hit that only needed a fresh stat stays a RAM hit.
+        else `recent` (the caller's stat, if still trusted), else fresh from the source: the
+        read of the file's first block if one is in flight, or an open and fstat. Waiting for
+        the source here is a stall like any other. Waiting for the file's data in flight makes
+        it a miss; a RAM hit that only needed a fresh stat stays a RAM hit.
 
         `pages_of`: the version of the file whose pages the kernel may hold (None: none). The
         kernel keeps them if they are of the version opened (see the module docstring).

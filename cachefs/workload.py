@@ -41,7 +41,7 @@ def write_dataset(root: Path, relpaths: list[str], sizes: np.ndarray, seed: int)
     """
     pool = np.random.default_rng(seed).integers(0, 256, POOL_BYTES, dtype=np.uint8)
     rng = np.random.default_rng(seed + 1)
-    for relpath, size in zip(relpaths, sizes.tolist()):
+    for relpath, size in zip(relpaths, sizes.tolist(), strict=True):
         offset = int(rng.integers(0, POOL_BYTES)) & _PAGE_MASK
         _write_from_pool(root / relpath, size, pool, offset)
     return int(sizes.sum())
@@ -69,7 +69,7 @@ class Waits:
     open_s: float = 0.0
     read_s: float = 0.0
 
-    def add(self, other: "Waits") -> None:
+    def add(self, other: Waits) -> None:
         self.open_s += other.open_s
         self.read_s += other.read_s
 

@@ -45,8 +45,8 @@ import itertools
 import logging
 import math
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from cachefs.source import SourceIdentity
 

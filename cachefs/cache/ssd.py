@@ -360,7 +360,7 @@ class SsdTier:
 
     def _reconcile(self, table: np.ndarray) -> np.ndarray:
         """Bring `table` in line with the entry files (one scan of the fan-out dirs)."""
-        known = dict(zip(table["key_lo"].tolist(), range(len(table))))
+        known = dict(zip(table["key_lo"].tolist(), range(len(table)), strict=True))
         seen = np.zeros(len(table), dtype=bool)
         adopted = []
         removed = 0

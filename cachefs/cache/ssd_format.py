@@ -104,7 +104,7 @@ def entry_name(key_hi: int, key_lo: int) -> str:
 def record_check(words8: tuple[int, ...]) -> int:
     """The per-record check over the first 64 bytes of a record, as eight 64-bit words."""
     check = 0
-    for word, mult in zip(words8, _CHECK_MULTIPLIERS):
+    for word, mult in zip(words8, _CHECK_MULTIPLIERS, strict=True):
         check ^= (word * mult) & MASK64
     return check
 
