@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 
@@ -27,6 +28,9 @@ from cachefs.client import process_exited
 from cachefs.config import (DATA_PLANES, CacheConfig, MountConfig, PrefetchConfig,
                             default_state_dir, parse_size)
 from cachefs.mountinfo import mounted_paths
+
+if TYPE_CHECKING:
+    import numpy as np  # numpy is imported where it is used: `cachefs --help` stays quick
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +52,7 @@ class SizeType(click.ParamType):
 SIZE = SizeType()
 
 
-def _fail(message: str, code: int = errors.EXIT_ERROR):
+def _fail(message: str, code: int = errors.EXIT_ERROR) -> NoReturn:
     exc = click.ClickException(message)
     exc.exit_code = code
     raise exc
@@ -272,7 +276,7 @@ def publish(mountpoint, epoch, current, next, files, seed, rank, world_size, tim
         if seed is not None:
             n = len(manifest) if manifest is not None else publishing.source_file_count(mountpoint)
             current_order = permutation(n, seed, epoch)
-            next_order = permutation(n, seed, epoch + 1)
+            next_order: np.ndarray | None = permutation(n, seed, epoch + 1)
         else:
             current_order = publishing.read_index_file(current)
             next_order = publishing.read_index_file(next) if next else None

@@ -55,7 +55,8 @@ def _write_from_pool(path: Path, size_bytes: int, pool: np.ndarray, offset: int)
         while written < size_bytes:
             start = (offset + written) % POOL_BYTES
             chunk = pool[start:start + min(size_bytes - written, POOL_BYTES - start)]
-            written += os.write(fd, memoryview(chunk))
+            # ndarray has the buffer protocol; numpy's stubs declare it for Python 3.12+ only
+            written += os.write(fd, memoryview(chunk))  # type: ignore[arg-type]
     finally:
         os.close(fd)
 
