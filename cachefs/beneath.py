@@ -62,8 +62,8 @@ _hows: dict[int, tuple[_OpenHow, int]] = {}
 def _openat2(dir_fd: int, relpath: bytes, flags: int) -> int:
     how = _hows.get(flags)
     if how is None:
-        how = _OpenHow(flags, 0, _RESOLVE)
-        how = _hows[flags] = (how, ctypes.addressof(how))
+        open_how = _OpenHow(flags, 0, _RESOLVE)
+        how = _hows[flags] = (open_how, ctypes.addressof(open_how))
     fd = _syscall(_SYS_OPENAT2, dir_fd, relpath, how[1], _HOW_BYTES)
     if fd < 0:
         code = ctypes.get_errno()

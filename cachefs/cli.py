@@ -19,14 +19,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 
 from cachefs import __version__, errors
 from cachefs.client import process_exited
+from cachefs.config import (DATA_PLANES, CacheConfig, MountConfig, PrefetchConfig,
+                            default_state_dir, parse_size)
 from cachefs.mountinfo import mounted_paths
-from cachefs.config import (DATA_PLANES, CacheConfig, MountConfig, PrefetchConfig, default_state_dir,
-                            parse_size)
+
+if TYPE_CHECKING:
+    import numpy as np  # numpy is imported where it is used: `cachefs --help` stays quick
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +52,7 @@ class SizeType(click.ParamType):
 SIZE = SizeType()
 
 
-def _fail(message: str, code: int = errors.EXIT_ERROR):
+def _fail(message: str, code: int = errors.EXIT_ERROR) -> NoReturn:
     exc = click.ClickException(message)
     exc.exit_code = code
     raise exc
@@ -154,7 +158,7 @@ def mount(source, mountpoint, foreground, debug, fuse_options, order_file, state
             source_delay_s=source_delay_ms / 1000.0, data_plane=data_plane,
             resume_order=resume_order)
     except ValueError as exc:
-        raise click.UsageError(str(exc))
+        raise click.UsageError(str(exc)) from None
     if foreground:
         _mount_foreground(config)
     else:
@@ -272,7 +276,7 @@ def publish(mountpoint, epoch, current, next, files, seed, rank, world_size, tim
         if seed is not None:
             n = len(manifest) if manifest is not None else publishing.source_file_count(mountpoint)
             current_order = permutation(n, seed, epoch)
-            next_order = permutation(n, seed, epoch + 1)
+            next_order: np.ndarray | None = permutation(n, seed, epoch + 1)
         else:
             current_order = publishing.read_index_file(current)
             next_order = publishing.read_index_file(next) if next else None
@@ -472,7 +476,7 @@ def demo(files, file_kb, epochs, workers, ram_fraction, ssd_fraction, delay_ms, 
                                      ssd_fraction=ssd_fraction, delay_ms=delay_ms, seed=seed,
                                      output=output, keep=keep)
     except ValueError as exc:
-        raise click.UsageError(str(exc))
+        raise click.UsageError(str(exc)) from None
     try:
         result = demo_mod.run(config, progress=lambda message: click.echo(message, err=True))
     except errors.CachefsError as exc:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import errno
 import json
 import os
-from typing import Callable
+from collections.abc import Callable
 
 from cachefs import __version__
 from cachefs.errors import CachefsError

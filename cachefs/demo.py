@@ -46,9 +46,9 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -169,7 +169,7 @@ class DemoResult:
             "capacity_fraction": round(self.capacity_fraction, 4),
             "epochs": [{"epoch": d.epoch, "direct": d.to_json(), "cachefs": c.to_json(),
                         "speedup": round(self.speedup(i), 3)}
-                       for i, (d, c) in enumerate(zip(self.direct, self.cachefs))],
+                       for i, (d, c) in enumerate(zip(self.direct, self.cachefs, strict=True))],
             "overall": {"direct_time_s": round(sum(f.time_s for f in self.direct), 4),
                         "cachefs_time_s": round(sum(f.time_s for f in self.cachefs), 4),
                         "speedup": round(self.overall_speedup, 3)},
@@ -428,7 +428,7 @@ def format_table(result: DemoResult) -> str:
                 f"{figures.prefetched:>12}{figures.misses:>8}{figures.stall_s:>9.2f}"
                 f"{speedup:>9}").rstrip()
 
-    for index, (direct, cached) in enumerate(zip(result.direct, result.cachefs)):
+    for index, (direct, cached) in enumerate(zip(result.direct, result.cachefs, strict=True)):
         lines.append(row(direct.epoch, "direct", direct, ""))
         lines.append(row(cached.epoch, "cachefs", cached, f"{result.speedup(index):.2f}x"))
     lines.append(row("all", "direct", _sum(result.direct), ""))

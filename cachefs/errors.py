@@ -14,6 +14,10 @@ read here in full:
 from __future__ import annotations
 
 import errno
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cachefs.order import FileIdentity
 
 
 class CachefsError(Exception):
@@ -26,7 +30,7 @@ class OrderError(CachefsError):
     """An order file or order arguments that cannot be used; the message names the problem."""
 
     errno_value = errno.EINVAL
-    file = None  # identity of the order file that was read, when there was one
+    file: FileIdentity | None = None  # identity of the order file read, when there was one
 
 
 class StaleFileError(CachefsError):

@@ -13,8 +13,9 @@ the buffer), takes the inode number of each event's file with fstat(2) (it is th
 inode number: the kernel's attributes come from the daemon, and in no_open mode the fd the
 kernel opens for the event sends no request), and hands the batch to `deliver`, which returns
 once the trio thread has accounted for it; only then are the fds closed. An open fd pins the
-inode: the kernel cannot forget it (FORGET) before the daemon has looked it up. The fd the kernel gives us is opened with FMODE_NONOTIFY,
-so closing it makes no event of its own. Directories report nothing (no FAN_ONDIR).
+inode: the kernel cannot forget it (FORGET) before the daemon has looked it up. The fd the
+kernel gives us is opened with FMODE_NONOTIFY, so closing it makes no event of its own.
+Directories report nothing (no FAN_ONDIR).
 
 fanotify needs CAP_SYS_ADMIN: `open_close_events` raises OSError without it (EPERM), and the
 mount runs in the keep-cache mode instead. Overflowed queues (FAN_Q_OVERFLOW) are counted:
@@ -29,7 +30,7 @@ import logging
 import os
 import struct
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 

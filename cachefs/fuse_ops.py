@@ -24,12 +24,12 @@ What the handlers touch: the source (metadata, directories, extended attributes)
 table, the kernel data plane, and of the read path and the control channel only their public
 methods (`Reader`, `Control`).
 
-The zero-request mode (`decide_mode`, mount.py decides before the first OPEN is answered): OPEN is answered ENOSYS, after
-which the kernel sends no OPEN or RELEASE on this connection and keeps every file's pages
-across opens, so a file it holds costs the daemon no request at all. READs of pages it does
-not hold come with the inode instead of a handle (a patched pyfuse3, scripts/patches/), and
-are served through a handle made at the first of them (`_without_open`); what was read, and
-when, the daemon learns from close events (cachefs/fanotify.py, `closed`).
+The zero-request mode (`decide_mode`, mount.py decides before the first OPEN is answered): OPEN
+is answered ENOSYS, after which the kernel sends no OPEN or RELEASE on this connection and
+keeps every file's pages across opens, so a file it holds costs the daemon no request at all.
+READs of pages it does not hold come with the inode instead of a handle (a patched pyfuse3,
+scripts/patches/), and are served through a handle made at the first of them (`_without_open`);
+what was read, and when, the daemon learns from close events (cachefs/fanotify.py, `closed`).
 """
 
 from __future__ import annotations

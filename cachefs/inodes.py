@@ -11,10 +11,11 @@ is stamped `NEVER_S` until the mount stamps it when it starts serving.
 
 It is also the daemon's record of what the kernel holds of each inode, for the kernel data
 plane (cachefs/pagecache.py): whether the kernel has the inode at all (a lookup count above
-zero), the handles open on it, and `page_identity`, the version of the file whose pages the kernel may hold (set when
-a file is opened or pushed, cleared when the source file changed). `store_target` is the one
-check before pages are stored: the kernel holds the inode, with attributes of the version
-stored (a store past the size the kernel holds would extend it) and no pages of another one.
+zero), the handles open on it, and `page_identity`, the version of the file whose pages the
+kernel may hold (set when a file is opened or pushed, cleared when the source file changed).
+`store_target` is the one check before pages are stored: the kernel holds the inode, with
+attributes of the version stored (a store past the size the kernel holds would extend it) and
+no pages of another one.
 
 The table has an entry for every file the kernel knows, which with many small samples is
 every sample: entries are slotted and keep the attributes packed (`PackedStat`, 137 bytes where
@@ -44,9 +45,23 @@ class PackedStat(bytes):
     FIELDS = ("st_mode", "st_nlink", "st_uid", "st_gid", "st_rdev", "st_size", "st_blksize",
               "st_blocks", "st_atime_ns", "st_mtime_ns", "st_ctime_ns", "st_ino", "st_dev")
     _FORMAT = struct.Struct(f"{len(FIELDS)}q")
+    # the fields' types, for the type checker (the properties are set below, from FIELDS)
+    st_mode: int
+    st_nlink: int
+    st_uid: int
+    st_gid: int
+    st_rdev: int
+    st_size: int
+    st_blksize: int
+    st_blocks: int
+    st_atime_ns: int
+    st_mtime_ns: int
+    st_ctime_ns: int
+    st_ino: int
+    st_dev: int
 
     @classmethod
-    def of(cls, st) -> "PackedStat":
+    def of(cls, st: os.stat_result | PackedStat) -> PackedStat:
         if isinstance(st, cls):
             return st
         return cls(cls._FORMAT.pack(*(getattr(st, name) for name in cls.FIELDS)))
@@ -121,7 +136,7 @@ class InodeTable:
         """The kernel took a reference without a lookup call (readdirplus)."""
         self._entries[inode].lookups += 1
 
-    def update_stat(self, inode: int, st: os.stat_result,
+    def update_stat(self, inode: int, st: os.stat_result | PackedStat,
                     stat_time_s: float | None = None) -> None:
         entry = self._entries[inode]
         entry.stat = PackedStat.of(st)

@@ -28,6 +28,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -176,6 +177,14 @@ def _unicode_array_to_bytes(paths: np.ndarray) -> np.ndarray:
     return _paths_to_bytes_array(paths.tolist())
 
 
+class _HashTable(NamedTuple):
+    """A manifest's lookup table; its three arrays are built together."""
+
+    hashes: np.ndarray  # by manifest index
+    by_hash: np.ndarray  # manifest indices in hash order
+    sorted_hashes: np.ndarray
+
+
 class Manifest:
     """Relative paths (bytes, os.fsencode) in a numpy 'S' array; no per-item Python objects.
 
@@ -189,19 +198,17 @@ class Manifest:
         paths = paths.view()
         paths.flags.writeable = False
         self.paths = paths
-        self._hashes: np.ndarray | None = None  # by manifest index
-        self._by_hash: np.ndarray | None = None  # manifest indices in hash order
-        self._sorted_hashes: np.ndarray | None = None
+        self._table: _HashTable | None = None
 
     @classmethod
-    def from_paths(cls, paths) -> "Manifest":
+    def from_paths(cls, paths) -> Manifest:
         """Accepts str/bytes sequences or U/S arrays, keeps the order given."""
         return cls(_paths_to_bytes_array(paths))
 
     def __len__(self) -> int:
         return len(self.paths)
 
-    def same_paths(self, other: "Manifest") -> bool:
+    def same_paths(self, other: Manifest) -> bool:
         """The same paths in the same order (the same object, or an equal copy)."""
         return self is other or (len(self) == len(other)
                                  and bool(np.array_equal(self.paths, other.paths)))
@@ -214,36 +221,38 @@ class Manifest:
             raise IndexError(f"manifest index {index} out of range (0..{len(self.paths) - 1})")
         return bytes(self.paths[index])
 
-    def prepare(self) -> "Manifest":
+    def prepare(self) -> Manifest:
         """Build the lookup table now (it is otherwise built by the first lookup)."""
-        if self._sorted_hashes is None:
-            hashes = _path_hashes(self.paths)
-            by_hash = np.argsort(hashes)
-            self._hashes, self._by_hash = hashes, by_hash
-            self._sorted_hashes = hashes[by_hash]
+        self._hash_table()
         return self
 
-    def lookup(self, relpaths: "np.ndarray | Manifest") -> np.ndarray:
+    def _hash_table(self) -> _HashTable:
+        if self._table is None:
+            hashes = _path_hashes(self.paths)
+            by_hash = np.argsort(hashes)
+            self._table = _HashTable(hashes, by_hash, hashes[by_hash])
+        return self._table
+
+    def lookup(self, relpaths: np.ndarray | Manifest) -> np.ndarray:
         """Manifest index of each path of an ``S`` array or Manifest, -1 where absent.
 
         Vectorised: the queries are hashed and sorted (a Manifest brings its own table), then
         found by one merge-like search of the sorted table and checked string by string.
         """
-        self.prepare()
-        if isinstance(relpaths, Manifest):
-            query = relpaths.prepare()
-        else:
-            query = Manifest(relpaths).prepare()
-        queries = query.paths
+        table = self._hash_table()
+        if not isinstance(relpaths, Manifest):
+            relpaths = Manifest(relpaths)
+        query = relpaths._hash_table()
+        queries = relpaths.paths
         found = np.full(len(queries), -1, dtype=np.int64)
         if len(queries) == 0 or len(self.paths) == 0:
             return found
         # Searching sorted keys walks the table once; random keys miss the CPU cache.
         slots = np.empty(len(queries), dtype=np.intp)
-        slots[query._by_hash] = np.searchsorted(self._sorted_hashes, query._sorted_hashes)
+        slots[query.by_hash] = np.searchsorted(table.sorted_hashes, query.sorted_hashes)
         np.minimum(slots, len(self.paths) - 1, out=slots)
-        same_hash = self._sorted_hashes[slots] == query._hashes
-        candidates = self._by_hash[slots]
+        same_hash = table.sorted_hashes[slots] == query.hashes
+        candidates = table.by_hash[slots]
         match = same_hash & (self.paths[candidates] == queries)
         found[match] = candidates[match]
         # Equal hash but another string: a collision inside the manifest, about one chance in
@@ -259,15 +268,15 @@ class Manifest:
 
         A few microseconds: the daemon calls this when a file is opened.
         """
-        self.prepare()
+        table = self._hash_table()
         relpath = os.fsencode(relpath)
         if not relpath or relpath.endswith(b"\0"):
             return -1  # an 'S' array cannot hold such a path
         wanted = np.uint64(_path_hash_one(relpath))
-        sorted_hashes = self._sorted_hashes
+        sorted_hashes = table.sorted_hashes
         slot = int(sorted_hashes.searchsorted(wanted))
         while slot < len(sorted_hashes) and sorted_hashes[slot] == wanted:
-            index = int(self._by_hash[slot])
+            index = int(table.by_hash[slot])
             if self.paths[index] == relpath:
                 return index
             slot += 1  # a hash collision: try the next path with the same hash
@@ -341,15 +350,15 @@ def check_unique_paths(files: Manifest) -> None:
     A plain sort of the hashes is several times cheaper than the argsort of `prepare`; the
     table is built only when equal hashes need a closer look.
     """
-    sorted_hashes = files._sorted_hashes
-    if sorted_hashes is None:
+    if files._table is None:
         sorted_hashes = np.sort(_path_hashes(files.paths))
         if not (sorted_hashes[1:] == sorted_hashes[:-1]).any():
             return
-        sorted_hashes = files.prepare()._sorted_hashes
+    table = files._hash_table()
+    sorted_hashes = table.sorted_hashes
     for slot in np.flatnonzero(sorted_hashes[1:] == sorted_hashes[:-1]):
         # Equal hashes are duplicates or (very rarely) collisions: compare the strings.
-        run = files._by_hash[np.flatnonzero(sorted_hashes == sorted_hashes[slot])]
+        run = table.by_hash[np.flatnonzero(sorted_hashes == sorted_hashes[slot])]
         seen: dict[bytes, int] = {}
         for position in np.sort(run):
             path = bytes(files.paths[position])

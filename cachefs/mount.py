@@ -172,9 +172,10 @@ class Mount:
 
     def _order_paths(self) -> list[bytes] | None:
         """The current order's files from the cursor on, for `cachefs warm --order`."""
-        if not self.planner.active:
+        order = self.planner.order
+        if order is None:  # not active
             return None
-        manifest = self.planner.order.manifest
+        manifest = order.manifest
         return [manifest.path(int(item)) for item in self.planner.current[self.planner.cursor:]]
 
     def _load_order(self, path: Path):

@@ -47,9 +47,10 @@ import re
 import stat
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -74,7 +75,7 @@ class FileIdentity(NamedTuple):
     size: int
 
     @classmethod
-    def from_stat(cls, st: os.stat_result) -> "FileIdentity":
+    def from_stat(cls, st: os.stat_result) -> FileIdentity:
         return cls(st.st_ino, st.st_mtime_ns, st.st_size)
 
     def to_json(self) -> dict:
@@ -314,9 +315,9 @@ def _open_regular(path: Path):
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        err = OrderError("not a regular file: publish by renaming a complete file into place")
-        err.file = FileIdentity.from_stat(st)
-        raise err
+        error = OrderError("not a regular file: publish by renaming a complete file into place")
+        error.file = FileIdentity.from_stat(st)
+        raise error
     return os.fdopen(fd, "rb"), FileIdentity.from_stat(st)
 
 
@@ -383,7 +384,7 @@ def load_order(path: Path, source_manifest: Manifest | Callable[[], Manifest]) -
         err.file = identity
         raise
     current, next_order = checked.current, checked.next
-    if checked.world_size is not None:
+    if checked.rank is not None and checked.world_size is not None:
         current = rank_slice(current, checked.rank, checked.world_size)
         if next_order is not None:
             next_order = rank_slice(next_order, checked.rank, checked.world_size)
@@ -393,7 +394,7 @@ def load_order(path: Path, source_manifest: Manifest | Callable[[], Manifest]) -
     return Order(epoch=checked.epoch, current=current, next=next_order, manifest=manifest,
                  rank=checked.rank, world_size=checked.world_size,
                  total_length=len(checked.current), file=identity,
-                 ranks=(checked.rank,) if checked.world_size is not None else None,
+                 ranks=(checked.rank,) if checked.rank is not None else None,
                  files=(identity,))
 
 
@@ -431,7 +432,7 @@ def write_checked(path: Path, checked: CheckedArrays) -> FileIdentity:
         arrays["next"] = checked.next
     if checked.files is not None:
         arrays["files"] = checked.files.paths
-    if checked.world_size is not None:
+    if checked.rank is not None and checked.world_size is not None:
         arrays["rank"] = np.int64(checked.rank)
         arrays["world_size"] = np.int64(checked.world_size)
     descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",

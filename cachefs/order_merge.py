@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -78,7 +78,7 @@ def check_rank_file(order: Order, order_path: Path, name_rank: int) -> None:
     `order_path` is the plain order file, whose stem the rank files' names are derived from.
     """
     name = rank_order_path(order_path, name_rank).name
-    if order.world_size is None:
+    if order.rank is None:  # (and world_size: both or neither)
         raise OrderError(f"{name} is the file of rank {name_rank} but holds no rank and "
                          f"world_size: publish with rank and world_size, or publish the "
                          f"order without a rank to the plain order file")
@@ -125,8 +125,8 @@ def merge(plain: Publication | None, by_rank: Mapping[int, Publication]) -> Merg
         else:
             members.append((rank, *slices, order))
     current = _interleave([member[1] for member in members])
-    nexts = [member[2] for member in members]
-    next_order = None if any(n is None for n in nexts) else _interleave(nexts)
+    nexts = [member[2] for member in members if member[2] is not None]
+    next_order = _interleave(nexts) if len(nexts) == len(members) else None
     merged = Order(epoch=decider.epoch, current=current, next=next_order,
                    manifest=decider.manifest, rank=decider.rank,
                    world_size=decider.world_size, total_length=decider.total_length,

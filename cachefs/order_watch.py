@@ -49,8 +49,8 @@ import logging
 import os
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import trio
 
@@ -83,7 +83,7 @@ class _Inotify:
         self.fd = fd
 
     @classmethod
-    def open(cls, directory: Path) -> "_Inotify | None":
+    def open(cls, directory: Path) -> _Inotify | None:
         """The watch, or None when inotify is unavailable (then the caller polls)."""
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -151,7 +151,8 @@ class OrderWatcher:
         self._sequence = 0  # files accepted so far
         self._order: Order | None = None
         self._published_at: float | None = None
-        self._left_out: dict[FileIdentity, str] = {}  # held files the order in force leaves out
+        # held files the order in force leaves out
+        self._left_out: dict[FileIdentity | None, str] = {}
         self._rejections: collections.deque[dict] = collections.deque(maxlen=REJECTIONS_KEPT)
         self._set_aside: dict[str, FileIdentity] = {}  # files left from an earlier run
         if not resume:
@@ -185,7 +186,8 @@ class OrderWatcher:
             task_status.started()
             await self.check()
             if inotify is not None:
-                inotify = await self._follow_inotify(inotify)
+                await self._follow_inotify(inotify)
+                inotify = None  # it returns only when the watch is lost, having closed it
             await self._follow_polling()
         finally:
             if inotify is not None:
@@ -198,7 +200,8 @@ class OrderWatcher:
     async def _follow_inotify(self, inotify: _Inotify) -> None:
         """Returns None (after closing the watch) if the watch is lost for good."""
         while True:
-            names, lost = set(), False
+            names: set[bytes] = set()
+            lost = False
             with trio.move_on_after(_RESCAN_S):
                 names, lost = await inotify.wait_events()
             if lost:
@@ -337,6 +340,7 @@ class OrderWatcher:
                 by_rank[publication.rank] = publication
         try:
             merged = merge(plain, by_rank)
+            assert merged is not None  # there are accepted publications
             self._on_order(merged.order)
         except Exception as err:  # noqa: BLE001 - keep the previous order, keep watching
             log.warning("switching to the order of %s failed", self._names(accepted),

@@ -33,7 +33,7 @@ import errno
 import logging
 import queue
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import trio
 

@@ -39,9 +39,13 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from cachefs.order import Order
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +56,7 @@ class Planner:
     def __init__(self, lookahead_items: int):
         self.lookahead_items = max(1, lookahead_items)
         self.max_span_items = self.lookahead_items  # the window's length at most
-        self.order = None  # the cachefs.order.Order in force, for its manifest and status
+        self.order: Order | None = None  # the order in force, for its manifest and status
         self.epoch: int | None = None
         self.epoch_serial = 0  # bumped at every epoch switch or new order
         self.order_serial = 0  # bumped when a published order replaces the plan
@@ -149,7 +153,7 @@ class Planner:
         self.consumed_count += len(positions)
         if len(positions):
             self.front = max(self.front, int(positions.max()) + 1)
-        for item, count in zip(unique[~simple].tolist(), counts[~simple].tolist()):
+        for item, count in zip(unique[~simple].tolist(), counts[~simple].tolist(), strict=True):
             for _ in range(count):
                 self.consume(item)
         unconsumed = np.flatnonzero(~self.consumed)
@@ -178,6 +182,7 @@ class Planner:
         """The current order is consumed: the next one becomes current. False if none is known."""
         if self.next is None:
             return False
+        assert self.epoch is not None  # an order is in force: it set the epoch
         self._start(self.epoch + 1, self.next, None, len(self.pos_cur))
         return True
 
@@ -226,6 +231,7 @@ class Planner:
                 if not self.consumed[position]:
                     yield position, int(self.current[position])
             else:
+                assert self.next is not None  # window_end reaches past n only into it
                 item = int(self.next[position - n])
                 if self.pos_cur[item] < 0:
                     yield position, item

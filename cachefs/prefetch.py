@@ -203,6 +203,7 @@ class Prefetcher:
         completed = self.planner.consume(item)
         self.ranking.rerank(item, int(self.meta.size[item]))
         if completed and self.planner.switch_to_next():
+            assert self.planner.epoch is not None  # the switch set it
             self.stats.start_epoch(self.planner.epoch)
             self.ranking.set_members(self.planner.current)
             self.ranking.rerank_all()
@@ -215,11 +216,11 @@ class Prefetcher:
             self._nursery = nursery
             task_status.started()
             while True:
-                self._start_fetches()
+                self._start_fetches(nursery)
                 await self._wake.wait()
                 self._wake = trio.Event()
 
-    def _start_fetches(self) -> None:
+    def _start_fetches(self, nursery: trio.Nursery) -> None:
         planner = self.planner
         manifest = self.ranking.manifest
         if not planner.active or manifest is None:
@@ -242,7 +243,7 @@ class Prefetcher:
                     # open pays a source round trip for every RAM hit (fuse_ops.open).
                     # _fetch_item stats it, finds its blocks resident and pushes them.
                     self._inflight_items.add(item)
-                    self._nursery.start_soon(self._fetch_item, item, manifest)
+                    nursery.start_soon(self._fetch_item, item, manifest)
                 elif kernel:
                     self._push(item, identity)
             else:
@@ -251,7 +252,7 @@ class Prefetcher:
                 if not self._room_for(need, self.ranking.priority_of(item, 0, None)):
                     return  # RAM holds only nearer uses: wait for a consumption
                 self._inflight_items.add(item)
-                self._nursery.start_soon(self._fetch_item, item, manifest)
+                nursery.start_soon(self._fetch_item, item, manifest)
             planner.scan = position + 1
 
     def _resident(self, item: int) -> bool:

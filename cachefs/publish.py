@@ -108,7 +108,7 @@ def publish(mount: Path, epoch: int, current, next=None, files=None, rank=None,
     checked = check_arrays(epoch, current, next, files, rank, world_size)
     mount = Path(mount)
     order_path = Path(os.fsdecode(ctrl.read_attr(mount, ctrl.ORDER_FILE, OrderError)))
-    if checked.world_size is not None:
+    if checked.rank is not None:  # (and world_size: check_arrays takes both or neither)
         order_path = rank_order_path(order_path, checked.rank)
     if checked.files is None:
         # The daemon knows the source's size once it has scanned it: check the upper bound

@@ -30,6 +30,7 @@ import numpy as np
 
 from cachefs.cache.ram import RamTier
 from cachefs.cache.tiered import block_count
+from cachefs.manifest import Manifest
 from cachefs.planner import NEVER, Planner
 from cachefs.recent import RecentMap
 from cachefs.source import SourceIdentity
@@ -54,7 +55,7 @@ class Ranking:
         self.ram = ram
         self.ssd = ssd
         self.block_bytes = block_bytes
-        self._manifest = None
+        self._manifest: Manifest | None = None
         self._member = np.zeros(0, bool)  # items in the current or next order
         # relpath -> manifest index of files read ahead lately: an open finds its item without
         # hashing the path (Manifest.index_of was about 5% of the daemon's busy main thread)
@@ -83,6 +84,7 @@ class Ranking:
 
     def set_members(self, current, next_=None) -> None:
         """The items of the current order and of the next (None: none known)."""
+        assert self._manifest is not None  # an order is in force (use_manifest came first)
         self._member = np.zeros(len(self._manifest), bool)
         self._member[current] = True
         if next_ is not None:
@@ -119,10 +121,12 @@ class Ranking:
     def _on_ssd(self, item: int, block_index: int, identity: SourceIdentity | None) -> bool:
         if self.ssd is None or identity is None:
             return False
+        assert self._manifest is not None  # item is in the orders (_in_orders)
         return self.ssd.contains((self._manifest.path(item), block_index), identity)
 
     def rerank(self, item: int, size_bytes: int) -> None:
         """New priorities for the blocks of one item (of `size_bytes`, -1 if unknown)."""
+        assert self._manifest is not None  # an order is in force (consumed)
         relpath = self._manifest.path(item)
         for block_index in range(block_count(max(size_bytes, 0), self.block_bytes)):
             key = (relpath, block_index)

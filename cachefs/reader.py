@@ -36,8 +36,8 @@ methods are all that fuse_ops touches of the read path.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from cachefs import errors
 from cachefs import stats as stats_mod
@@ -130,17 +130,19 @@ class Reader:
         """A handle on one file, with its current source identity.
 
         The identity is the one the prefetcher saw, if still trusted (cachefs/freshness.py),
-        else `recent` (the caller's stat, if still trusted), else fresh from the source: the read of the
-        file's first block if one is in flight, or an open and fstat. Waiting for the source
-        here is a stall like any other. Waiting for the file's data in flight makes it a miss;
-        a RAM hit that only needed a fresh stat stays a RAM hit.
+        else `recent` (the caller's stat, if still trusted), else fresh from the source: the
+        read of the file's first block if one is in flight, or an open and fstat. Waiting for
+        the source here is a stall like any other. Waiting for the file's data in flight makes
+        it a miss; a RAM hit that only needed a fresh stat stays a RAM hit.
 
         `pages_of`: the version of the file whose pages the kernel may hold (None: none). The
         kernel keeps them if they are of the version opened (see the module docstring).
         """
         identity = self._prefetcher.known_identity(item) or recent
-        handle = OpenFile(inode, relpath, identity, item, self._ranking.manifest,
-                          epoch_record=self._stats.current,
+        # identity None only until fresh_identity below: the handle takes the epoch and order
+        # of the open, not those after the wait
+        handle = OpenFile(inode, relpath, identity, item,  # type: ignore[arg-type]
+                          self._ranking.manifest, epoch_record=self._stats.current,
                           order_serial=self._planner.order_serial)
         if identity is None:
             started_s = now_s()
@@ -200,7 +202,7 @@ class Reader:
             if not handle.consume_at_release:
                 self._consume(handle)
             return b""
-        parts = []
+        parts: list[bytes] = []
         for block_index in range(offset // block_bytes, (end - 1) // block_bytes + 1):
             data = await self._block(handle, block_index,
                                      may_switch=not parts and not handle.bytes_served)
@@ -220,14 +222,15 @@ class Reader:
         may replace its own; any other change is a StaleFileError."""
         handle.blocks_read.add(block_index)
         key = (handle.relpath, block_index)
-        block = self._tiered.lookup(key, handle.identity)
-        if block is not None:  # the hot path: no await
+        block = self._tiered.lookup(key, handle.identity)  # a block with data, or None
+        if block is not None and block.data is not None:  # the hot path: no await
             self._served(handle, key, block)
             return block.data
         # the one clock (freshness.py), so that the simulator's virtual clock measures stalls too
         started_s = now_s()
         fetched = await self._tiered.fetch(key, handle.identity, handle.item, handle.manifest,
                                           demand=True)
+        assert fetched is not None  # only a prefetch (demand=False) may come back empty
         if fetched.origin == stats_mod.ORIGIN_MISS:
             handle.stall_s += now_s() - started_s
         handle.origin = max(handle.origin, fetched.origin)

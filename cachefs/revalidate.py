@@ -25,7 +25,7 @@ expects of a training set.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import trio
 

@@ -172,8 +172,9 @@ class SimResult:
         rows = [e.row() for e in self.epochs]
         headers = list(rows[0])
         widths = [max(len(h), *(len(str(r[h])) for r in rows)) for h in headers]
-        lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths))]
-        lines += ["  ".join(str(r[h]).rjust(w) for h, w in zip(headers, widths)) for r in rows]
+        lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
+        lines += ["  ".join(str(r[h]).rjust(w) for h, w in zip(headers, widths, strict=True))
+                  for r in rows]
         return "\n".join(lines)
 
 

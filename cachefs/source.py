@@ -44,13 +44,16 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from cachefs import threads as threads_mod
 from cachefs.beneath import open_beneath, proc_path
 from cachefs.freshness import Freshness, now_s
 from cachefs.mountinfo import filesystem_type
 from cachefs.recent import RecentMap
+
+if TYPE_CHECKING:
+    from cachefs.inodes import PackedStat
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +100,7 @@ class Source:
         self.requests = {"lstat": 0, "block_read": 0, "identity_check": 0, "listdir": 0}
         self.stats_reused = 0
 
-    def identity_of(self, st: os.stat_result) -> SourceIdentity:
+    def identity_of(self, st: os.stat_result | PackedStat) -> SourceIdentity:
         return SourceIdentity(st.st_size, st.st_mtime_ns, st.st_ino if self.stable_inodes else 0)
 
     def _open_path(self, relpath: bytes) -> int:
@@ -154,7 +157,7 @@ class Source:
         return results
 
     def _lstat_many(self, relpaths: list[bytes]) -> list[tuple[bytes, os.stat_result | OSError]]:
-        results = []
+        results: list[tuple[bytes, os.stat_result | OSError]] = []
         for relpath in relpaths:
             try:
                 results.append((relpath, self.lstat_sync(relpath)))

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from typing import Any, Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import outcome
 import trio

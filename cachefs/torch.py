@@ -60,8 +60,8 @@ from __future__ import annotations
 import logging
 import operator
 import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch.distributed as dist

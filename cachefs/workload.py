@@ -41,7 +41,7 @@ def write_dataset(root: Path, relpaths: list[str], sizes: np.ndarray, seed: int)
     """
     pool = np.random.default_rng(seed).integers(0, 256, POOL_BYTES, dtype=np.uint8)
     rng = np.random.default_rng(seed + 1)
-    for relpath, size in zip(relpaths, sizes.tolist()):
+    for relpath, size in zip(relpaths, sizes.tolist(), strict=True):
         offset = int(rng.integers(0, POOL_BYTES)) & _PAGE_MASK
         _write_from_pool(root / relpath, size, pool, offset)
     return int(sizes.sum())
@@ -55,7 +55,8 @@ def _write_from_pool(path: Path, size_bytes: int, pool: np.ndarray, offset: int)
         while written < size_bytes:
             start = (offset + written) % POOL_BYTES
             chunk = pool[start:start + min(size_bytes - written, POOL_BYTES - start)]
-            written += os.write(fd, memoryview(chunk))
+            # ndarray has the buffer protocol; numpy's stubs declare it for Python 3.12+ only
+            written += os.write(fd, memoryview(chunk))  # type: ignore[arg-type]
     finally:
         os.close(fd)
 
@@ -69,7 +70,7 @@ class Waits:
     open_s: float = 0.0
     read_s: float = 0.0
 
-    def add(self, other: "Waits") -> None:
+    def add(self, other: Waits) -> None:
         self.open_s += other.open_s
         self.read_s += other.read_s
 

@@ -28,8 +28,9 @@ Fairness rules:
   DONTNEED over every file of `--source` and of each `--source-backing` directory, such as the
   directory a network mount serves): the source is as cold, but the pages a cachefs mount
   holds as its RAM tier survive, as they do between the epochs of a training job, where
-  nothing drops the whole page cache. The time this takes between a mount's epochs is recorded as `gap_s`: an ordered
-  mount reads ahead during it, as it would during a trainer's epoch-end work.
+  nothing drops the whole page cache. The time this takes between a mount's epochs is
+  recorded as `gap_s`: an ordered mount reads ahead during it, as it would during a trainer's
+  epoch-end work.
 - Per epoch: wall time, files/s, MB/s, the readers' time per file in open() and in reads
   (for one reader, where its time per file goes), the machine's CPU time per file (every
   process: reader, daemon, the storage's client and server, the kernel; on a machine of few

@@ -209,7 +209,7 @@ def measure(args, cases: Cases, manifest: Manifest, source: Path, ram_bytes: int
         result["daemon_rss_bytes"] = rss_bytes(pid)
         result["page_cache_bytes"] = page_cache_bytes(os.fsencode(mountpoint),
                                                       manifest.relpaths)
-    for case, sides in figures.items():
+    for sides in figures.values():
         sides["direct_median"] = benchlib.median(sides["direct"])
         sides["mount_median"] = benchlib.median(sides["mount"])
         sides["ratio_direct"] = sides["mount_median"] / sides["direct_median"]
@@ -253,7 +253,8 @@ def report_table(results: list[dict], ram_bytes: int) -> str:
         ["contender", "data plane", "daemon RSS MiB", "page cache MiB", "sum MiB",
          "RAM-hit fraction",
          "opens served whole by the kernel (all passes)"], memory_rows)
-    return (f"{table}\n\nData plane (cachefs stats' kernel.mode), memory after the passes (--ram-cache {ram_bytes / MIB:.0f} MiB) and "
+    return (f"{table}\n\nData plane (cachefs stats' kernel.mode), memory after the passes "
+            f"(--ram-cache {ram_bytes / MIB:.0f} MiB) and "
             f"what cachefs counted in the timed passes:\n\n{memory}")
 
 

@@ -107,7 +107,7 @@ def bench_io(directory: Path, count: int) -> dict:
             assert tier.admit((b"io/%d.jpg" % n, 0), identity(n), data)
         admit_s = time.perf_counter() - started
         started = time.perf_counter()
-        for n, data in enumerate(blocks):
+        for n, _ in enumerate(blocks):
             assert tier.read((b"io/%d.jpg" % n, 0), identity(n)) is not None
         read_s = time.perf_counter() - started
     total_mb = count * SAMPLE_BYTES / 1e6

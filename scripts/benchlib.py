@@ -131,7 +131,7 @@ class Manifest:
     sizes: np.ndarray
 
     @classmethod
-    def scan(cls, root: Path) -> "Manifest":
+    def scan(cls, root: Path) -> Manifest:
         relpaths = [bytes(p) for p in scan_source(root).paths]
         root_bytes = os.fsencode(root)
         sizes = np.array([os.stat(root_bytes + b"/" + p).st_size for p in relpaths],
@@ -320,7 +320,7 @@ class ReaderPool:
         return PassResult(wall_s, files, total, waits)
 
     def close(self) -> None:
-        for process, connection in self._workers:
+        for _, connection in self._workers:
             with contextlib.suppress(OSError):
                 connection.send(None)
         for process, _ in self._workers:
@@ -328,7 +328,7 @@ class ReaderPool:
             if process.is_alive():
                 process.kill()
 
-    def __enter__(self) -> "ReaderPool":
+    def __enter__(self) -> ReaderPool:
         return self
 
     def __exit__(self, *exc_info) -> None:

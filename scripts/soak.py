@@ -54,9 +54,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -142,7 +142,7 @@ class SourceModel:
     def create(self, relpaths: list[str], sizes: list[int], rng: np.random.Generator) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
-        for relpath, size in zip(relpaths, sizes):
+        for relpath, size in zip(relpaths, sizes, strict=True):
             data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
             path = self.root / relpath
             path.parent.mkdir(parents=True, exist_ok=True)

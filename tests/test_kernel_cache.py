@@ -138,7 +138,7 @@ def test_stats_with_pushed_files_match_the_simulator(tmp_path, mounter, plane):
                                    latency_s=0.0001, consume_s=0.0002, seed=0))
     assert kernel(mount)["mode"] == plane
     assert kernel(mount)["whole_file_opens"] > n  # the kernel served the later epochs
-    for record, sim in zip(mounted, simulated.epochs):
+    for record, sim in zip(mounted, simulated.epochs, strict=True):
         assert record["reads"] == sim.reads == n
         # the mount reads epochs 0, 1, 2 and the simulator 1, 2, 3 of the same seed: the
         # retained head is as long either way

@@ -57,7 +57,8 @@ def test_ranks_of_one_epoch_are_interleaved_by_position():
     result = merge(None, by_rank(r1, r0))
     order = result.order
     assert order.ranks == (0, 1) and result.left_out == {}
-    assert order.current.tolist() == [item for pair in zip(r0.order.current, r1.order.current)
+    assert order.current.tolist() == [item for pair in zip(r0.order.current, r1.order.current,
+                                                           strict=True)
                                       for item in pair]
     # both ranks together read the whole (padded) permutation, in its own order
     assert order.current.tolist() == permutation(N, 0, 5).tolist()

@@ -287,7 +287,8 @@ def test_two_ranks_publishing_at_once_are_both_merged(tmp_path, mode):
         for epoch in (0, 1):
             first = publish_rank(h, 0, epoch)
             second = publish_rank(h, 1, epoch)  # a few ms later, as two processes would
-            order = await wait_order(h, lambda o: o.epoch == epoch and o.ranks == (0, 1))
+            order = await wait_order(
+                h, lambda o, epoch=epoch: o.epoch == epoch and o.ranks == (0, 1))
             assert order.files == (first, second) and order.file == second
             # the node reads the whole permutation: the two slices, interleaved
             assert order.current.tolist() == permutation(8, 0, epoch).tolist()

@@ -414,7 +414,7 @@ def test_ram_budget_never_exceeded_under_random_traffic(seed):
     rng = np.random.default_rng(seed)
     ram = RamTier(10_000, block_overhead_bytes=0)
     reserved = []
-    for step in range(2000):
+    for _ in range(2000):
         action = rng.integers(4)
         if action == 0:
             nbytes, priority = int(rng.integers(1, 3000)), float(rng.integers(0, 50))

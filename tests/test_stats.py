@@ -48,5 +48,6 @@ def test_refetches_are_counted_within_the_window_and_for_every_first_block():
 
 
 def test_window_is_twice_the_ram_tier_in_blocks_with_a_floor():
-    assert refetch_window_blocks(ram_bytes=1 << 30, block_bytes=1 << 22) == MIN_REFETCH_WINDOW_BLOCKS
+    assert (refetch_window_blocks(ram_bytes=1 << 30, block_bytes=1 << 22)
+            == MIN_REFETCH_WINDOW_BLOCKS)
     assert refetch_window_blocks(ram_bytes=64 << 30, block_bytes=1 << 17) == 1 << 20

@@ -23,7 +23,7 @@ import collections
 import errno
 import os
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 
 class AppendLog:

@@ -45,8 +45,8 @@ import itertools
 import logging
 import math
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from cachefs.source import SourceIdentity
 
@@ -70,6 +70,7 @@ class RamBlock:
 
     def __post_init__(self):
         if self.nbytes < 0:
+            assert self.data is not None, "a block without data is made with its nbytes"
             self.nbytes = len(self.data)
 
     @property
@@ -167,7 +168,7 @@ class RamTier:
             self._remove(key, notify=not kernel_keeps)
         extra = self.charge(block)
         if not self.reserve(extra, block.priority):
-            if kernel_keeps:
+            if kernel_keeps and old is not None:  # (kernel_keeps implies old)
                 self.on_kernel_drop(key, old)
             return False
         self.reserved_bytes -= extra

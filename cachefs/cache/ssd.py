@@ -165,7 +165,7 @@ class SsdTier:
                 stale = False
                 length = int(self._length[row])
         if stale:
-            self._log.flush()
+            self._index_log.flush()
             self._unlink_entry(k)
             return None
         try:
@@ -198,7 +198,7 @@ class SsdTier:
                 self._kill_row(row)
             self._busy.add(k.lo)
             self._reserved_bytes += length
-        self._log.flush()
+        self._index_log.flush()
         try:
             self._write_entry(k, identity, data)
         except OSError as exc:
@@ -207,7 +207,7 @@ class SsdTier:
             with self._lock:
                 self._reserved_bytes -= length
                 self._release_busy(k.lo)
-            self._disable(f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc}")
+            self._disable(f"{_errno_name(exc)}: {exc}")
             return False
         with self._lock:
             self._reserved_bytes -= length
@@ -218,7 +218,7 @@ class SsdTier:
         if orphan:  # an unindexed file would stay on disk for nothing
             self._unlink_quietly(self._entry_path(k.name))
             return False
-        self._log.flush()
+        self._index_log.flush()
         return True
 
     def has_room(self, size_bytes: int) -> bool:
@@ -245,7 +245,7 @@ class SsdTier:
                     self._kill_row(row)
                     self._busy.add(k.lo)
                     keys.append(k)
-        self._log.flush()
+        self._index_log.flush()
         for k in keys:
             self._unlink_entry(k)
         return len(keys)
@@ -272,7 +272,7 @@ class SsdTier:
             self._index_final = True
             live = self._live_records() if settled else None
         # The files are written outside the lock: the event loop may still ask `contains`.
-        self._log.close()  # its queued records are in `live` already
+        self._index_log.close()  # its queued records are in `live` already
         if live is None:
             log.warning("ssd cache %s: %d entry writes still in flight at close; the next "
                         "mount will reconcile", self._dir, in_flight)
@@ -331,10 +331,10 @@ class SsdTier:
         self._log = AppendLog(
             index_fd,
             lambda exc: self._disable(
-                f"{errno.errorcode.get(exc.errno, exc.errno)} writing the index: {exc}"))
+                f"{_errno_name(exc)} writing the index: {exc}"))
         self._write_meta(clean=False)
         self._trim_to_budget()
-        self._log.flush()
+        self._index_log.flush()
         log.info("ssd cache %s: %d entries, %d of %d bytes", self._dir, self._entries,
                  self._bytes, self._budget)
 
@@ -360,7 +360,7 @@ class SsdTier:
 
     def _reconcile(self, table: np.ndarray) -> np.ndarray:
         """Bring `table` in line with the entry files (one scan of the fan-out dirs)."""
-        known = dict(zip(table["key_lo"].tolist(), range(len(table))))
+        known = dict(zip(table["key_lo"].tolist(), range(len(table)), strict=True))
         seen = np.zeros(len(table), dtype=bool)
         adopted = []
         removed = 0
@@ -552,6 +552,11 @@ class SsdTier:
     def _live_records(self) -> np.ndarray:
         return self._table[:self._n][self._live[:self._n]]
 
+    @property
+    def _index_log(self) -> AppendLog:
+        assert self._log is not None  # opened by __init__ (_open_state), kept to the end
+        return self._log
+
     def _append_log(self, record: bytes) -> None:
         """Queue one record (under the lock, so the log order is the memory order); the
         caller flushes it after releasing the lock."""
@@ -559,7 +564,7 @@ class SsdTier:
             # After a write error the log is not trusted to be complete: the meta stays
             # unclean (close() rewrites it from memory, or the next open reconciles).
             return
-        self._log.append(record)
+        self._index_log.append(record)
 
     def _disable(self, reason: str) -> None:
         """Stop admission for this mount (called without the lock: it takes it, then logs)."""
@@ -633,7 +638,7 @@ class SsdTier:
             self._busy.add(k.lo)
             self._entry_warnings += 1
             quiet = self._entry_warnings > _MAX_ENTRY_WARNINGS
-        self._log.flush()
+        self._index_log.flush()
         log.log(logging.DEBUG if quiet else logging.WARNING,
                 "ssd cache %s: dropping entry %s: %s", self._dir, k.name, exc)
         self._unlink_entry(k)
@@ -652,6 +657,11 @@ class SsdTier:
             pass
         except OSError as exc:
             log.debug("cannot remove %s: %s", path, exc)
+
+
+def _errno_name(exc: OSError) -> str:
+    """'ENOSPC' for an OSError of that errno; else its number (or None), as str() gives it."""
+    return errno.errorcode.get(exc.errno if exc.errno is not None else -1, str(exc.errno))
 
 
 def _write_all(fd: int, buffers: list) -> None:

@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import errno
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import trio
 
@@ -135,7 +136,10 @@ class TieredCache:
         self._admit_send, self._admit_recv = trio.open_memory_channel(ADMISSION_QUEUE_BLOCKS)
         self._nursery: trio.Nursery | None = None
         self.kernel = kernel
-        self.kernel_inodes = kernel_inodes if kernel is not None else NoKernelInodes()
+        self.kernel_inodes: KernelInodes = NoKernelInodes()
+        if kernel is not None:
+            assert kernel_inodes is not None, "a kernel data plane needs the kernel's inodes"
+            self.kernel_inodes = kernel_inodes
         ram.on_kernel_drop = self._kernel_dropped
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
@@ -238,8 +242,9 @@ class TieredCache:
             if fetched.from_source:
                 self.stats.source_fetched(item, key, len(fetched.data))
             block = RamBlock(fetched.data, fetched.identity, item, fetched.origin)
-            block.priority = self.priority_of(item, block_index, fetched.identity)
-            if reserved and block.priority is not None:
+            priority = self.priority_of(item, block_index, fetched.identity)
+            if reserved and priority is not None:
+                block.priority = priority
                 self.ram.insert(key, block, reserved)
                 reserved = 0
             return fetched
