@@ -71,9 +71,9 @@ async def read_file(ops: Operations, inode: int) -> bytes:
 
 def test_the_handlers_use_only_the_readers_public_methods(tmp_path):
     """Lookup, open, read (twice: from the source, then from RAM), release, an open that finds
-    the file changed to another size (ESTALE, then the new version after a stat), and forget: the operations need nothing of the read path but the
-    reader's public methods (before, they reached through it to the tiered cache and the
-    prefetcher)."""
+    the file changed to another size (ESTALE, then the new version after a stat), and forget:
+    the operations need nothing of the read path but the reader's public methods (before, they
+    reached through it to the tiered cache and the prefetcher)."""
     src = tmp_path / "src"
     write_file(src / "a", 100_000, seed=1)
     changed: list[bytes] = []
