@@ -82,6 +82,11 @@ def _guarded(handler):
     return wrapper
 
 
+# the attributes a reply copies from the source's stat (the inode number is ours)
+_STAT_FIELDS = ("st_mode", "st_nlink", "st_uid", "st_gid", "st_rdev", "st_size", "st_blksize",
+                "st_blocks", "st_atime_ns", "st_mtime_ns", "st_ctime_ns")
+
+
 async def _read_only(self, *args):
     raise pyfuse3.FUSEError(errno.EROFS)
 
@@ -123,17 +128,8 @@ class Operations(pyfuse3.Operations):
         attrs.generation = 0
         attrs.entry_timeout = self.kernel_timeout_s
         attrs.attr_timeout = self.kernel_timeout_s
-        attrs.st_mode = st.st_mode
-        attrs.st_nlink = st.st_nlink
-        attrs.st_uid = st.st_uid
-        attrs.st_gid = st.st_gid
-        attrs.st_rdev = st.st_rdev
-        attrs.st_size = st.st_size
-        attrs.st_blksize = st.st_blksize
-        attrs.st_blocks = st.st_blocks
-        attrs.st_atime_ns = st.st_atime_ns
-        attrs.st_mtime_ns = st.st_mtime_ns
-        attrs.st_ctime_ns = st.st_ctime_ns
+        for name in _STAT_FIELDS:
+            setattr(attrs, name, getattr(st, name))
         return attrs
 
     def _entry(self, inode: int):
