@@ -227,12 +227,14 @@ def test_workers_moving_to_their_next_batches_find_them_read_ahead():
     """With room in RAM for the readers' spread, the window reaches a spread past the front:
     when the workers move on to their next round of batches, those were read ahead (here 30
     and 15 misses of 2000, the first opens and batch edges; 60 and 30 when the window
-    reached only the lookahead past the front)."""
+    reached only the lookahead past the front). The simulator's counts vary by a few from run
+    to run (trio orders tasks due at the same virtual instant by object identity): 26-42 seen,
+    so the bound sits between those and the regression's 60."""
     n = 2000
     result = dataloader_run(n, ram_fraction=0.5)
     for epoch in result.epochs:
         assert classes_add_up(epoch)
-        assert epoch.misses <= 0.02 * n, epoch
+        assert epoch.misses <= 0.025 * n, epoch
         assert epoch.refetched_blocks == 0
     low, high = retained_bounds(int(n * ITEM_BYTES * 0.5))
     assert low <= result.epochs[1].hits_ram <= high
