@@ -47,7 +47,7 @@ from cachefs import errors, threads
 from cachefs.ctrl import Control
 from cachefs.dirs import DirListings
 from cachefs.freshness import Freshness
-from cachefs.inodes import ROOT_INODE, InodeTable
+from cachefs.inodes import ROOT_INODE, InodeTable, PackedStat
 from cachefs.pagecache import KernelPages
 from cachefs.reader import OpenFile, Reader
 from cachefs.source import Source, SourceIdentity
@@ -82,9 +82,9 @@ def _guarded(handler):
     return wrapper
 
 
-# the attributes a reply copies from the source's stat (the inode number is ours)
-_STAT_FIELDS = ("st_mode", "st_nlink", "st_uid", "st_gid", "st_rdev", "st_size", "st_blksize",
-                "st_blocks", "st_atime_ns", "st_mtime_ns", "st_ctime_ns")
+# the attributes a reply copies from the source's stat: those the inode table keeps, but the
+# source's inode and device numbers (the inode number is ours)
+_STAT_FIELDS = tuple(name for name in PackedStat.FIELDS if name not in ("st_ino", "st_dev"))
 
 
 async def _read_only(self, *args):

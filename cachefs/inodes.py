@@ -27,7 +27,6 @@ Invariant: `_inode_by_path[p] == i` iff `_entries[i].relpath == p`.
 
 from __future__ import annotations
 
-import math
 import os
 import struct
 from dataclasses import dataclass
@@ -148,7 +147,7 @@ class InodeTable:
         the version a READ of the inode is checked against (errors.StaleFileError)."""
         entry = self._entries.get(inode)
         if entry is not None:
-            entry.stat_time_s = -math.inf
+            entry.stat_time_s = NEVER_S
 
     def forget(self, inode: int, count: int) -> bytes | None:
         """The kernel dropped `count` references; the relpath if it holds the inode no more

@@ -55,6 +55,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,6 +80,22 @@ MAX_FAILURES_KEPT = 50  # failures described in full; all are counted
 # what a FUSE mount whose daemon died answers
 DEAD_MOUNT_ERRNOS = (errno.ENOTCONN, errno.ECONNABORTED)
 ESTALE_RETRIES, ESTALE_RETRY_S = 10, 0.01
+T = TypeVar("T")
+
+
+def retry_estale(read: Callable[[], T], on_estale: Callable[[], None] = lambda: None) -> T:
+    """`read()`, tried again while it fails with ESTALE (a few times, ESTALE_RETRY_S apart:
+    the mount drops the kernel's attributes of the file in a thread, just after answering
+    it); the last try's error is raised."""
+    for _ in range(ESTALE_RETRIES):
+        try:
+            return read()
+        except OSError as exc:
+            if exc.errno != errno.ESTALE:
+                raise
+            on_estale()
+            time.sleep(ESTALE_RETRY_S)
+    return read()
 
 
 @dataclass
@@ -570,16 +587,12 @@ class Soak:
         was given its attributes (cachefs.errors.StaleFileError): the other choice would be
         the new bytes cut or padded to the old size. A user's program sees the error once;
         its next open of the file gets the new version."""
-        for _ in range(ESTALE_RETRIES):
-            try:
-                return self._read_and_check(path, relpath, offset, length, final)
-            except OSError as exc:
-                if exc.errno != errno.ESTALE:
-                    raise
-                with self._report_lock:
-                    self.report.estale_reads += 1
-                time.sleep(ESTALE_RETRY_S)  # the kernel drops the attributes in a thread
-        self._read_and_check(path, relpath, offset, length, final)
+        retry_estale(lambda: self._read_and_check(path, relpath, offset, length, final),
+                     self._count_estale)
+
+    def _count_estale(self) -> None:
+        with self._report_lock:
+            self.report.estale_reads += 1
 
     def _read_and_check(self, path: Path, relpath: str, offset: int, length: int | None,
                         final: bool = False) -> None:

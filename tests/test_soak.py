@@ -10,7 +10,6 @@ import errno
 
 import math
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -112,19 +111,6 @@ def test_short_soak(tmp_path, mounter):
     assert report.ssd_entries_at_remount > 0
 
 
-def read_after_estale(path: Path) -> bytes:
-    """The file read again once the mount has dropped the kernel's attributes of it (a thread
-    does, just after the ESTALE), as soak.py retries."""
-    for _ in range(soak.ESTALE_RETRIES):
-        try:
-            return path.read_bytes()
-        except OSError as exc:
-            if exc.errno != errno.ESTALE:
-                raise
-            time.sleep(soak.ESTALE_RETRY_S)
-    return path.read_bytes()
-
-
 @pytest.mark.parametrize("new_size", [200_000, 50_000], ids=["grown", "shrunk"])
 @pytest.mark.parametrize("plane", ["no-open", "keep-cache", "daemon"])
 def test_a_file_rewritten_within_the_ttl_is_read_as_one_version(tmp_path, mounter, plane,
@@ -154,7 +140,7 @@ def test_a_file_rewritten_within_the_ttl_is_read_as_one_version(tmp_path, mounte
         got = (mount.mountpoint / "a").read_bytes()
     except OSError as exc:
         assert exc.errno == errno.ESTALE, exc
-        got = read_after_estale(mount.mountpoint / "a")
+        got = soak.retry_estale((mount.mountpoint / "a").read_bytes)
         assert got == new
     if got not in (old, new):
         pytest.fail(f"{len(got)} bytes, equal to the new version's first {len(got)}: "
