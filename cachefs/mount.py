@@ -40,7 +40,7 @@ from cachefs.order import load_order
 from cachefs.order_watch import OrderWatcher
 from cachefs import fanotify
 from cachefs.fanotify import CloseWatcher, open_close_events
-from cachefs.pagecache import KernelPages
+from cachefs.pagecache import KernelPages, file_pages_dropper
 from cachefs.reader import build_read_path
 from cachefs.revalidate import Revalidator
 from cachefs.source import Source
@@ -144,7 +144,8 @@ class Mount:
         self.data_plane = "daemon" if self.kernel is None else "keep-cache"  # until no-open
         self.close_watcher: CloseWatcher | None = None
         self.invalidation = KernelInvalidation(self.inodes, self.kernel)
-        self.ram = RamTier(cache.ram_bytes)
+        self.ram = RamTier(cache.ram_bytes, block_bytes=cache.block_bytes,
+                           drop_kernel_pages=file_pages_dropper(self.kernel, self.inodes.inode_of))
         read_path = build_read_path(
             self.source, self.stats, self.ram, self.ssd, self.freshness,
             block_bytes=cache.block_bytes, source_threads=config.prefetch.source_threads,

@@ -151,3 +151,17 @@ class KernelPages:
         return {"stores": self.stores, "stored_bytes": self.stored_bytes,
                 "store_failures": self.store_failures, "invalidations": self.invalidations,
                 "pending": self.pending}
+
+
+def file_pages_dropper(kernel: KernelPages | None,
+                       inode_of: Callable[[bytes], int | None]) -> Callable[[bytes], None]:
+    """The RAM tier's `drop_kernel_pages(relpath)`: drop the pages of the file's inode, if the
+    kernel holds one (`inode_of`, the inode table's); nothing without a data plane."""
+    if kernel is None:
+        return lambda relpath: None
+
+    def drop(relpath: bytes) -> None:
+        inode = inode_of(relpath)
+        if inode is not None:
+            kernel.invalidate(inode)
+    return drop

@@ -293,7 +293,7 @@ class Reader:
         if self._ranking.kernel_may_keep(handle.item, priority):
             self._tiered.hand_to_kernel(handle.relpath, handle.identity, handle.blocks_read)
         elif handle.read_called or handle.kernel_whole:
-            self._tiered.drop_pages(handle.relpath, handle.identity.size)
+            self._tiered.keep_pages(handle.relpath, handle.identity, handle.blocks_read)
 
 
 @dataclass(frozen=True)

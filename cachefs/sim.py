@@ -64,7 +64,7 @@ from cachefs.cache.tiered import SSD_THREADS, block_length
 from cachefs.config import KIB, MIB
 from cachefs.freshness import Freshness
 from cachefs.order import Manifest, Order, permutation
-from cachefs.pagecache import KernelPages
+from cachefs.pagecache import KernelPages, file_pages_dropper
 from cachefs.reader import build_read_path
 from cachefs.source import BlockData, SourceIdentity
 from cachefs.stats import Stats, refetch_window_blocks
@@ -371,6 +371,18 @@ class _ObservedRamTier(RamTier):
         finally:
             self.observe()
 
+    def hand_to_kernel(self, key, block):
+        try:
+            return super().hand_to_kernel(key, block)
+        finally:
+            self.observe()
+
+    def keep_kernel_copies(self, blocks):
+        try:
+            return super().keep_kernel_copies(blocks)
+        finally:
+            self.observe()
+
 
 # -- the run -----------------------------------------------------------------------------------
 
@@ -390,14 +402,17 @@ class Sim:
                                 parallelism=config.parallelism,
                                 bandwidth_bytes_s=config.bandwidth_bytes_s)
         self.ssd = SimSsd(config.ssd_bytes) if config.ssd_bytes else None
-        self.ram = _ObservedRamTier(config.ram_bytes)
         self.kernel = (KernelPages(lambda inode, offset, data: None, lambda inode: None)
                        if config.kernel_cache else None)
+        kernel_inodes = SimKernelInodes(self.manifest)
+        self.ram = _ObservedRamTier(
+            config.ram_bytes, block_bytes=config.block_bytes,
+            drop_kernel_pages=file_pages_dropper(self.kernel, kernel_inodes.inode_of))
         read_path = build_read_path(
             self.source, self.stats, self.ram, self.ssd, Freshness(config.metadata_ttl_s),
             block_bytes=config.block_bytes, source_threads=config.parallelism,
             lookahead_items=config.lookahead_items, sequential_blocks=config.sequential_blocks,
-            kernel=self.kernel, kernel_inodes=SimKernelInodes(self.manifest),
+            kernel=self.kernel, kernel_inodes=kernel_inodes,
             run_ssd=inline_ssd_calls(config.ssd_latency_s))
         self.planner = read_path.planner
         self.tiered = read_path.tiered

@@ -50,8 +50,8 @@ def operations(src: Path, ttl_s: float = TTL_S, changed: list | None = None) -> 
     source = Source(src, threads=2)
     freshness = Freshness(ttl_s)
     read_path = build_read_path(
-        source, Stats(), RamTier(16 * BLOCK_BYTES), None, freshness, block_bytes=BLOCK_BYTES,
-        source_threads=2, lookahead_items=0, sequential_blocks=0,
+        source, Stats(), RamTier(16 * BLOCK_BYTES, block_bytes=BLOCK_BYTES), None, freshness,
+        block_bytes=BLOCK_BYTES, source_threads=2, lookahead_items=0, sequential_blocks=0,
         on_source_changed=None if changed is None else (
             lambda relpath, identity: changed.append(relpath)))
     control = Control(lambda: {}, src / "order", lambda request: {})

@@ -302,7 +302,7 @@ def fill(ram: RamTier, priorities, nbytes=100) -> list:
 
 
 def test_ram_evicts_farthest_first_and_only_strictly_farther():
-    ram = RamTier(500, block_overhead_bytes=0)
+    ram = RamTier(500, block_bytes=4096, block_overhead_bytes=0)
     keys = fill(ram, [3.0, 1.0, 5.0, 2.0, 4.0])
     assert ram.used_bytes == 500
     assert not ram.reserve(100, 5.0)  # equal priority: not strictly farther
@@ -318,7 +318,7 @@ def test_ram_charges_each_block_its_bookkeeping():
     """One-byte blocks: the budget holds as many as their bytes and bookkeeping allow, not a
     budget's worth of bytes (issue 13, case 9)."""
     overhead = BLOCK_OVERHEAD_BYTES
-    ram = RamTier(10 * (1 + overhead))
+    ram = RamTier(10 * (1 + overhead), block_bytes=4096)
     for i in range(20):
         charge = ram.charge_of(1)
         if ram.reserve(charge, math.inf):
@@ -336,7 +336,7 @@ def test_block_overhead_covers_bookkeeping():
     tracemalloc.start()
     try:
         before = tracemalloc.take_snapshot()
-        inodes, ram = InodeTable(root_stat), RamTier(1 << 40)
+        inodes, ram = InodeTable(root_stat), RamTier(1 << 40, block_bytes=4096)
         for i in range(files):
             relpath = b"train/class%03d/sample%09d.jpg" % (i % 1000, i)
             # stamped as a mount stamps it: a float of its own (freshness.now_s)
@@ -355,8 +355,42 @@ def test_block_overhead_covers_bookkeeping():
     assert 200 < per_file <= BLOCK_OVERHEAD_BYTES, per_file
 
 
+def test_ram_keeps_kernel_pages_twice_only_in_free_room_and_gives_them_up_first():
+    """A file read again later, not soon: the kernel's pages stay beside the daemon's copy,
+    charged, while the budget has free room, and are dropped (the kernel told) before any
+    block is evicted (cachefs/cache/ram.py, "Kernel copies"; issue 13, case 8)."""
+    dropped = []
+    ram = RamTier(4 * 4096, block_bytes=4096, block_overhead_bytes=0,
+                  drop_kernel_pages=dropped.append)
+    a, b = fill(ram, [5.0, 6.0], nbytes=100)
+    assert ram.keep_kernel_copies([(a, ram.get(a))])
+    assert ram.get(a).kept_twice and ram.get(a).in_kernel
+    assert ram.used_bytes == 200 + 4096 and ram.kernel_bytes == 4096
+    assert ram.keep_kernel_copies([(a, ram.get(a))])  # again: charged once
+    assert ram.used_bytes == 200 + 4096
+    # room for a block nearer than both: the pages kept twice go, no block is evicted
+    assert ram.reserve(3 * 4096, 1.0)
+    assert dropped == [a[0]] and a in ram and b in ram and ram.evictions == 0
+    assert not ram.get(a).kept_twice and not ram.get(a).in_kernel and ram.kernel_bytes == 0
+    assert ram.used_bytes == 200 + 3 * 4096
+    # no free room for the pages: nothing changes, the caller drops them
+    assert not ram.keep_kernel_copies([(b, ram.get(b))])
+    assert not ram.get(b).kept_twice and ram.used_bytes == 200 + 3 * 4096
+
+
+def test_ram_hand_to_kernel_of_a_block_kept_twice_charges_its_pages_once():
+    ram = RamTier(10 * 4096, block_bytes=4096, block_overhead_bytes=0)
+    (a,) = fill(ram, [5.0], nbytes=100)
+    assert ram.keep_kernel_copies([(a, ram.get(a))])
+    assert ram.hand_to_kernel(a, ram.get(a))
+    assert ram.get(a).data is None and not ram.get(a).kept_twice
+    assert ram.used_bytes == 4096 and ram.kernel_bytes == 4096
+    ram.drop(a)
+    assert ram.used_bytes == 0 and ram.kernel_bytes == 0
+
+
 def test_ram_reservation_counts_until_released():
-    ram = RamTier(300, block_overhead_bytes=0)
+    ram = RamTier(300, block_bytes=4096, block_overhead_bytes=0)
     assert ram.reserve(200, 1.0)
     assert not ram.reserve(200, 0.0)  # reservations cannot be evicted
     ram.unreserve(200)
@@ -365,7 +399,7 @@ def test_ram_reservation_counts_until_released():
 
 
 def test_ram_lru_among_blocks_without_known_future():
-    ram = RamTier(300, block_overhead_bytes=0)
+    ram = RamTier(300, block_bytes=4096, block_overhead_bytes=0)
     a, b, c = fill(ram, [math.inf, math.inf, math.inf])
     ram.touch(a, ram.get(a))  # a becomes the most recently used
     assert ram.reserve(100, math.inf)
@@ -374,14 +408,14 @@ def test_ram_lru_among_blocks_without_known_future():
 
 
 def test_ram_infinite_priority_never_displaces_known_future():
-    ram = RamTier(200, block_overhead_bytes=0)
+    ram = RamTier(200, block_bytes=4096, block_overhead_bytes=0)
     fill(ram, [7.0, 8.0])
     assert not ram.reserve(100, math.inf)
     assert ram.reserve(100, 6.0)
 
 
 def test_ram_set_priority_reorders_eviction():
-    ram = RamTier(300, block_overhead_bytes=0)
+    ram = RamTier(300, block_bytes=4096, block_overhead_bytes=0)
     a, b, c = fill(ram, [1.0, 2.0, 3.0])
     ram.set_priority(a, 10.0)  # consumed: now used last
     assert ram.reserve(100, 5.0)
@@ -389,7 +423,7 @@ def test_ram_set_priority_reorders_eviction():
 
 
 def test_ram_rebuild_sets_new_priorities_and_drops_none():
-    ram = RamTier(300, block_overhead_bytes=0)
+    ram = RamTier(300, block_bytes=4096, block_overhead_bytes=0)
     a, b, c = fill(ram, [1.0, 2.0, 3.0])
     new = {a: None, b: 9.0, c: 0.5}
     ram.rebuild(lambda key, blk: new[key])
@@ -400,7 +434,7 @@ def test_ram_rebuild_sets_new_priorities_and_drops_none():
 
 
 def test_ram_insert_that_no_longer_fits_keeps_nothing():
-    ram = RamTier(200, block_overhead_bytes=0)
+    ram = RamTier(200, block_bytes=4096, block_overhead_bytes=0)
     assert ram.reserve(100, 5.0)
     fill(ram, [1.0])  # the other 100 bytes, nearer
     big = block(200)
@@ -412,7 +446,7 @@ def test_ram_insert_that_no_longer_fits_keeps_nothing():
 @pytest.mark.parametrize("seed", range(5))
 def test_ram_budget_never_exceeded_under_random_traffic(seed):
     rng = np.random.default_rng(seed)
-    ram = RamTier(10_000, block_overhead_bytes=0)
+    ram = RamTier(10_000, block_bytes=4096, block_overhead_bytes=0)
     reserved = []
     for _ in range(2000):
         action = rng.integers(4)

@@ -19,13 +19,18 @@ its block is skipped. `rebuild` redoes the heap when every priority changes at o
 Kernel copies (the data plane, cachefs/pagecache.py). A block whose bytes the kernel's page
 cache holds for the mount is marked `in_kernel`: the kernel's pages of a file are a view of the
 tier's blocks, never of anything else. A block is held by the daemon (`data`), by the kernel,
-or by both, and is charged once either way: its `nbytes` while the daemon holds it, its pages
-(`nbytes` rounded up to whole pages) when only the kernel does. Both hold it only between a push
-(the read-ahead window's files) and the release of its reader, after which the kernel's pages
-are dropped or the daemon's copy is (a block held only by the
-kernel, `data` None, is a file with no known future that a reader read whole). Removing a block
-the kernel holds calls `on_kernel_drop`, which drops the kernel's pages of that file, so the
-kernel holds nothing of the mount's that the budget does not count.
+or by both. Its charge: its `nbytes` while the daemon holds it, its pages (`nbytes` rounded up
+to whole pages) when only the kernel does, and both when both are kept after its reader left
+(`kept_twice`). Both hold it, uncharged, between a push (the read-ahead window's files) and the
+release of its reader. Then one of three things happens (cachefs/reader.py `_settle_pages`):
+the daemon's copy goes (a file read again soon, or never); both stay (`keep_kernel_copies`: a
+file read again later, while the budget has free room for its pages); or the kernel's pages
+go. Pages kept twice are the first thing `reserve` gives up, before any block is evicted: they
+duplicate the daemon's bytes, so dropping them loses nothing, and keeping them while memory is
+free spares an invalidation per file read (a reader that does not follow the order, issue
+13's case 8, would otherwise pay one per file). Whenever the kernel's pages of a file must go,
+`drop_kernel_pages(relpath)` (the mount's: an `invalidate_inode` of the file's inode) is
+called, so the kernel holds nothing of the mount's that the budget does not count.
 
 Bookkeeping. Each block also costs the daemon memory of its own: the block, its key, its heap
 entries and the inode table's entry of its file (cachefs/inodes.py), about 1 KB in all, which
@@ -46,6 +51,7 @@ import logging
 import math
 import mmap
 from collections.abc import Callable
+from collections import deque
 from dataclasses import dataclass, field
 
 from cachefs.source import SourceIdentity
@@ -66,6 +72,7 @@ class RamBlock:
     served: bool = False  # returned to a reader at least once since it was loaded
     lru_seq: int = field(default=0)
     in_kernel: bool = False  # the kernel's page cache holds these bytes for the mount
+    kept_twice: bool = False  # daemon and kernel copies both kept and charged (module docstring)
     nbytes: int = -1  # the block's length; set from `data` at construction
 
     def __post_init__(self):
@@ -75,8 +82,11 @@ class RamBlock:
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of memory its contents take: the daemon's copy, else the kernel's pages."""
-        return self.nbytes if self.data is not None else page_bytes(self.nbytes)
+        """Bytes of memory its contents take: the daemon's copy, the kernel's pages, or both
+        (kept twice)."""
+        if self.data is None:
+            return page_bytes(self.nbytes)
+        return self.nbytes + page_bytes(self.nbytes) if self.kept_twice else self.nbytes
 
 
 def page_bytes(nbytes: int) -> int:
@@ -91,8 +101,11 @@ BLOCK_OVERHEAD_BYTES = 1536
 
 
 class RamTier:
-    def __init__(self, budget_bytes: int, block_overhead_bytes: int = BLOCK_OVERHEAD_BYTES):
+    def __init__(self, budget_bytes: int, *, block_bytes: int,
+                 block_overhead_bytes: int = BLOCK_OVERHEAD_BYTES,
+                 drop_kernel_pages: Callable[[bytes], None] = lambda relpath: None):
         self.budget_bytes = budget_bytes
+        self.block_bytes = block_bytes  # a file's block i holds bytes [i, i+1) * block_bytes
         self.block_overhead_bytes = block_overhead_bytes
         self.resident_bytes = 0
         self.reserved_bytes = 0
@@ -101,8 +114,10 @@ class RamTier:
         self._seq = itertools.count()
         self.evictions = 0
         self.kernel_bytes = 0  # pages of the blocks the kernel's page cache holds
-        # called with (key, block) after a block the kernel holds left the tier
-        self.on_kernel_drop: Callable[[BlockKey, RamBlock], None] = lambda key, block: None
+        # makes the kernel drop its pages of a file (the data plane; module docstring)
+        self._drop_kernel_pages = drop_kernel_pages
+        # first blocks of files kept twice, oldest first: what `reserve` gives up first
+        self._kept_twice: deque[tuple[BlockKey, RamBlock]] = deque()
 
     @property
     def used_bytes(self) -> int:
@@ -129,6 +144,8 @@ class RamTier:
         if nbytes > self.budget_bytes:
             return False
         while self.used_bytes + nbytes > self.budget_bytes:
+            if self._give_up_kept_twice():
+                continue
             victim = self._farthest()
             if victim is None or not _may_displace(priority, victim[1].priority):
                 return False
@@ -169,7 +186,7 @@ class RamTier:
         extra = self.charge(block)
         if not self.reserve(extra, block.priority):
             if kernel_keeps and old is not None:  # (kernel_keeps implies old)
-                self.on_kernel_drop(key, old)
+                self.drop_file_pages(key[0], old.identity.size)
             return False
         self.reserved_bytes -= extra
         self.resident_bytes += extra
@@ -199,7 +216,7 @@ class RamTier:
         self._heap = []
         for key, block in list(self.blocks.items()):
             if self.blocks.get(key) is not block:
-                continue  # left with a sibling whose kernel copy went (on_kernel_drop)
+                continue  # left with a sibling whose kernel copy went (drop_file_pages)
             priority = priority_of(key, block)
             if priority is None:
                 self._remove(key)
@@ -217,28 +234,80 @@ class RamTier:
 
     # -- kernel copies ----------------------------------------------------------------------
 
-    def add_kernel_copy(self, key: BlockKey, block: RamBlock) -> None:
-        """The kernel's page cache holds (or is being given) a copy of the block; while the
-        daemon keeps its own, that copy is not charged (module docstring)."""
-        if not block.in_kernel:
-            block.in_kernel = True
-            self.kernel_bytes += page_bytes(block.nbytes)
-
     def hand_to_kernel(self, key: BlockKey, block: RamBlock) -> bool:
         """The kernel holds the bytes (a reader read them whole): the daemon's copy goes and
         the kernel's pages are charged instead. False if the budget has no free room for
         the pages' rounding (the daemon keeps its copy then)."""
         if block.data is None:
             return True
-        extra = page_bytes(block.nbytes) - block.nbytes
+        extra = self.charge_of(page_bytes(block.nbytes)) - self.charge(block)
         if self.used_bytes + extra > self.budget_bytes:
             # Only into free room: the hand-over saves the daemon work, never at the price
             # of a block someone will read (a file of the read-ahead window read twice)
             return False
         self.resident_bytes += extra
         self.add_kernel_copy(key, block)
-        block.data = None
+        block.data, block.kept_twice = None, False
         return True
+
+    def keep_kernel_copies(self, blocks: list[tuple[BlockKey, RamBlock]]) -> bool:
+        """A reader is done with a file (`blocks`: all of it, every block in the daemon and
+        read or pushed to the kernel) that is read again, but not soon: the kernel keeps its
+        pages beside the daemon's copy, both charged, until room is needed (module
+        docstring). False, changing nothing, if the budget has no free room for the pages."""
+        newly = [(key, block) for key, block in blocks
+                 if block.data is not None and not block.kept_twice]
+        extra = sum(page_bytes(block.nbytes) for _, block in newly)
+        if self.used_bytes + extra > self.budget_bytes:
+            return False
+        for key, block in newly:
+            self.add_kernel_copy(key, block)
+            block.kept_twice = True
+        self.resident_bytes += extra
+        if newly:
+            self._kept_twice.append(blocks[0])
+            if len(self._kept_twice) > 2 * len(self.blocks) + 1024:
+                # mostly files whose blocks left the tier since: keep the live ones
+                self._kept_twice = deque((key, block) for key, block in self._kept_twice
+                                         if self.blocks.get(key) is block and block.kept_twice)
+        return True
+
+    def _give_up_kept_twice(self) -> bool:
+        """Drop the kernel's pages of the file kept twice longest; False if there is none."""
+        while self._kept_twice:
+            key, block = self._kept_twice.popleft()
+            if self.blocks.get(key) is block and block.kept_twice:
+                self.drop_file_pages(key[0], block.identity.size)
+                return True
+        return False
+
+    def add_kernel_copy(self, key: BlockKey, block: RamBlock) -> None:
+        """The kernel's page cache holds (or is being given) a copy of the block; while the
+        daemon keeps its own, that copy is not charged unless kept twice (module docstring)."""
+        if not block.in_kernel:
+            block.in_kernel = True
+            self.kernel_bytes += page_bytes(block.nbytes)
+
+    def drop_file_pages(self, relpath: bytes, size_bytes: int | None = None) -> None:
+        """Make the kernel drop its pages of a file (there is no dropping a part of them):
+        the blocks only it held leave, the others are the daemon's alone. `size_bytes`: the
+        file's size, if its first block may have left the tier."""
+        self._drop_kernel_pages(relpath)
+        self.kernel_pages_gone(relpath, size_bytes)
+
+    def kernel_pages_gone(self, relpath: bytes, size_bytes: int | None = None) -> None:
+        """The kernel holds no page of `relpath` any more (dropped, or the inode forgotten).
+        `size_bytes`: the file's size, if its first block may have left the tier."""
+        if size_bytes is None:
+            first = self.blocks.get((relpath, 0))
+            if first is None:
+                return
+            size_bytes = first.identity.size
+        for block_index in range(max(1, -(-size_bytes // self.block_bytes))):
+            key = (relpath, block_index)
+            block = self.blocks.get(key)
+            if block is not None:
+                self.drop_kernel_copy(key, block)
 
     def drop_kernel_copy(self, key: BlockKey, block: RamBlock) -> None:
         """The kernel no longer holds the bytes (its pages were or are being dropped)."""
@@ -247,6 +316,9 @@ class RamTier:
         if block.data is None:
             self._remove(key, notify=False)
             return
+        if block.kept_twice:
+            self.resident_bytes -= page_bytes(block.nbytes)
+            block.kept_twice = False
         block.in_kernel = False
         self.kernel_bytes -= page_bytes(block.nbytes)
 
@@ -256,7 +328,7 @@ class RamTier:
         if block.in_kernel:
             self.kernel_bytes -= page_bytes(block.nbytes)
             if notify:
-                self.on_kernel_drop(key, block)
+                self.drop_file_pages(key[0], block.identity.size)
 
     def stats(self) -> dict:
         return {"bytes": self.resident_bytes, "reserved": self.reserved_bytes,

@@ -23,7 +23,8 @@ attributes and pages of it, fuse_ops) is told, and the new bytes are served.
 The kernel's page cache is the fastest tier (cachefs/pagecache.py carries out the stores and
 drops): `push` stores blocks held in RAM into it for the kernel to serve without a READ, and
 every copy it holds is a RAM-tier block marked `in_kernel`, charged to the budget. When such a
-block leaves the tier, the kernel's pages of its file are dropped (`_kernel_dropped`).
+block leaves the tier, the RAM tier has the kernel drop the pages of its file (cachefs/cache/
+ram.py, "Kernel copies").
 `KernelInodes` is what this module needs to know of the kernel's inodes (fuse_ops's table
 implements it): which inode to store into, if the kernel holds one with this file's identity.
 
@@ -140,7 +141,6 @@ class TieredCache:
         if kernel is not None:
             assert kernel_inodes is not None, "a kernel data plane needs the kernel's inodes"
             self.kernel_inodes = kernel_inodes
-        ram.on_kernel_drop = self._kernel_dropped
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
         """SSD admission workers; also the nursery for background tier work."""
@@ -332,15 +332,25 @@ class TieredCache:
             return False
         return True
 
+    def keep_pages(self, relpath: bytes, identity: SourceIdentity,
+                   blocks_read: set[int]) -> None:
+        """A reader is done with a file read again, but not soon: the kernel keeps its pages
+        beside the daemon's copy while the budget has free room for them (RamTier.
+        keep_kernel_copies), else they are dropped now."""
+        if self.kernel is None:
+            return
+        blocks = self.file_blocks(relpath, identity)
+        if blocks is None or not all(block.data is not None
+                                     and (block.in_kernel or key[1] in blocks_read)
+                                     for key, block in blocks) \
+                or not self.ram.keep_kernel_copies(blocks):
+            self.drop_pages(relpath, identity.size)
+
     def drop_pages(self, relpath: bytes, size_bytes: int | None = None) -> None:
         """Drop the kernel's pages of a file (the daemon keeps its own copy, if any).
         `size_bytes`: the file's size, if its first block may have left the tier."""
-        if self.kernel is None:
-            return
-        inode = self.kernel_inodes.inode_of(relpath)
-        if inode is not None:
-            self.kernel.invalidate(inode)
-        self.kernel_pages_gone(relpath, size_bytes)
+        if self.kernel is not None:
+            self.ram.drop_file_pages(relpath, size_bytes)
 
     def kernel_forgot(self, relpath: bytes) -> None:
         """The kernel forgot the file's inode, and its pages with it: a loss if only the
@@ -348,25 +358,7 @@ class TieredCache:
         block = self.ram.get((relpath, 0))
         if block is not None and block.data is None and block.item >= 0:
             self._ranking.note_kernel_loss()
-        self.kernel_pages_gone(relpath)
-
-    def kernel_pages_gone(self, relpath: bytes, size_bytes: int | None = None) -> None:
-        """The kernel holds no page of `relpath` any more (dropped, or the inode forgotten)."""
-        if size_bytes is None:
-            first = self.ram.get((relpath, 0))
-            if first is None:
-                return
-            size_bytes = first.identity.size
-        for block_index in range(block_count(size_bytes, self.block_bytes)):
-            key = (relpath, block_index)
-            block = self.ram.get(key)
-            if block is not None:
-                self.ram.drop_kernel_copy(key, block)
-
-    def _kernel_dropped(self, key: BlockKey, block: RamBlock) -> None:
-        """A block the kernel held left the tier: the kernel drops the file's pages (there is
-        no dropping a part of them), and the file's other kernel copies go with them."""
-        self.drop_pages(key[0], block.identity.size)
+        self.ram.kernel_pages_gone(relpath)
 
     # -- changes ---------------------------------------------------------------------------
 
