@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, NoReturn
 import click
 
 from cachefs import __version__, errors
-from cachefs.client import process_exited
+from cachefs.client import abort_fuse_connection, daemon_killed, process_exited
 from cachefs.config import (DATA_PLANES, CacheConfig, MountConfig, PrefetchConfig,
                             default_state_dir, parse_size)
 from cachefs.mountinfo import mounted_paths
@@ -218,6 +218,10 @@ def umount(mountpoint, state_dir):
     if real not in mounted_paths():
         _fail(f"{mountpoint} is not mounted")
     pid = _daemon_pid(state_dir or default_state_dir(mountpoint))
+    if pid is not None and daemon_killed(pid) and not process_exited(pid):
+        # killed while a thread waited in the kernel on a READ it can no longer answer: the
+        # mount hangs every request until its connection is aborted (cachefs/client.py)
+        abort_fuse_connection(real)
     done = subprocess.run(["fusermount3", "-u", real], capture_output=True, text=True)
     if done.returncode != 0:
         # a dead daemon or a busy mount: detach it now, the kernel finishes when idle

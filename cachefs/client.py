@@ -14,7 +14,9 @@ that one piece of code:
 - whether a mount is up is read from the kernel's mount table (`cachefs.mountinfo`, which the
   daemon shares), which never touches a mount, so it cannot hang on a stuck daemon;
 - `process_exited` tells a daemon that exited, also one killed and not reaped yet (a zombie),
-  which `cachefs umount` must not wait for;
+  which `cachefs umount` must not wait for; `daemon_killed` one whose main thread is gone
+  while a thread of it still waits in the kernel, whose mount `cachefs umount` unblocks with
+  `abort_fuse_connection`;
 - `stats_totals` sums the per-epoch counters of a `cachefs stats` snapshot (an epoch switch in
   the middle of a pass splits the pass between two records); `stats_delta` subtracts two sums;
   `MountProcess.settled_totals` waits for the last files of a pass to be counted;
@@ -37,7 +39,7 @@ import time
 from pathlib import Path
 
 from cachefs import ctrl
-from cachefs.mountinfo import mounted_paths
+from cachefs.mountinfo import mounted_paths, mountinfo
 
 log = logging.getLogger(__name__)
 
@@ -54,15 +56,57 @@ class MountError(Exception):
     """`cachefs mount` failed or did not return; the message says why."""
 
 
+def _task_states(pid: int) -> list[str]:
+    """The states (proc(5): the field after the command name) of the process's threads, the
+    leader's first; [] if it is gone."""
+    states = []
+    try:
+        tasks = sorted(os.listdir(f"/proc/{pid}/task"), key=lambda tid: int(tid) != pid)
+    except OSError:
+        return []
+    for tid in tasks:
+        try:
+            states.append(Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+                          .rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            pass
+    return states
+
+
 def process_exited(pid: int) -> bool:
     """Whether process `pid` has exited: gone, or a zombie that its parent has not reaped yet
-    (it has closed its files; a container's PID 1 may never reap it). proc(5): the state is
-    the field after the command name in /proc/PID/stat."""
+    (it has closed its files; a container's PID 1 may never reap it). A process whose main
+    thread is a zombie while another thread is still in the kernel has not (`daemon_killed`)."""
+    return all(state in ("Z", "X") for state in _task_states(pid))
+
+
+def daemon_killed(pid: int) -> bool:
+    """Whether the daemon's main thread is gone (it was killed, or it died), even if one of
+    its threads is still in the kernel: one storing into the page cache can wait there for a
+    READ that the dead daemon will never answer, and hold the mount's /dev/fuse open until the
+    connection is aborted (`abort_fuse_connection`)."""
+    states = _task_states(pid)
+    return not states or states[0] in ("Z", "X")
+
+
+def abort_fuse_connection(mountpoint: str) -> bool:
+    """Abort the FUSE connection of the mount at `mountpoint` (fusectl's `abort`): every
+    request waiting on its daemon fails with ENOTCONN. False if that could not be done (no
+    such mount, fusectl missing and not mountable, not root)."""
+    device = next((mount.device for mount in mountinfo()
+                   if os.fsdecode(mount.point) == mountpoint), None)
+    if device is None:
+        return False
+    connections = Path("/sys/fs/fuse/connections")
+    if not (connections / device.split(":")[1]).exists():
+        subprocess.run(["mount", "-t", "fusectl", "none", str(connections)],
+                       capture_output=True)
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state in ("Z", "X")
+        (connections / device.split(":")[1] / "abort").write_text("1")
+    except OSError as exc:
+        log.warning("could not abort the FUSE connection of %s: %s", mountpoint, exc)
+        return False
+    return True
 
 
 def cachefs_command(*args) -> list[str]:

@@ -5,17 +5,30 @@ Why. In the zero-request mode (man/cachefs-mount.1, "Kernel page cache") the dae
 OPEN with ENOSYS, the kernel stops sending OPEN and RELEASE, and a file whose pages it holds is
 read with no request at all. The daemon still has to know what was read (consumption moves the
 read-ahead window; hits and stalls are what `cachefs stats` reports), and the kernel tells it:
-a fanotify group marked on the mount (`FAN_MARK_MOUNT`) with `FAN_CLOSE_NOWRITE` gets one event
-per file closed, from any process.
+a fanotify group with `FAN_CLOSE_NOWRITE` gets one event per file closed, from any process.
 
-How. One thread reads events in batches (a read of the fanotify fd returns as many as fit in
-the buffer), takes the inode number of each event's file with fstat(2) (it is the daemon's own
-inode number: the kernel's attributes come from the daemon, and in no_open mode the fd the
-kernel opens for the event sends no request), and hands the batch to `deliver`, which returns
-once the trio thread has accounted for it; only then are the fds closed. An open fd pins the
-inode: the kernel cannot forget it (FORGET) before the daemon has looked it up. The fd the
-kernel gives us is opened with FMODE_NONOTIFY, so closing it makes no event of its own.
-Directories report nothing (no FAN_ONDIR).
+Two ways to be told, the cheaper first (`open_close_events` picks):
+
+- By file handle (`FAN_REPORT_FID`, Linux 6.8 or later on FUSE, whose fsid is zero). An event
+  carries the file's handle, which for FUSE is its node id (fs/fuse/inode.c, fuse_encode_fh:
+  the daemon's own inode number) and generation: no fd is opened, stat'ed and closed per
+  event, which cost the daemon about 13 us of its CPU per file read on a 2-core machine (the
+  hot pass of scripts/bench_fuse.py). Such a group may only mark inodes, not the mount, so
+  every directory is marked with `FAN_EVENT_ON_CHILD` (its files' closes are reported) before
+  the kernel learns of any file in it: fuse_ops marks a directory (`mark_directory`) before it
+  answers a LOOKUP in it or opens it for a listing (READDIRPLUS makes inodes too). A mark
+  holds the directory's inode, so the kernel does not forget a marked directory. A file's
+  inode is not held: a close whose inode the kernel forgot before the event was taken (memory
+  reclaim, within microseconds of the close) is not counted.
+- With an fd per event (`FAN_MARK_MOUNT`), where handles are refused (ENODEV: older kernels).
+  The inode number is the fstat(2) of the event's fd; an open fd pins the inode, so the kernel
+  cannot forget it before the daemon has looked it up; the fd is opened with FMODE_NONOTIFY, so
+  closing it makes no event of its own, and in no_open mode opening it sends no request.
+
+One thread reads events in batches (a read of the fanotify fd returns as many as fit in the
+buffer) and hands each batch of inode numbers to `deliver`, which returns once the trio thread
+has accounted for it; only then are the batch's fds (if any) closed. Directories report nothing
+(no FAN_ONDIR).
 
 fanotify needs CAP_SYS_ADMIN: `open_close_events` raises OSError without it (EPERM), and the
 mount runs in the keep-cache mode instead. Overflowed queues (FAN_Q_OVERFLOW) are counted:
@@ -36,16 +49,29 @@ log = logging.getLogger(__name__)
 
 FAN_CLOSE_NOWRITE = 0x00000010
 FAN_Q_OVERFLOW = 0x00004000
+FAN_EVENT_ON_CHILD = 0x08000000
 FAN_CLASS_NOTIF = 0x00000000
 FAN_CLOEXEC = 0x00000001
 FAN_UNLIMITED_QUEUE = 0x00000010
+FAN_UNLIMITED_MARKS = 0x00000020
+FAN_REPORT_FID = 0x00000200
 FAN_MARK_ADD = 0x00000001
 FAN_MARK_MOUNT = 0x00000010
+FAN_EVENT_INFO_TYPE_FID = 1
+FILEID_INO64_GEN = 0x81  # fuse_encode_fh's handle of an inode without its parent
 AT_FDCWD = -100
 FAN_NOFD = -1
 # struct fanotify_event_metadata: event_len u32, vers u8, reserved u8, metadata_len u16,
 # mask u64 (aligned), fd s32, pid s32
 _METADATA = struct.Struct("=IBBHQii")
+# struct fanotify_event_info_fid: info_type u8, pad u8, len u16, fsid (2 x s32), then a
+# struct file_handle: handle_bytes u32, handle_type s32, f_handle; FUSE's f_handle starts with
+# the node id's high and low 32 bits, each a u32 in host order
+_INFO_FID = struct.Struct("=BBHiiIi")
+_NODE_ID = struct.Struct("=II")
+# why a handle group cannot mark a FUSE directory: no FAN_REPORT_FID (EINVAL), a zero fsid
+# before Linux 6.8 (ENODEV), no file handles (EOPNOTSUPP), another fsid (EXDEV)
+_NO_HANDLES = (errno.EINVAL, errno.ENODEV, errno.EOPNOTSUPP, errno.EXDEV)
 BUFFER_BYTES = 256 * 1024
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -54,8 +80,8 @@ _libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ct
                                 ctypes.c_char_p]
 
 
-def _init() -> int:
-    fd = _libc.fanotify_init(FAN_CLASS_NOTIF | FAN_CLOEXEC | FAN_UNLIMITED_QUEUE,
+def _init(flags: int = 0) -> int:
+    fd = _libc.fanotify_init(FAN_CLASS_NOTIF | FAN_CLOEXEC | FAN_UNLIMITED_QUEUE | flags,
                              os.O_RDONLY | os.O_LARGEFILE | os.O_CLOEXEC)
     if fd < 0:
         err = ctypes.get_errno()
@@ -63,27 +89,47 @@ def _init() -> int:
     return fd
 
 
+def _mark(fd: int, flags: int, mask: int, path: bytes) -> None:
+    if _libc.fanotify_mark(fd, FAN_MARK_ADD | flags, mask, AT_FDCWD, path) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"fanotify_mark {os.fsdecode(path)}: {os.strerror(err)}")
+
+
 def check_available() -> None:
     """Raise OSError if this process may not use fanotify (EPERM: no CAP_SYS_ADMIN)."""
     os.close(_init())
 
 
-def open_close_events(mountpoint: bytes) -> int:
-    """A fanotify fd that reports every close (read-only) of a file on the mount."""
+def open_close_events(mountpoint: bytes, by_handle: bool = True) -> tuple[int, bool]:
+    """A fanotify fd that reports every close (read-only) of a file on the mount, and whether
+    it reports them by file handle (then only in directories marked with `mark_directory`, the
+    mount point's already) or with an fd per event (module docstring). `by_handle=False`:
+    the fd way without trying the other."""
+    if by_handle:
+        fd = _init(FAN_REPORT_FID | FAN_UNLIMITED_MARKS)
+        try:
+            _mark(fd, 0, FAN_CLOSE_NOWRITE | FAN_EVENT_ON_CHILD, mountpoint)
+            return fd, True
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in _NO_HANDLES:
+                raise
+            log.info("close events by file handle refused (%s): one fd per event", exc.strerror)
     fd = _init()
-    if _libc.fanotify_mark(fd, FAN_MARK_ADD | FAN_MARK_MOUNT, FAN_CLOSE_NOWRITE, AT_FDCWD,
-                           mountpoint) != 0:
-        err = ctypes.get_errno()
+    try:
+        _mark(fd, FAN_MARK_MOUNT, FAN_CLOSE_NOWRITE, mountpoint)
+    except OSError:
         os.close(fd)
-        raise OSError(err, f"fanotify_mark {os.fsdecode(mountpoint)}: {os.strerror(err)}")
-    return fd
+        raise
+    return fd, False
 
 
 class CloseWatcher:
     """The thread that turns close events into batches of inode numbers for `deliver`."""
 
-    def __init__(self, fd: int, deliver: Callable[[list[int]], None]):
+    def __init__(self, fd: int, by_handle: bool, deliver: Callable[[list[int]], None]):
         self._fd = fd
+        self.by_handle = by_handle  # events carry file handles (open_close_events)
         # called in this thread with a batch of inode numbers; returns once they are accounted
         self._deliver = deliver
         self._thread: threading.Thread | None = None
@@ -131,16 +177,31 @@ class CloseWatcher:
                 for fd in fds:
                     os.close(fd)
 
+    def mark_directory(self, path: bytes) -> None:
+        """Report the closes of the files in the directory at `path` (by-handle events; a
+        blocking call: the path is resolved through the mount). Raises OSError."""
+        _mark(self._fd, 0, FAN_CLOSE_NOWRITE | FAN_EVENT_ON_CHILD, path)
+
     def _parse(self, buffer: bytes) -> tuple[list[int], list[int]]:
         """The events' fds (for the caller to close) and their files' inode numbers."""
-        fds, inodes = [], []
+        fds: list[int] = []
+        inodes: list[int] = []
         offset = 0
         while offset + _METADATA.size <= len(buffer):
-            event_len, _vers, _reserved, _meta_len, mask, fd, _pid = \
+            event_len, _vers, _reserved, meta_len, mask, fd, _pid = \
                 _METADATA.unpack_from(buffer, offset)
-            offset += event_len
+            info_at, offset = offset + meta_len, offset + event_len
             if mask & FAN_Q_OVERFLOW:
                 self.overflows += 1
+            if self.by_handle:
+                if info_at + _INFO_FID.size + _NODE_ID.size <= offset:
+                    info_type, _pad, _len, _fsid0, _fsid1, handle_bytes, handle_type = \
+                        _INFO_FID.unpack_from(buffer, info_at)
+                    if (info_type == FAN_EVENT_INFO_TYPE_FID and handle_type == FILEID_INO64_GEN
+                            and handle_bytes >= _NODE_ID.size):
+                        high, low = _NODE_ID.unpack_from(buffer, info_at + _INFO_FID.size)
+                        inodes.append(high << 32 | low)
+                continue
             if fd == FAN_NOFD or fd < 0:
                 continue
             fds.append(fd)

@@ -30,6 +30,9 @@ keeps every file's pages across opens, so a file it holds costs the daemon no re
 READs of pages it does not hold come with the inode instead of a handle (a patched pyfuse3,
 scripts/patches/), and are served through a handle made at the first of them (`_without_open`);
 what was read, and when, the daemon learns from close events (cachefs/fanotify.py, `closed`).
+Where the kernel reports closes by file handle, only in marked directories, a directory is
+marked before the kernel learns of any file in it: before a LOOKUP in it is answered, and
+before it is opened for a listing (`_closes_reported`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import functools
 import logging
 import os
 import stat
+from collections.abc import Callable
 
 import pyfuse3
 import trio
@@ -55,6 +59,10 @@ from cachefs.source import Source, SourceIdentity
 log = logging.getLogger(__name__)
 
 INVALIDATE_THREADS = 4  # invalidate_inode calls at once, with no kernel data plane
+# A directory's fanotify mark resolves its path through this mount: should that need requests
+# that cannot be served while every FUSE task waits for the mark, a request waits this long
+# and is answered anyway (closes in that directory may go unreported until the mark lands)
+MARK_WAIT_S = 1.0
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 _WRITE_OPS = ("setattr", "mknod", "mkdir", "unlink", "rmdir", "symlink", "rename", "link",
@@ -119,6 +127,10 @@ class Operations(pyfuse3.Operations):
         # the zero-request mode's handles, by inode: made at a file's first READ, released
         # when a close of it is reported
         self._without_open: dict[int, OpenFile] = {}
+        # closes reported by file handle (decide_mode): marks a directory, given its relpath,
+        # in a worker thread; the directories marked or being marked, by inode
+        self._mark_directory: Callable[[bytes], None] | None = None
+        self._marked_dirs: dict[int, trio.Event] = {}
 
     # -- attributes ------------------------------------------------------------------------
 
@@ -140,7 +152,8 @@ class Operations(pyfuse3.Operations):
 
     @_guarded
     async def lookup(self, parent_inode, name, ctx=None):
-        self._entry(parent_inode)  # ENOENT for a parent we do not know
+        parent = self._entry(parent_inode)  # ENOENT for a parent we do not know
+        await self._closes_reported(parent_inode, parent.relpath)
         relpath = self.inodes.child_path(parent_inode, name)
         # a file just read ahead is answered from the fstat of that read: no round trip
         st, stat_time_s = await self.source.lstat_recent(relpath, self.freshness)
@@ -179,6 +192,7 @@ class Operations(pyfuse3.Operations):
     @_guarded
     async def opendir(self, inode, ctx):
         relpath = self._entry(inode).relpath
+        await self._closes_reported(inode, relpath)  # its READDIRPLUS makes inodes
         await self._listings.open(relpath)
         fh = self._new_fh()
         self._dirs[fh] = relpath
@@ -275,11 +289,45 @@ class Operations(pyfuse3.Operations):
             self._without_open[inode] = handle
         return handle
 
-    def decide_mode(self, no_open: bool) -> None:
+    def decide_mode(self, no_open: bool,
+                    mark_directory: Callable[[bytes], None] | None = None) -> None:
         """Answer OPEN with ENOSYS from now on (the zero-request mode; module docstring), or
-        normally; OPENs waiting for the decision go on."""
+        normally; OPENs waiting for the decision go on. `mark_directory(relpath)`: closes are
+        reported only in directories marked with it, the root's already (cachefs/fanotify.py).
+        """
         self.no_open = no_open
+        if no_open and mark_directory is not None:
+            self._mark_directory = mark_directory
+            self._marked_dirs[ROOT_INODE] = trio.Event()
+            self._marked_dirs[ROOT_INODE].set()
         self.mode_decided.set()
+
+    async def _closes_reported(self, dir_inode: int, relpath: bytes) -> None:
+        """Return once the kernel reports the closes of files in this directory, if it
+        reports them by directory (decide_mode): the first caller marks it (module
+        docstring). Requests that come before the mode is decided wait for it."""
+        if not self.mode_decided.is_set():
+            await self.mode_decided.wait()
+        if self._mark_directory is None:
+            return
+        marked = self._marked_dirs.get(dir_inode)
+        if marked is not None:
+            if not marked.is_set():
+                with trio.move_on_after(MARK_WAIT_S):
+                    await marked.wait()
+            return
+        marked = self._marked_dirs[dir_inode] = trio.Event()
+        try:
+            with trio.move_on_after(MARK_WAIT_S) as waited:
+                await threads.run_abandoning(self._mark_directory, relpath)
+            if waited.cancelled_caught:
+                log.warning("marking %r for close events takes over %.0f s; answering without "
+                            "it", relpath, MARK_WAIT_S)
+        except OSError as exc:
+            log.warning("closes in %r are not reported (reads there are not counted): %s",
+                        relpath, exc)
+        finally:
+            marked.set()
 
     def closed(self, inodes: list[int]) -> None:
         """Files were closed (fanotify, in the zero-request mode): account for each, as a

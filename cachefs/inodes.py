@@ -59,6 +59,13 @@ class PackedStat(bytes):
     st_ino: int
     st_dev: int
 
+    # st_size, st_mtime_ns and st_ino in one unpack (a source identity, read per file closed)
+    _IDENTITY = struct.Struct("40xq24xq8xq")
+
+    def identity_fields(self) -> tuple[int, int, int]:
+        """(st_size, st_mtime_ns, st_ino)."""
+        return self._IDENTITY.unpack_from(self)
+
     @classmethod
     def of(cls, st: os.stat_result | PackedStat) -> PackedStat:
         if isinstance(st, cls):

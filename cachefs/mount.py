@@ -225,7 +225,8 @@ class Mount:
                       whole_file_opens=self.reader.kernel_opens)
         if self.close_watcher is not None:
             status.update(close_events=self.close_watcher.events,
-                          close_event_overflows=self.close_watcher.overflows)
+                          close_event_overflows=self.close_watcher.overflows,
+                          close_events_by="handle" if self.close_watcher.by_handle else "fd")
         return status
 
     async def serve(self) -> None:
@@ -280,35 +281,45 @@ class Mount:
         once the mount answers (marking resolves the mount point, which asks this daemon).
         OPENs wait for the decision, whatever happens here."""
         try:
-            self.ops.decide_mode(no_open=await self._watch_closes())
+            watcher = await self._watch_closes()
+            mark_directory = None
+            if watcher is not None and watcher.by_handle:
+                mountpoint = os.fsencode(self.config.mountpoint)
+
+                def mark_directory(relpath: bytes) -> None:
+                    watcher.mark_directory(os.path.join(mountpoint, relpath))
+            self.ops.decide_mode(no_open=watcher is not None, mark_directory=mark_directory)
         finally:
             if not self.ops.mode_decided.is_set():
                 self.ops.decide_mode(no_open=False)
 
-    async def _watch_closes(self) -> bool:
-        """Start the fanotify close watcher; False (and a log line saying why) if it cannot."""
+    async def _watch_closes(self) -> CloseWatcher | None:
+        """Start the fanotify close watcher; None (and a log line saying why) if it cannot."""
         reason = zero_request_unavailable()
         if self.config.data_plane == "auto" and self.config.metadata_ttl_s == 0:
             reason = "--metadata-ttl 0 asks for a check at every open, and it has no open"
-        fd = None
+        events = None
         trio_token = trio.lowlevel.current_trio_token()
         if reason is None:
             try:
                 await threads.run_abandoning(os.stat, self.config.mountpoint)
-                fd = await threads.run_one(open_close_events, os.fsencode(self.config.mountpoint))
+                events = await threads.run_one(open_close_events,
+                                               os.fsencode(self.config.mountpoint))
             except OSError as exc:
                 reason = f"fanotify: {exc.strerror}"
-        if fd is None:
+        if events is None:
             log.warning("zero-request mode unavailable (%s): every file costs an OPEN and a "
                         "RELEASE (keep-cache mode)", reason)
-            return False
+            return None
+        fd, by_handle = events
         self.close_watcher = CloseWatcher(
-            fd, lambda inodes: trio.from_thread.run_sync(self.ops.closed, inodes,
-                                                         trio_token=trio_token))
+            fd, by_handle, lambda inodes: trio.from_thread.run_sync(self.ops.closed, inodes,
+                                                                    trio_token=trio_token))
         self.close_watcher.start()
         self.data_plane = "no-open"
-        log.info("zero-request mode: files the kernel holds are read with no request")
-        return True
+        log.info("zero-request mode: files the kernel holds are read with no request "
+                 "(close events %s)", "by file handle" if by_handle else "with an fd each")
+        return self.close_watcher
 
 
 def zero_request_unavailable() -> str | None:

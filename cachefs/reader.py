@@ -54,7 +54,7 @@ from cachefs.threads import RunSync
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class OpenFile:
     inode: int
     relpath: bytes

@@ -44,16 +44,14 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from cachefs import threads as threads_mod
 from cachefs.beneath import open_beneath, proc_path
 from cachefs.freshness import Freshness, now_s
+from cachefs.inodes import PackedStat
 from cachefs.mountinfo import filesystem_type
 from cachefs.recent import RecentMap
-
-if TYPE_CHECKING:
-    from cachefs.inodes import PackedStat
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +99,11 @@ class Source:
         self.stats_reused = 0
 
     def identity_of(self, st: os.stat_result | PackedStat) -> SourceIdentity:
-        return SourceIdentity(st.st_size, st.st_mtime_ns, st.st_ino if self.stable_inodes else 0)
+        if isinstance(st, PackedStat):
+            size, mtime_ns, ino = st.identity_fields()
+        else:
+            size, mtime_ns, ino = st.st_size, st.st_mtime_ns, st.st_ino
+        return SourceIdentity(size, mtime_ns, ino if self.stable_inodes else 0)
 
     def _open_path(self, relpath: bytes) -> int:
         """An O_PATH descriptor of `relpath` (a link opened as itself), for lstat and the like."""

@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from cachefs import ctrl  # noqa: E402
 from cachefs.client import (MountError, MountProcess, cachefs_command,  # noqa: E402
-                            process_exited, stats_totals)
+                            daemon_killed, stats_totals)
 from cachefs.errors import CachefsError, OrderError  # noqa: E402
 from cachefs.mountinfo import mounted_paths  # noqa: E402
 from cachefs.order import permutation  # noqa: E402
@@ -79,6 +79,7 @@ TRACEBACK = "Traceback (most recent call last)"
 MAX_FAILURES_KEPT = 50  # failures described in full; all are counted
 # what a FUSE mount whose daemon died answers
 DEAD_MOUNT_ERRNOS = (errno.ENOTCONN, errno.ECONNABORTED)
+DEAD_PROBE_S = 5.0  # a request to a dead mount fails at once, or hangs (_umount_dead)
 ESTALE_RETRIES, ESTALE_RETRY_S = 10, 0.01
 T = TypeVar("T")
 
@@ -495,16 +496,35 @@ class Soak:
 
     def _umount_dead(self, mount) -> None:
         mountpoint = os.path.abspath(mount.mountpoint)
-        try:
-            os.statvfs(mountpoint)  # a request the kernel cannot answer from its caches
-            self.report.fail(f"the mount {mountpoint} still answered after its daemon was "
-                             f"killed")
-        except OSError as exc:
-            if exc.errno not in DEAD_MOUNT_ERRNOS:
-                self.report.fail(f"the dead mount {mountpoint} answered {exc!r}")
+        answers: list = []
+
+        def probe() -> None:
+            try:
+                os.statvfs(mountpoint)  # a request the kernel cannot answer from its caches
+                answers.append(None)
+            except OSError as exc:
+                answers.append(exc)
+
+        # The probe hangs instead if a thread of the killed daemon still waits in the kernel
+        # (a page store behind a READ nobody answers): cachefs umount must unblock it
+        prober = threading.Thread(target=probe, daemon=True)
+        prober.start()
+        prober.join(DEAD_PROBE_S)
+        if prober.is_alive():
+            self._event("the dead mount hangs (a thread of the killed daemon waits in the "
+                         "kernel); cachefs umount aborts its connection")
         done = subprocess.run(cachefs_command("umount", mountpoint, "--state-dir",
                                               mount.state_dir),
                               capture_output=True, text=True, timeout=120)
+        prober.join(DEAD_PROBE_S)
+        if prober.is_alive():
+            self.report.fail(f"a request to the dead mount {mountpoint} still hangs after "
+                             f"cachefs umount")
+        elif answers[0] is None:
+            self.report.fail(f"the mount {mountpoint} still answered after its daemon was "
+                             f"killed")
+        elif answers[0].errno not in DEAD_MOUNT_ERRNOS:
+            self.report.fail(f"the dead mount {mountpoint} answered {answers[0]!r}")
         if done.returncode == 0 and mountpoint not in mounted_paths():
             self.report.umounts_recovered += 1
             return
@@ -702,8 +722,10 @@ class Soak:
 
 
 def wait_until_dead(pid: int, timeout_s: float = 10.0) -> None:
+    """Until the daemon's main thread is gone (a thread of it may still wait in the kernel:
+    cachefs umount unblocks it)."""
     deadline = time.monotonic() + timeout_s
-    while not process_exited(pid):
+    while not daemon_killed(pid):
         if time.monotonic() > deadline:
             raise RuntimeError(f"process {pid} did not die")
         time.sleep(0.01)

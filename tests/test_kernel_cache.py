@@ -211,6 +211,35 @@ def test_auto_runs_the_zero_request_mode_as_root_with_the_patched_pyfuse3(datase
     assert "zero-request mode: files the kernel holds" in mount.log()
 
 
+# runs the CLI given after it with close events taken the older way, one fd per event (a kernel
+# older than 6.8 refuses FUSE's zero fsid to a group reporting file handles)
+EVENTS_WITH_FDS = ("import runpy, sys, cachefs.fanotify as f; "
+                   "f.open_close_events.__defaults__ = (False,); "
+                   "args = sys.argv[1:]; args = args[args.index('cachefs') + 1:]; "
+                   "sys.argv = ['cachefs', *args]; "
+                   "runpy.run_module('cachefs', run_name='__main__')")
+
+
+@pytest.mark.parametrize("events_by", ["handle", "fd"])
+def test_every_close_in_nested_directories_is_counted(tmp_path, mounter, events_by):
+    """Reads in directories the kernel has just looked up, first the deepest: each counted
+    once in the epoch's record, whichever way the kernel reports closes (cachefs/fanotify.py;
+    by handle, a directory is marked before the kernel learns of a file in it)."""
+    src = tmp_path / "src"
+    relpaths = sorted((f"a{i % 3}/b{i % 5}/c{i % 2}/f{i:03d}" for i in range(60)),
+                      key=os.fsencode)
+    for i, relpath in enumerate(relpaths):
+        write_file(src / relpath, 3000 + i, seed=i)
+    prefix = [] if events_by == "handle" else [sys.executable, "-c", EVENTS_WITH_FDS, "--"]
+    mount = mounter(src, "--ram-cache", 10 * 2**20, prefix=prefix)
+    for epoch in range(2):
+        record = read_epoch(mount, relpaths, epoch)
+        assert record["reads"] == len(relpaths)
+    status = kernel(mount)
+    assert status["mode"] == "no-open" and status["close_events_by"] == events_by
+    assert status["close_events"] == 2 * len(relpaths)
+
+
 # runs the CLI given after it (`-- [python -m cachefs] ARGS`) with pyfuse3's patch mark removed
 UNPATCHED = ("import runpy, sys, pyfuse3; del pyfuse3.READ_FH_IS_INODE_WITHOUT_OPEN; "
              "args = sys.argv[1:]; "

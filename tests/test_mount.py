@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import glob
 import multiprocessing
+import json
 import os
 import signal
 import subprocess
@@ -282,6 +283,61 @@ def test_umount_does_not_wait_for_a_killed_daemon_nobody_reaped(tree, mounter):
     assert done.returncode == 0, done.stderr
     assert not mount.mounted
     assert time.monotonic() - started_s < UMOUNT_WAIT_S / 2
+
+
+# a process whose main thread ends (pthread_exit) while another thread lives on: /proc shows
+# its leader a zombie, as for a daemon killed while one of its threads waits in the kernel
+LEADER_GONE = ("import ctypes, threading, time; "
+               "threading.Thread(target=time.sleep, args=(3,)).start(); "
+               "ctypes.CDLL(None).pthread_exit(None)")
+
+
+def test_a_daemon_whose_main_thread_is_gone_is_killed_but_has_not_exited():
+    from cachefs.client import daemon_killed, process_exited
+
+    process = subprocess.Popen([sys.executable, "-c", LEADER_GONE])
+    try:
+        deadline = time.monotonic() + 10
+        while not daemon_killed(process.pid):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not process_exited(process.pid)  # its other thread still runs
+    finally:
+        process.kill()
+        process.wait()
+    assert daemon_killed(process.pid) and process_exited(process.pid)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root may abort a FUSE connection")
+def test_umount_aborts_the_connection_of_a_killed_daemon_with_a_thread_left(tree, mounter):
+    """`cachefs umount` of a mount whose daemon's main thread is gone while a thread of it
+    waits in the kernel (here a stand-in process in the pid file) aborts the mount's FUSE
+    connection: requests then fail with ENOTCONN instead of hanging, and the mount goes."""
+    mount = mounter(tree)
+    stand_in = subprocess.Popen([sys.executable, "-c", LEADER_GONE])
+    pid_file = mount.state_dir / "pid"
+    try:
+        pid_file.write_text(json.dumps({"pid": stand_in.pid,
+                                        "mountpoint": str(mount.mountpoint)}))
+        from cachefs.client import daemon_killed
+        deadline = time.monotonic() + 10
+        while not daemon_killed(stand_in.pid):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        # a file held open: a lazy unmount alone would leave the daemon serving it
+        fd = os.open(mount.mountpoint / "with space.bin", os.O_RDONLY)
+        try:
+            done = run_cachefs("umount", mount.mountpoint, "--state-dir", mount.state_dir)
+            assert done.returncode == 0, done.stderr
+            assert not mount.mounted
+            with pytest.raises(OSError) as raised:
+                os.pread(fd, 10, 0)
+            assert raised.value.errno == errno.ENOTCONN
+        finally:
+            os.close(fd)
+    finally:
+        stand_in.kill()
+        stand_in.wait()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root may set a device's read-ahead")

@@ -12,9 +12,12 @@ gets False and does not cache (a demand read is then served without being kept).
 fetches reserve their bytes before they start, so resident plus reserved bytes never exceed the
 budget.
 
-Priorities change when an item is consumed or an epoch switches. The eviction heap is lazy:
-every change pushes a new (priority, lru_seq) tuple, and a popped tuple that no longer matches
-its block is skipped. `rebuild` redoes the heap when every priority changes at once.
+Priorities change when an item is consumed or an epoch switches. Blocks with a known future
+are in an eviction heap, which is lazy: every change pushes a new (priority, lru_seq) tuple,
+and a popped tuple that no longer matches its block is skipped. Blocks with no known future are
+in an ordered dict, least recently used first, so that using one (`touch`, once per file read
+on a mount with no order) is a move, not a push. Those go first, as their priority says.
+`rebuild` redoes both when every priority changes at once.
 
 Kernel copies (the data plane, cachefs/pagecache.py). A block whose bytes the kernel's page
 cache holds for the mount is marked `in_kernel`: the kernel's pages of a file are a view of the
@@ -51,7 +54,7 @@ import logging
 import math
 import mmap
 from collections.abc import Callable
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from cachefs.source import SourceIdentity
@@ -110,7 +113,8 @@ class RamTier:
         self.resident_bytes = 0
         self.reserved_bytes = 0
         self.blocks: dict[BlockKey, RamBlock] = {}
-        self._heap: list[tuple[float, int, BlockKey]] = []
+        self._heap: list[tuple[float, int, BlockKey]] = []  # blocks with a known future
+        self._lru: OrderedDict[BlockKey, None] = OrderedDict()  # the others, oldest use first
         self._seq = itertools.count()
         self.evictions = 0
         self.kernel_bytes = 0  # pages of the blocks the kernel's page cache holds
@@ -163,6 +167,9 @@ class RamTier:
         return None if victim is None else victim[1].priority
 
     def _farthest(self) -> tuple[BlockKey, RamBlock] | None:
+        if self._lru:
+            key = next(iter(self._lru))
+            return key, self.blocks[key]
         heap = self._heap
         while heap:
             neg_priority, seq, key = heap[0]
@@ -205,7 +212,7 @@ class RamTier:
     def touch(self, key: BlockKey, block: RamBlock) -> None:
         """A block outside any order was used: it becomes the most recently used."""
         if math.isinf(block.priority):
-            self._push(key, block)
+            self._lru.move_to_end(key)
 
     def drop(self, key: BlockKey) -> None:
         if key in self.blocks:
@@ -214,7 +221,11 @@ class RamTier:
     def rebuild(self, priority_of: Callable[[BlockKey, RamBlock], float | None]) -> None:
         """Give every block a new priority; `None` drops the block."""
         self._heap = []
-        for key, block in list(self.blocks.items()):
+        lru, self._lru = self._lru, OrderedDict()
+        # the blocks with no known future first, least recently used first: their order stays
+        for key, block in [*((key, self.blocks[key]) for key in lru),
+                           *((key, block) for key, block in self.blocks.items()
+                             if key not in lru)]:
             if self.blocks.get(key) is not block:
                 continue  # left with a sibling whose kernel copy went (drop_file_pages)
             priority = priority_of(key, block)
@@ -225,11 +236,17 @@ class RamTier:
                 self._push(key, block)
 
     def _push(self, key: BlockKey, block: RamBlock) -> None:
+        if math.isinf(block.priority):
+            self._lru[key] = None
+            self._lru.move_to_end(key)
+            return
+        self._lru.pop(key, None)
         block.lru_seq = next(self._seq)
         heapq.heappush(self._heap, (-block.priority, block.lru_seq, key))
         if len(self._heap) > 2 * len(self.blocks) + 1024:
             # mostly stale tuples: rebuild from the live blocks
-            self._heap = [(-b.priority, b.lru_seq, k) for k, b in self.blocks.items()]
+            self._heap = [(-b.priority, b.lru_seq, k) for k, b in self.blocks.items()
+                          if not math.isinf(b.priority)]
             heapq.heapify(self._heap)
 
     # -- kernel copies ----------------------------------------------------------------------
@@ -324,6 +341,7 @@ class RamTier:
 
     def _remove(self, key: BlockKey, notify: bool = True) -> None:
         block = self.blocks.pop(key)
+        self._lru.pop(key, None)
         self.resident_bytes -= self.charge(block)
         if block.in_kernel:
             self.kernel_bytes -= page_bytes(block.nbytes)

@@ -290,10 +290,15 @@ class TieredCache:
                     ) -> list[tuple[BlockKey, RamBlock]] | None:
         """Every block of this version of the file, if the tier holds them all (in the
         daemon or the kernel), else None."""
+        held = self.ram.blocks
+        if identity.size <= self.block_bytes:  # one block: most samples (once per file read)
+            key = (relpath, 0)
+            block = held.get(key)
+            return [(key, block)] if block is not None and block.identity == identity else None
         blocks = []
         for block_index in range(block_count(identity.size, self.block_bytes)):
             key = (relpath, block_index)
-            block = self.ram.get(key)
+            block = held.get(key)
             if block is None or block.identity != identity:
                 return None
             blocks.append((key, block))
