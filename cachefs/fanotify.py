@@ -42,6 +42,8 @@ import errno
 import logging
 import os
 import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 
@@ -72,6 +74,7 @@ _NODE_ID = struct.Struct("=II")
 # why a handle group cannot mark a FUSE directory: no FAN_REPORT_FID (EINVAL), a zero fsid
 # before Linux 6.8 (ENODEV), no file handles (EOPNOTSUPP), another fsid (EXDEV)
 _NO_HANDLES = (errno.EINVAL, errno.ENODEV, errno.EOPNOTSUPP, errno.EXDEV)
+DIRECTORY_MASK = FAN_CLOSE_NOWRITE | FAN_EVENT_ON_CHILD  # a directory's files' closes
 BUFFER_BYTES = 256 * 1024
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -100,36 +103,105 @@ def check_available() -> None:
     os.close(_init())
 
 
-def open_close_events(mountpoint: bytes, by_handle: bool = True) -> tuple[int, bool]:
-    """A fanotify fd that reports every close (read-only) of a file on the mount, and whether
-    it reports them by file handle (then only in directories marked with `mark_directory`, the
-    mount point's already) or with an fd per event (module docstring). `by_handle=False`:
-    the fd way without trying the other."""
+def open_close_events(mountpoint: bytes, by_handle: bool = True) -> tuple[int, Marker | None]:
+    """A fanotify fd that reports every close (read-only) of a file on the mount, and, if it
+    reports them by file handle, the `Marker` of its directories (the mount point's marked
+    already; None: an fd per event, module docstring). `by_handle=False`: the fd way
+    without trying the other. Blocking: the marks resolve the mount point through the mount."""
     if by_handle:
         fd = _init(FAN_REPORT_FID | FAN_UNLIMITED_MARKS)
+        marker = Marker(fd)
         try:
-            _mark(fd, 0, FAN_CLOSE_NOWRITE | FAN_EVENT_ON_CHILD, mountpoint)
-            return fd, True
+            marker.mark(0, DIRECTORY_MASK, mountpoint)
+            return fd, marker
         except OSError as exc:
+            marker.close()
             os.close(fd)
             if exc.errno not in _NO_HANDLES:
                 raise
             log.info("close events by file handle refused (%s): one fd per event", exc.strerror)
     fd = _init()
+    marker = Marker(fd)
     try:
-        _mark(fd, FAN_MARK_MOUNT, FAN_CLOSE_NOWRITE, mountpoint)
+        marker.mark(FAN_MARK_MOUNT, FAN_CLOSE_NOWRITE, mountpoint)
     except OSError:
         os.close(fd)
         raise
-    return fd, False
+    finally:
+        marker.close()
+    return fd, None
+
+
+class Marker:
+    """Adds marks to a fanotify group from a child process, one at a time.
+
+    Why a process. Marking resolves a path through the mount, and a FUSE daemon that asks its
+    own mount a question waits in the kernel for its own answer (statfs, with FAN_REPORT_FID,
+    for the fsid; LOOKUPs for the path). Killed in that instant, the daemon cannot exit: its
+    waiting thread holds /dev/fuse open, so the connection is never aborted and nothing ever
+    answers. A child that waits instead is released when the killed daemon's /dev/fuse closes
+    (the child does not hold it), and ends when its stdin does.
+    """
+
+    def __init__(self, fd: int):
+        package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+             "from cachefs.fanotify import serve_marks; serve_marks(int(sys.argv[2]))",
+             package_parent, str(fd)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(fd,))
+        self._lock = threading.Lock()
+
+    def mark(self, flags: int, mask: int, path: bytes) -> None:
+        """fanotify_mark(FAN_MARK_ADD | flags, mask, path) in the child; raises its OSError."""
+        assert self._process.stdin is not None and self._process.stdout is not None
+        with self._lock:
+            try:
+                self._process.stdin.write(b"%d %d %s\n" % (flags, mask, path.hex().encode()))
+                self._process.stdin.flush()
+                reply = self._process.stdout.readline()
+            except OSError as exc:
+                raise OSError(errno.EIO, f"the fanotify marking process: {exc}") from None
+        if not reply:
+            raise OSError(errno.EIO, "the fanotify marking process ended")
+        err = int(reply)
+        if err:
+            raise OSError(err, f"fanotify_mark {os.fsdecode(path)}: {os.strerror(err)}")
+
+    def close(self) -> None:
+        if self._process.stdin is not None:
+            self._process.stdin.close()
+        try:
+            self._process.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+
+def serve_marks(fd: int) -> None:
+    """The marking process (`Marker`): a line "FLAGS MASK PATH-IN-HEX" in, a line with 0 or
+    the errno out, until stdin ends."""
+    for line in sys.stdin.buffer:
+        flags, mask, path = line.split()
+        try:
+            _mark(fd, int(flags), int(mask), bytes.fromhex(path.decode()))
+            reply = 0
+        except OSError as exc:
+            reply = exc.errno or errno.EIO
+        try:
+            sys.stdout.write(f"{reply}\n")
+            sys.stdout.flush()
+        except OSError:  # the daemon is gone (killed): nobody to answer
+            return
 
 
 class CloseWatcher:
     """The thread that turns close events into batches of inode numbers for `deliver`."""
 
-    def __init__(self, fd: int, by_handle: bool, deliver: Callable[[list[int]], None]):
+    def __init__(self, fd: int, marker: Marker | None, deliver: Callable[[list[int]], None]):
         self._fd = fd
-        self.by_handle = by_handle  # events carry file handles (open_close_events)
+        self._marker = marker
+        self.by_handle = marker is not None  # events carry file handles (open_close_events)
         # called in this thread with a batch of inode numbers; returns once they are accounted
         self._deliver = deliver
         self._thread: threading.Thread | None = None
@@ -147,6 +219,8 @@ class CloseWatcher:
             os.write(self._stop_write, b"x")
             self._thread.join(5.0)
             self._thread = None
+        if self._marker is not None:
+            self._marker.close()
         for fd in (self._fd, self._stop_read, self._stop_write):
             os.close(fd)
 
@@ -180,7 +254,8 @@ class CloseWatcher:
     def mark_directory(self, path: bytes) -> None:
         """Report the closes of the files in the directory at `path` (by-handle events; a
         blocking call: the path is resolved through the mount). Raises OSError."""
-        _mark(self._fd, 0, FAN_CLOSE_NOWRITE | FAN_EVENT_ON_CHILD, path)
+        assert self._marker is not None, "directories are marked only for by-handle events"
+        self._marker.mark(0, DIRECTORY_MASK, path)
 
     def _parse(self, buffer: bytes) -> tuple[list[int], list[int]]:
         """The events' fds (for the caller to close) and their files' inode numbers."""

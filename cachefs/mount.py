@@ -278,8 +278,9 @@ class Mount:
         pyfuse3 must pass the inode to read() (scripts/patches/), and fanotify, which needs
         CAP_SYS_ADMIN, must report the mount's closes. Otherwise the mount stays in the
         keep-cache mode (OPEN and RELEASE per file), and says why. The fanotify mark is made
-        once the mount answers (marking resolves the mount point, which asks this daemon).
-        OPENs wait for the decision, whatever happens here."""
+        once the mount answers (marking resolves the mount point, which asks this daemon), by
+        a child process (cachefs/fanotify.py, `Marker`). OPENs wait for the decision,
+        whatever happens here."""
         try:
             watcher = await self._watch_closes()
             mark_directory = None
@@ -302,23 +303,24 @@ class Mount:
         trio_token = trio.lowlevel.current_trio_token()
         if reason is None:
             try:
-                await threads.run_abandoning(os.stat, self.config.mountpoint)
-                events = await threads.run_one(open_close_events,
-                                               os.fsencode(self.config.mountpoint))
+                # the marks are made by a child process (fanotify.Marker): a request of this
+                # daemon to its own mount would keep a killed daemon from exiting
+                events = await threads.run_abandoning(open_close_events,
+                                                      os.fsencode(self.config.mountpoint))
             except OSError as exc:
                 reason = f"fanotify: {exc.strerror}"
         if events is None:
             log.warning("zero-request mode unavailable (%s): every file costs an OPEN and a "
                         "RELEASE (keep-cache mode)", reason)
             return None
-        fd, by_handle = events
+        fd, marker = events
         self.close_watcher = CloseWatcher(
-            fd, by_handle, lambda inodes: trio.from_thread.run_sync(self.ops.closed, inodes,
-                                                                    trio_token=trio_token))
+            fd, marker, lambda inodes: trio.from_thread.run_sync(self.ops.closed, inodes,
+                                                                 trio_token=trio_token))
         self.close_watcher.start()
         self.data_plane = "no-open"
         log.info("zero-request mode: files the kernel holds are read with no request "
-                 "(close events %s)", "by file handle" if by_handle else "with an fd each")
+                 "(close events %s)", "by file handle" if marker else "with an fd each")
         return self.close_watcher
 
 

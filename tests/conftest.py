@@ -98,7 +98,14 @@ class Mount:
                     return self.process.wait(timeout=5)
                 except subprocess.TimeoutExpired:
                     self.process.kill()
-                    return self.process.wait()
+                    try:
+                        return self.process.wait(timeout=5)
+                    except subprocess.TimeoutExpired:
+                        # a thread left in the kernel, waiting on a READ the killed daemon
+                        # cannot answer (cachefs/client.py, daemon_killed)
+                        from cachefs.client import abort_fuse_connection
+                        abort_fuse_connection(str(self.mountpoint))
+                        return self.process.wait()
         finally:
             if self.mounted:
                 subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)],
