@@ -67,6 +67,8 @@ class Planner:
         self.cursor = 0
         self.front = 0  # one past the highest consumed position
         self.scan = 0  # the prefetcher has handled every window position below this
+        # after set_order: the items whose next use it changed, or None for every item
+        self.reranked_items: np.ndarray | None = None
         self.pos_cur = np.empty(0, np.int64)
         self.pos_next = np.empty(0, np.int64)
         self._later_positions: dict[int, list[int]] = {}  # items that occur twice (rank padding)
@@ -101,6 +103,7 @@ class Planner:
         joined = not same_epoch and self._rank_joined(order)
         self.order = order
         manifest_len = len(order.manifest)
+        self.reranked_items = None
         if joined:
             consumed_items = self.current[self.consumed]
             self._start(order.epoch, order.current, order.next, manifest_len, new_epoch=False)
@@ -110,6 +113,14 @@ class Planner:
             self.order_serial += 1
             self._start(order.epoch, order.current, order.next, manifest_len)
             return True
+        # Only the next epoch changed (a trainer publishing each epoch, after the plan moved
+        # on to it by itself): an item's next use changed only if it is used next epoch
+        # first, having been consumed in this one or not being in it
+        empty = np.empty(0, np.int64)
+        either_next = np.union1d(self.next if self.next is not None else empty,
+                                 order.next if order.next is not None else empty)
+        self.reranked_items = np.union1d(self.current[self.consumed],
+                                         np.setdiff1d(either_next, self.current))
         self.next = order.next
         self.pos_next = _positions(order.next, manifest_len)
         self.scan = self.cursor

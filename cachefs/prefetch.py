@@ -133,7 +133,11 @@ class Prefetcher:
         if self.planner.set_order(order):
             self.stats.start_epoch(order.epoch)
         self._size_window()
-        self.ranking.rerank_all()
+        if self.planner.reranked_items is None:
+            self.ranking.rerank_all()
+        else:  # a new next epoch only: the few items whose next use changed
+            for item in self.planner.reranked_items.tolist():
+                self.ranking.rerank(item, int(self.meta.size[item]))
         self.poke()
 
     def _size_window(self) -> None:

@@ -64,7 +64,7 @@ def test_bench_fuse_smoke(tmp_path):
         # one of them was a RAM hit, and the kernel served them whole from its page cache
         delta = contenders[name]["stats_delta_timed"]
         assert delta["reads"] == 60 + 1
-        assert delta["hits_ram"] == delta["reads"] and delta["misses"] == 0
+        assert delta["hits_ram"] == delta["reads"] and delta["misses"] == 0, delta
         assert delta["backend_bytes"] == 0
         assert contenders[name]["kernel"]["whole_file_opens"] >= 60 + 1
         assert contenders[name]["kernel"]["mode"] == "no-open"  # root, the patched pyfuse3

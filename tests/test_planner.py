@@ -40,6 +40,20 @@ def planner_with(current, next_=None, lookahead=100, epoch=1) -> Planner:
 # -- next use ----------------------------------------------------------------------------------
 
 
+def test_a_new_next_epoch_alone_reranks_only_the_items_whose_next_use_changed():
+    """Publishing the epoch in force again with another next (a trainer publishing every
+    epoch after the plan moved on by itself): only the items consumed so far, and those used
+    next epoch first, change rank; any other publication re-ranks every item (None)."""
+    planner = planner_with([3, 1, 4, 0], next_=[4, 0, 2, 3])
+    assert planner.reranked_items is None
+    planner.consume(3)
+    assert not planner.set_order(order(1, [3, 1, 4, 0], [0, 5, 3, 4]))
+    assert planner.reranked_items.tolist() == [2, 3, 5]  # 3 consumed; 2 and 5 only next
+    assert planner.next_use(3) == 4 + 2 and planner.next_use(5) == 4 + 1
+    assert planner.set_order(order(2, [0, 5, 3, 4]))
+    assert planner.reranked_items is None
+
+
 def test_next_use_is_position_then_next_order_then_never():
     planner = planner_with([3, 1, 4, 0], next_=[4, 0, 2, 3])
     n = 4
