@@ -219,6 +219,12 @@ class Planner:
             return float(len(self.current) + position)
         return NEVER
 
+    def next_uses(self) -> np.ndarray:
+        """`next_use` of every item of the manifest, as one array."""
+        in_next = np.where(self.pos_next >= 0, len(self.current) + self.pos_next.astype(float),
+                           NEVER)
+        return np.where(self.pos_cur >= 0, self.pos_cur.astype(float), in_next)
+
     def window_end(self) -> int:
         known = len(self.current) + (len(self.next) if self.next is not None else 0)
         # past the front by the lookahead, or by the readers' spread if wider: workers that

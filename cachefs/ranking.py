@@ -28,7 +28,7 @@ import math
 
 import numpy as np
 
-from cachefs.cache.ram import RamTier
+from cachefs.cache.ram import BlockKey, RamTier
 from cachefs.cache.tiered import block_count
 from cachefs.manifest import Manifest
 from cachefs.planner import NEVER, Planner
@@ -108,10 +108,14 @@ class Ranking:
         planner = self.planner
         if not planner.active or item < 0 or not self._in_orders(item):
             return math.inf  # no known future: plain LRU among such blocks
-        use = planner.next_use(item)
+        return self._ranked(item, block_index, identity, planner.next_use(item))
+
+    def _ranked(self, item: int, block_index: int, identity: SourceIdentity | None,
+                use: float) -> float | None:
+        """`priority_of` for an item of the orders whose next use is `use`."""
         if use == NEVER:
             return None  # consumed and not read again in the known future
-        if use >= planner.length and self._on_ssd(item, block_index, identity):
+        if use >= self.planner.length and self._on_ssd(item, block_index, identity):
             return None  # retained only for the next epoch, and the SSD tier has it
         return use + block_index * BLOCK_TIEBREAK
 
@@ -140,7 +144,20 @@ class Ranking:
                 self.ram.set_priority(key, priority)
 
     def rerank_all(self) -> None:
-        self.ram.rebuild(lambda key, block: self.priority_of(block.item, key[1], block.identity))
+        """Every block's `priority_of`, with the items' next uses and membership read once as
+        lists (an epoch switch re-ranks every block: numpy scalars per block cost 5x more)."""
+        if not self.planner.active:
+            self.ram.rebuild(lambda key, block: math.inf)
+            return
+        uses = self.planner.next_uses().tolist()
+        members = self._member.tolist()
+
+        def priority(key: BlockKey, block) -> float | None:
+            item = block.item
+            if item < 0 or item >= len(members) or not members[item]:
+                return math.inf
+            return self._ranked(item, key[1], block.identity, uses[item])
+        self.ram.rebuild(priority)
 
     # -- item numbers ------------------------------------------------------------------------
 

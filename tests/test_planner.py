@@ -40,6 +40,13 @@ def planner_with(current, next_=None, lookahead=100, epoch=1) -> Planner:
 # -- next use ----------------------------------------------------------------------------------
 
 
+def test_next_uses_is_next_use_of_every_item():
+    planner = planner_with([3, 1, 4, 0], next_=[4, 0, 2, 3])
+    planner.consume(3)
+    planner.consume(4)
+    assert planner.next_uses().tolist() == [planner.next_use(i) for i in range(8)]
+
+
 def test_a_new_next_epoch_alone_reranks_only_the_items_whose_next_use_changed():
     """Publishing the epoch in force again with another next (a trainer publishing every
     epoch after the plan moved on by itself): only the items consumed so far, and those used
