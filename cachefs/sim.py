@@ -355,33 +355,21 @@ class _ObservedRamTier(RamTier):
         if used > self.budget_bytes or self.reserved_bytes < 0:
             raise AssertionError(f"RAM budget broken: used {used} of {self.budget_bytes}")
 
-    def reserve(self, nbytes, priority):
+
+def _observed(name: str):
+    """`RamTier.<name>`, then `observe`: every method that changes what the tier uses."""
+    method = getattr(RamTier, name)
+
+    def observed(self, *args):
         try:
-            return super().reserve(nbytes, priority)
+            return method(self, *args)
         finally:
             self.observe()
+    return observed
 
-    def unreserve(self, nbytes):
-        super().unreserve(nbytes)
-        self.observe()
 
-    def insert(self, key, block, reserved_bytes):
-        try:
-            return super().insert(key, block, reserved_bytes)
-        finally:
-            self.observe()
-
-    def hand_to_kernel(self, key, block):
-        try:
-            return super().hand_to_kernel(key, block)
-        finally:
-            self.observe()
-
-    def keep_kernel_copies(self, blocks):
-        try:
-            return super().keep_kernel_copies(blocks)
-        finally:
-            self.observe()
+for _name in ("reserve", "unreserve", "insert", "hand_to_kernel", "keep_kernel_copies"):
+    setattr(_ObservedRamTier, _name, _observed(_name))
 
 
 # -- the run -----------------------------------------------------------------------------------
