@@ -61,7 +61,7 @@ def test_pushed_files_are_read_with_the_source_bytes(dataset, mounter, plane):
     opens_before = kernel(mount)["whole_file_opens"]
     for epoch in (1, 2):
         record = read_epoch(mount, relpaths, epoch)  # compares every file with the source
-        assert record["hits_ram"] == N_FILES and record["misses"] == 0
+        assert record["hits_ram"] == N_FILES and record["misses"] == 0, record
     status = kernel(mount)
     # epochs 1 and 2 were served by the kernel: no READ reached the daemon for them, but for
     # a file whose reader got to it before the pusher thread stored it (served by READs, with
