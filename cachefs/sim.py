@@ -4,7 +4,9 @@ Why it exists. The policy (docs/design.md §2) makes claims about time and memor
 the read-ahead window is full, the head of every later epoch served from RAM, a budget that is
 never exceeded, no block read twice in one epoch. Checking them against a real mount over slow
 storage takes minutes and is noisy. Here the same claims are checked in a fraction of a second
-of real time, deterministically.
+of real time, on virtual time. Runs of one trace agree to within a few misses: trio shuffles
+the tasks that are ready at one virtual instant (on purpose, and with a generator of its own
+that the simulator leaves alone), so fetches landing at the same instant land in varying order.
 
 What is real and what is simulated. `simulate` builds the real `Planner`, `Ranking`, `RamTier`,
 `Prefetcher`, `TieredCache`, `Reader`, `Freshness` and `Stats` with
@@ -49,7 +51,6 @@ across the epoch boundary and how many of them the SSD also holds, and the large
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import types
 from dataclasses import dataclass, field
@@ -321,28 +322,6 @@ def inline_ssd_calls(latency_s: float, threads: int = SSD_THREADS) -> RunSync:
     return run_sync
 
 
-@contextlib.contextmanager
-def _seeded_scheduler(seed: int):
-    """Make trio's scheduling order a function of `seed` during a run.
-
-    trio shuffles each batch of runnable tasks with a module-level `random.Random` on purpose
-    (it shakes out code that relies on an order); with it unseeded, one trace gave a few
-    misses more or less from run to run, and the simulator's figures are meant to repeat.
-    The generator is trio's private `_core._run._r`: if a later trio moves it, runs are
-    simply not seeded. Its state is restored afterwards.
-    """
-    generator = getattr(getattr(trio._core, "_run", None), "_r", None)
-    if generator is None:
-        yield
-        return
-    state = generator.getstate()
-    generator.seed(seed)
-    try:
-        yield
-    finally:
-        generator.setstate(state)
-
-
 class _ObservedRamTier(RamTier):
     """The real RAM tier, noting the largest `used_bytes` after every change of it."""
 
@@ -520,8 +499,7 @@ class Sim:
 def simulate(config: SimConfig) -> SimResult:
     """Run the trace on virtual time; see the module docstring."""
     sim = Sim(config)
-    with _seeded_scheduler(config.seed):
-        epochs = trio.run(sim.main, clock=trio.testing.MockClock(autojump_threshold=0))
+    epochs = trio.run(sim.main, clock=trio.testing.MockClock(autojump_threshold=0))
     # backend reads of the window's next-epoch items count in the epoch that made them, until
     # the switch; read the counters once the run is over
     for result in epochs:
@@ -537,9 +515,8 @@ def run_script(config: SimConfig, script):
     sequences the trainer of `simulate` does not make (orders over other manifests published
     while fetches are in flight). Returns what the script returns."""
     sim = Sim(config)
-    with _seeded_scheduler(config.seed):
-        return trio.run(sim.serving, lambda: script(sim),
-                        clock=trio.testing.MockClock(autojump_threshold=0))
+    return trio.run(sim.serving, lambda: script(sim),
+                    clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 # -- command line ------------------------------------------------------------------------------
