@@ -1,7 +1,7 @@
 """Shared pieces of the benchmark scripts (bench.py, bench_fuse.py): one copy of each helper.
 
-What is measured and how (the machine facts behind these choices are in
-shared/notes/fuse-hot-path.md):
+What is measured and how (the machine facts behind these choices: docs/design.md §4, the
+kernel data plane):
 
 - Data sets are generated once under a directory and reused when a marker file says they have
   the same shape. Their files are written, and read, by `cachefs.workload`, which `cachefs
