@@ -98,11 +98,12 @@ def abort_fuse_connection(mountpoint: str) -> bool:
     if device is None:
         return False
     connections = Path("/sys/fs/fuse/connections")
-    if not (connections / device.split(":")[1]).exists():
+    connection = connections / device.split(":")[1]  # named by the mount's minor number
+    if not connection.exists():
         subprocess.run(["mount", "-t", "fusectl", "none", str(connections)],
                        capture_output=True)
     try:
-        (connections / device.split(":")[1] / "abort").write_text("1")
+        (connection / "abort").write_text("1")
     except OSError as exc:
         log.warning("could not abort the FUSE connection of %s: %s", mountpoint, exc)
         return False

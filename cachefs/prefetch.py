@@ -52,8 +52,8 @@ import logging
 import numpy as np
 import trio
 
-from cachefs.cache.ram import RamTier
-from cachefs.cache.tiered import TieredCache, block_count
+from cachefs.cache.ram import RamTier, block_count
+from cachefs.cache.tiered import TieredCache
 from cachefs.freshness import NEVER_S, Freshness, now_s
 from cachefs.planner import Planner
 from cachefs.ranking import Ranking

@@ -28,8 +28,7 @@ import math
 
 import numpy as np
 
-from cachefs.cache.ram import BlockKey, RamTier
-from cachefs.cache.tiered import block_count
+from cachefs.cache.ram import BlockKey, RamTier, block_count
 from cachefs.manifest import Manifest
 from cachefs.planner import NEVER, Planner
 from cachefs.recent import RecentMap

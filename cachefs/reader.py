@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 
 from cachefs import errors
 from cachefs import stats as stats_mod
-from cachefs.cache.ram import RamTier
-from cachefs.cache.tiered import KernelInodes, TieredCache, block_count
+from cachefs.cache.ram import RamTier, block_count
+from cachefs.cache.tiered import KernelInodes, TieredCache
 from cachefs.freshness import Freshness, now_s
 from cachefs.pagecache import KernelPages
 from cachefs.planner import Planner

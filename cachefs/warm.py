@@ -36,7 +36,8 @@ import numpy as np
 import trio
 
 from cachefs import threads as threads_mod
-from cachefs.cache.tiered import block_count, block_length
+from cachefs.cache.ram import block_count
+from cachefs.cache.tiered import block_length
 from cachefs.errors import CachefsError, OrderError
 from cachefs.manifest import check_relpaths
 from cachefs.source import Source

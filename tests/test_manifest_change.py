@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import trio
 
-from cachefs.cache.tiered import block_count
+from cachefs.cache.ram import block_count
 from cachefs.manifest import Manifest
 from cachefs.order import Order
 from cachefs.sim import SimConfig, payload, run_script

@@ -53,8 +53,8 @@ import itertools
 import logging
 import math
 import mmap
-from collections.abc import Callable
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cachefs.source import SourceIdentity
@@ -90,6 +90,11 @@ class RamBlock:
         if self.data is None:
             return page_bytes(self.nbytes)
         return self.nbytes + page_bytes(self.nbytes) if self.kept_twice else self.nbytes
+
+
+def block_count(size_bytes: int, block_bytes: int) -> int:
+    """Blocks of a file of `size_bytes` (an empty file has one, empty)."""
+    return max(1, -(-size_bytes // block_bytes))
 
 
 def page_bytes(nbytes: int) -> int:
@@ -320,7 +325,7 @@ class RamTier:
             if first is None:
                 return
             size_bytes = first.identity.size
-        for block_index in range(max(1, -(-size_bytes // self.block_bytes))):
+        for block_index in range(block_count(size_bytes, self.block_bytes)):
             key = (relpath, block_index)
             block = self.blocks.get(key)
             if block is not None:

@@ -48,7 +48,7 @@ import trio
 
 from cachefs import stats as stats_mod
 from cachefs import threads
-from cachefs.cache.ram import BlockKey, RamBlock, RamTier
+from cachefs.cache.ram import BlockKey, RamBlock, RamTier, block_count
 from cachefs.pagecache import KernelPages
 from cachefs.source import Source, SourceIdentity
 
@@ -77,10 +77,6 @@ class _Flight:
 
 def block_length(identity: SourceIdentity, block_index: int, block_bytes: int) -> int:
     return max(0, min(block_bytes, identity.size - block_index * block_bytes))
-
-
-def block_count(size_bytes: int, block_bytes: int) -> int:
-    return max(1, -(-size_bytes // block_bytes))
 
 
 class KernelInodes(Protocol):
@@ -329,9 +325,8 @@ class TieredCache:
         dropped: pages the budget does not count are not left in the kernel."""
         if self.kernel is None:
             return False
-        blocks = self.file_blocks(relpath, identity)
-        if blocks is None or not all(block.in_kernel or key[1] in blocks_read
-                                     for key, block in blocks) \
+        blocks = self._kernel_holds_all(relpath, identity, blocks_read)
+        if blocks is None \
                 or not all(self.ram.hand_to_kernel(key, block) for key, block in blocks):
             self.drop_pages(relpath, identity.size)
             return False
@@ -344,12 +339,21 @@ class TieredCache:
         keep_kernel_copies), else they are dropped now."""
         if self.kernel is None:
             return
-        blocks = self.file_blocks(relpath, identity)
-        if blocks is None or not all(block.data is not None
-                                     and (block.in_kernel or key[1] in blocks_read)
-                                     for key, block in blocks) \
+        blocks = self._kernel_holds_all(relpath, identity, blocks_read)
+        # a block only the kernel holds would leave with pages given up as a duplicate
+        if blocks is None or not all(block.data is not None for _, block in blocks) \
                 or not self.ram.keep_kernel_copies(blocks):
             self.drop_pages(relpath, identity.size)
+
+    def _kernel_holds_all(self, relpath: bytes, identity: SourceIdentity,
+                          blocks_read: set[int]) -> list[tuple[BlockKey, RamBlock]] | None:
+        """Every block of this version of the file, if the kernel holds them all (pushed to
+        it, or returned by a READ of the reader done with it: `blocks_read`), else None."""
+        blocks = self.file_blocks(relpath, identity)
+        if blocks is None or not all(block.in_kernel or key[1] in blocks_read
+                                     for key, block in blocks):
+            return None
+        return blocks
 
     def drop_pages(self, relpath: bytes, size_bytes: int | None = None) -> None:
         """Drop the kernel's pages of a file (the daemon keeps its own copy, if any).
