@@ -49,7 +49,7 @@ SETTLE_S = 5.0  # how long settled_totals waits for the last closes of a pass to
 SETTLE_POLL_S = 0.01
 # the per-epoch counters of `cachefs stats` (man/cachefs-stats.1), summed by stats_totals
 COUNTERS = ("reads", "hits_ram", "hits_ssd", "prefetched", "misses", "backend_bytes",
-            "stall_s")
+            "stall_s", "kernel_reclaimed")
 
 
 class MountError(Exception):

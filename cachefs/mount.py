@@ -222,7 +222,9 @@ class Mount:
             return None
         status = dict(self.kernel.status(), mode=self.data_plane,
                       held_bytes=self.ram.kernel_bytes,
-                      whole_file_opens=self.reader.kernel_opens)
+                      whole_file_opens=self.reader.kernel_opens,
+                      reclaimed_blocks=self.tiered.kernel_reclaims,
+                      kernel_losses=self.prefetcher.ranking.kernel_losses)
         if self.close_watcher is not None:
             status.update(close_events=self.close_watcher.events,
                           close_event_overflows=self.close_watcher.overflows,

@@ -397,5 +397,4 @@ class Prefetcher:
             log.debug("read-ahead of %r failed: %s", key, exc)
 
     def status(self) -> dict:
-        return {"inflight": len(self._inflight_items), "errors": self.prefetch_errors,
-                "kernel_losses": self.ranking.kernel_losses}
+        return {"inflight": len(self._inflight_items), "errors": self.prefetch_errors}

@@ -188,27 +188,29 @@ class Ranking:
         the RAM tier ranks them), and for one read again within KERNEL_KEEP_S at the rate
         files are being consumed, the next epoch's head included, as long as the kernel has
         never lost pages it was trusted with. Page cache is reclaimable (memory pressure,
-        `drop_caches`, these VMs' idle-page reclaim after about 60 s, hence the time limit):
-        once the kernel has forgotten a file kept this way (`note_kernel_loss`), the daemon
-        keeps its own copy of the next epoch's head, and the kernel's pages are dropped,
-        so that the head the policy keeps across the epoch boundary survives.
+        `drop_caches`, these VMs' idle-page reclaim, hence the time limit): once the kernel
+        has lost a file kept this way (`note_kernel_loss`), the daemon keeps its own copy of
+        every file of the order (the next epoch's head, and a file read again just after an
+        epoch switched), and the kernel's pages are kept beside it or dropped, so that the
+        head the policy keeps across the epoch boundary survives.
         `priority`: the file's first block's in the RAM tier (None: not kept)."""
         if priority is None:
             return False
         if math.isinf(priority):
             return True
-        if self._s_per_item is None or (self.kernel_losses
-                                        and priority >= self.planner.length):
+        if self._s_per_item is None or self.kernel_losses:
             return False
         return (priority - self.planner.cursor) * self._s_per_item <= KERNEL_KEEP_S
 
     def note_kernel_loss(self) -> None:
-        """The kernel forgot the inode, and the pages, of a file of the manifest that only it
-        held (`drop_caches`, inode reclaim). Pages reclaimed from an inode it keeps show as a
-        READ of a block only the kernel held; those are counted as the misses they are, but
-        do not switch this off: a READ can also come for pages being stored (not yet
-        measured apart)."""
+        """The kernel lost pages of a file of the manifest that only it held: it forgot the
+        inode (`drop_caches`, inode reclaim), or a READ came for them (reclaimed: memory
+        pressure, or these VMs' proactive reclaim, which takes pages of a physical region
+        gone cold as a whole, so even pages stored a moment ago; traced with ftrace, the
+        `mm_filemap_delete_from_page_cache` event from `kdamond`). Such a machine would take
+        the next epoch's head too, so the daemon keeps its own copy of the order's files from
+        then on (`kernel_may_keep`)."""
         if not self.kernel_losses:
-            log.info("the kernel forgot files of the order that only it held: the daemon "
-                     "keeps its own copy of the next epoch's head from now on")
+            log.info("the kernel lost pages of files of the order that only it held: the "
+                     "daemon keeps its own copy of the order's files from now on")
         self.kernel_losses += 1

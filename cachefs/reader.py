@@ -88,6 +88,9 @@ class OpenFile:
     # blocks READs of this handle returned: the kernel holds their pages now (with the blocks
     # pushed to it, the whole file, when the reader is done: `_settle_pages`)
     blocks_read: set = field(default_factory=set)
+    # a READ of this handle found pages gone that only the kernel held (reclaimed: the file
+    # counts as the miss it became, and in `kernel_reclaimed`)
+    kernel_reclaimed: bool = False
 
 
 class Reader:
@@ -226,6 +229,8 @@ class Reader:
         if block is not None and block.data is not None:  # the hot path: no await
             self._served(handle, key, block)
             return block.data
+        if self._tiered.kernel_reclaimed(key, handle.identity):
+            handle.kernel_reclaimed = True
         # the one clock (freshness.py), so that the simulator's virtual clock measures stalls too
         started_s = now_s()
         fetched = await self._tiered.fetch(key, handle.identity, handle.item, handle.manifest,
@@ -282,7 +287,8 @@ class Reader:
         if handle.bytes_served:
             self._consume(handle)
         self._stats.file_read(handle.origin, handle.stall_s, handle.bytes_served,
-                             record=handle.epoch_record)
+                             record=handle.epoch_record,
+                             kernel_reclaimed=handle.kernel_reclaimed)
         if last:
             self._settle_pages(handle)
 

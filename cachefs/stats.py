@@ -63,6 +63,9 @@ class EpochStats:
     ssd_bytes_read: int = 0
     bytes_served: int = 0
     stall_s: float = 0.0
+    # reads that found pages gone that only the kernel held (reclaimed): part of `misses` or
+    # `hits_ssd`, the file having been kept in RAM (cachefs-stats(1))
+    kernel_reclaimed: int = 0
 
 
 class Stats:
@@ -98,10 +101,12 @@ class Stats:
         self._fetched_other_blocks.clear()
 
     def file_read(self, origin: int, stall_s: float, bytes_served: int,
-                  record: EpochStats | None = None) -> None:
-        """Count one opened file in `record` (the epoch that consumed it), else the current."""
+                  record: EpochStats | None = None, kernel_reclaimed: bool = False) -> None:
+        """Count one opened file in `record` (the epoch that consumed it), else the current.
+        `kernel_reclaimed`: its READs found pages gone that only the kernel held."""
         record = record if record is not None else self.current
         record.reads += 1
+        record.kernel_reclaimed += kernel_reclaimed
         setattr(record, _CLASS_BY_ORIGIN[origin], getattr(record, _CLASS_BY_ORIGIN[origin]) + 1)
         record.stall_s += stall_s
         record.bytes_served += bytes_served

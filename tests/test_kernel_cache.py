@@ -59,14 +59,21 @@ def test_pushed_files_are_read_with_the_source_bytes(dataset, mounter, plane):
     mount = mounter(src, "--ram-cache", N_FILES * FILE_BYTES * 2, "--data-plane", plane)
     read_epoch(mount, relpaths, 0)  # read ahead, kept: every file is due in the next epoch
     opens_before = kernel(mount)["whole_file_opens"]
+    reclaimed = 0
     for epoch in (1, 2):
         record = read_epoch(mount, relpaths, epoch)  # compares every file with the source
-        assert record["hits_ram"] == N_FILES and record["misses"] == 0, record
+        # every file a RAM hit, but for those whose pages the kernel, holding the only copy,
+        # reclaimed (these VMs reclaim page cache proactively, even pages stored a moment
+        # ago): read from the source again, and counted as such
+        assert record["hits_ram"] + record["kernel_reclaimed"] == N_FILES, record
+        assert record["misses"] == record["kernel_reclaimed"], record
+        reclaimed += record["kernel_reclaimed"]
     status = kernel(mount)
+    assert status["reclaimed_blocks"] >= reclaimed
     # epochs 1 and 2 were served by the kernel: no READ reached the daemon for them, but for
     # a file whose reader got to it before the pusher thread stored it (served by READs, with
-    # the same bytes and the same count)
-    assert status["whole_file_opens"] - opens_before >= 2 * N_FILES - 5
+    # the same bytes and the same count), and the reclaimed
+    assert status["whole_file_opens"] - opens_before >= 2 * N_FILES - 5 - reclaimed
     assert status["held_bytes"] == N_FILES * page_bytes(FILE_BYTES)  # whole pages
 
 
@@ -142,7 +149,9 @@ def test_stats_with_pushed_files_match_the_simulator(tmp_path, mounter, plane):
         assert record["reads"] == sim.reads == n
         # the mount reads epochs 0, 1, 2 and the simulator 1, 2, 3 of the same seed: the
         # retained head is as long either way
-        assert abs(record["hits_ram"] - sim.hits_ram) <= 2, (record, sim.row())
+        # (a file whose pages the kernel reclaimed is a miss the simulator cannot foresee)
+        assert abs(record["hits_ram"] + record["kernel_reclaimed"] - sim.hits_ram) <= 2, \
+            (record, sim.row())
 
 
 def test_memory_stays_within_the_budget(dataset, mounter):
@@ -193,6 +202,34 @@ def test_a_kernel_that_forgot_the_inodes_is_served_by_the_daemon(dataset, mounte
     assert record["reads"] == N_FILES
     assert record["hits_ram"] + record["prefetched"] + record["misses"] == N_FILES
     assert record["backend_bytes"] > 0
+
+
+def test_pages_the_kernel_reclaimed_are_misses_and_the_head_stays_with_the_daemon(dataset,
+                                                                                 mounter):
+    """Page cache is reclaimable while the inode stays (memory pressure; these VMs reclaim cold
+    page cache on their own): a file whose only copy was the kernel's is read again, counted
+    as a miss and in `kernel_reclaimed`; from then on the daemon keeps its own copy of the
+    next epoch's head, so the same loss costs no miss."""
+    src, relpaths = dataset
+    mount = mounter(src, "--ram-cache", N_FILES * FILE_BYTES * 2)
+    read_epoch(mount, relpaths, 0)
+    read_epoch(mount, relpaths, 1)  # the kernel holds the only copy of epoch 2's files
+    assert kernel(mount)["kernel_losses"] == 0 or pytest.skip("reclaimed before the test")
+
+    def reclaim_page_cache():
+        subprocess.run(["sync"], check=True)
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")  # pages only: the inodes stay
+
+    reclaim_page_cache()
+    record = read_epoch(mount, relpaths, 2)  # every byte compared with the source
+    assert record["kernel_reclaimed"] > 0, record
+    assert record["misses"] == record["kernel_reclaimed"], record
+    assert record["hits_ram"] + record["misses"] == N_FILES, record
+    status = kernel(mount)
+    assert status["kernel_losses"] > 0 and status["reclaimed_blocks"] >= record["misses"]
+    reclaim_page_cache()  # epoch 3's files: in the daemon too this time
+    record = read_epoch(mount, relpaths, 3)
+    assert record["hits_ram"] == N_FILES and record["kernel_reclaimed"] == 0, record
 
 
 # -- which data plane runs --------------------------------------------------------------------

@@ -130,6 +130,7 @@ class TieredCache:
         # (relpath, identity) of a file that changed at the source, once its copies are gone
         self._on_source_changed = on_source_changed or (lambda relpath, identity: None)
         self.admissions_skipped = 0
+        self.kernel_reclaims = 0  # blocks only the kernel held whose pages it dropped
         self._admit_send, self._admit_recv = trio.open_memory_channel(ADMISSION_QUEUE_BLOCKS)
         self._nursery: trio.Nursery | None = None
         self.kernel = kernel
@@ -340,9 +341,12 @@ class TieredCache:
         if self.kernel is None:
             return
         blocks = self._kernel_holds_all(relpath, identity, blocks_read)
-        # a block only the kernel holds would leave with pages given up as a duplicate
-        if blocks is None or not all(block.data is not None for _, block in blocks) \
-                or not self.ram.keep_kernel_copies(blocks):
+        if blocks is not None and not all(block.data is not None for _, block in blocks):
+            # the kernel holds the only copy of some of it (handed over earlier): it stays
+            # there, charged as pages; dropping it would lose a file the policy keeps, and
+            # keeping it as a duplicate would let `reserve` give it up as one
+            return
+        if blocks is None or not self.ram.keep_kernel_copies(blocks):
             self.drop_pages(relpath, identity.size)
 
     def _kernel_holds_all(self, relpath: bytes, identity: SourceIdentity,
@@ -360,6 +364,20 @@ class TieredCache:
         `size_bytes`: the file's size, if its first block may have left the tier."""
         if self.kernel is not None:
             self.ram.drop_file_pages(relpath, size_bytes)
+
+    def kernel_reclaimed(self, key: BlockKey, identity: SourceIdentity) -> bool:
+        """Whether a READ asking for this block shows that the kernel reclaimed pages it held
+        alone: page cache is reclaimable (memory pressure, `drop_caches`, and these VMs'
+        proactive reclaim, which was seen taking a file's pages within a second of their
+        store). Counted, and the ranking told, as for a forgotten inode (`kernel_forgot`);
+        the READ is then served from the SSD tier or the source, and counted as that."""
+        block = self.ram.get(key)
+        if block is None or block.data is not None or block.identity != identity:
+            return False
+        self.kernel_reclaims += 1
+        if block.item >= 0:
+            self._ranking.note_kernel_loss()
+        return True
 
     def kernel_forgot(self, relpath: bytes) -> None:
         """The kernel forgot the file's inode, and its pages with it: a loss if only the
