@@ -431,7 +431,7 @@ def format_stats(snapshot: dict) -> str:
               help="Warm these files (relative paths, one per line), in this order.")
 @click.option("--order", is_flag=True, help="Warm the published order's files, in its order.")
 @click.option("--progress/--no-progress", default=None,
-              help="Show a progress line [default: when stderr is a terminal].")
+              help="Show a progress bar [default: when stderr is a terminal].")
 def warm(mountpoint, files, order, progress):
     """Fill the SSD tier of MOUNTPOINT ahead of training; resumable, stops at the budget."""
     import uuid

@@ -42,6 +42,20 @@ def scrape(port: int) -> dict[str, float]:
     return samples
 
 
+def documented_names(port: int) -> list[str]:
+    """The cachefs_* metric names /metrics has that man/cachefs-mount.1 does not mention."""
+    from test_man import MAN_DIR, mentions, page_text
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        families = list(text_string_to_metric_families(answer.read().decode()))
+    suffix = {"counter": "_total", "info": "_info"}
+    names = [family.name + suffix.get(family.type, "") for family in families
+             if family.name.startswith("cachefs_")]
+    assert len(names) > 20
+    text = page_text(MAN_DIR / "cachefs-mount.1")
+    return [name for name in names if not mentions(text, name)]
+
+
 def stats_json(mountpoint) -> dict:
     done = run_cachefs("stats", mountpoint, "--json")
     assert done.returncode == 0, done.stderr
@@ -100,6 +114,7 @@ def test_metrics_agree_with_stats_json_and_stop_with_the_daemon(dataset, tmp_pat
         assert samples["cachefs_epoch"] == snapshot["order"]["epoch"] >= 1
         assert samples["cachefs_readahead_inflight_files"] == snapshot["prefetch"]["inflight"]
         assert samples["cachefs_order_rejections_total"] == 0
+        assert documented_names(port) == []  # man/cachefs-mount.1 lists every metric
 
         (mount.state_dir / "order.npz").write_bytes(b"not an order file")
         deadline = time.monotonic() + 10
