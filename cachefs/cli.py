@@ -26,7 +26,7 @@ import click
 from cachefs import __version__, errors
 from cachefs.client import abort_fuse_connection, daemon_killed, process_exited
 from cachefs.config import (DATA_PLANES, CacheConfig, MountConfig, PrefetchConfig,
-                            default_state_dir, parse_size)
+                            default_state_dir, parse_address, parse_size)
 from cachefs.mountinfo import mounted_paths
 
 if TYPE_CHECKING:
@@ -50,6 +50,16 @@ class SizeType(click.ParamType):
 
 
 SIZE = SizeType()
+
+
+class AddressType(click.ParamType):
+    name = "HOST:PORT"
+
+    def convert(self, value, param, ctx):
+        try:
+            return value if isinstance(value, tuple) else parse_address(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
 
 
 def _fail(message: str, code: int = errors.EXIT_ERROR) -> NoReturn:
@@ -136,9 +146,11 @@ def cli():
 @click.option("--data-plane", type=click.Choice(DATA_PLANES), default="auto",
               show_default=True, help="Who serves cached bytes: the kernel's page cache "
                                       "with no request, with OPEN/RELEASE, or the daemon.")
+@click.option("--metrics", type=AddressType(),
+              help="Serve Prometheus metrics at http://HOST:PORT/metrics.")
 def mount(source, mountpoint, foreground, debug, fuse_options, order_file, state_dir,
           resume_order, ram_cache, block_size, lookahead, source_threads, ssd_cache, ssd_size,
-          source_delay_ms, metadata_ttl, kernel_timeout, fuse_tasks, data_plane):
+          source_delay_ms, metadata_ttl, kernel_timeout, fuse_tasks, data_plane, metrics):
     """Mount SOURCE read-only at MOUNTPOINT."""
     unknown = [opt for opt in fuse_options if opt != "allow_other"]
     if unknown:
@@ -156,7 +168,7 @@ def mount(source, mountpoint, foreground, debug, fuse_options, order_file, state
             allow_other="allow_other" in fuse_options, debug=debug, fuse_tasks=fuse_tasks,
             kernel_timeout_s=kernel_timeout, metadata_ttl_s=metadata_ttl,
             source_delay_s=source_delay_ms / 1000.0, data_plane=data_plane,
-            resume_order=resume_order)
+            resume_order=resume_order, metrics_address=metrics)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if foreground:
@@ -315,13 +327,67 @@ def read_stats(mountpoint: Path) -> dict:
 @cli.command()
 @click.argument("mountpoint", type=click.Path(exists=True, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the full JSON snapshot.")
-def stats(mountpoint, as_json):
+@click.option("--watch", is_flag=True,
+              help="Show rates per interval, redrawn in place, until interrupted.")
+@click.option("--interval", type=click.FloatRange(min=0.1),
+              help="Seconds per interval of --watch [default: 1].")
+@click.option("--count", type=click.IntRange(min=1), help="Stop --watch after N intervals.")
+def stats(mountpoint, as_json, watch, interval, count):
     """Show hit rates per tier and epoch, backend bytes, stalls and the active order."""
+    if not watch and (interval is not None or count is not None):
+        raise click.UsageError("--interval and --count go with --watch")
+    if watch and as_json:
+        raise click.UsageError("--watch shows rates; --json prints one snapshot: give one")
+    if watch:
+        _watch_stats(mountpoint, 1.0 if interval is None else interval, count)
+        return
     snapshot = read_stats(mountpoint)
     if as_json:
         click.echo(json.dumps(snapshot, indent=2))
         return
     click.echo(format_stats(snapshot))
+
+
+def _watch_stats(mountpoint: Path, interval_s: float, count: int | None) -> None:
+    """Snapshots `interval_s` apart, shown as rates (cachefs/watch.py): a table redrawn in
+    place on a terminal, a line per interval otherwise; Ctrl-C ends it with status 0."""
+    import collections
+    import itertools
+
+    from rich.console import Console
+    from rich.live import Live
+
+    from cachefs import watch as watching
+
+    console = Console()
+    live = Live(console=console, auto_refresh=False) if sys.stdout.isatty() else None
+    rows: collections.deque = collections.deque(maxlen=max(5, console.size.height - 8))
+    title = f"cachefs stats {mountpoint}, every {interval_s:g} s (Ctrl-C to stop)"
+    try:
+        before, before_s = read_stats(mountpoint), time.monotonic()
+        due_s = before_s
+        if live is None:
+            click.echo(watching.plain_header())
+        else:
+            live.start()
+        for shown in itertools.count(1):
+            due_s += interval_s
+            time.sleep(max(0.0, due_s - time.monotonic()))
+            after, after_s = read_stats(mountpoint), time.monotonic()
+            row = watching.interval(before, after, after_s - before_s, time.time())
+            if live is None:
+                click.echo(watching.plain_line(row))
+            else:
+                rows.append(row)
+                live.update(watching.table(rows, title), refresh=True)
+            before, before_s = after, after_s
+            if count is not None and shown >= count:
+                return
+    except KeyboardInterrupt:
+        return  # how a watch is meant to end
+    finally:
+        if live is not None:
+            live.stop()
 
 
 def format_stats(snapshot: dict) -> str:
@@ -365,7 +431,7 @@ def format_stats(snapshot: dict) -> str:
               help="Warm these files (relative paths, one per line), in this order.")
 @click.option("--order", is_flag=True, help="Warm the published order's files, in its order.")
 @click.option("--progress/--no-progress", default=None,
-              help="Show a progress line [default: when stderr is a terminal].")
+              help="Show a progress bar [default: when stderr is a terminal].")
 def warm(mountpoint, files, order, progress):
     """Fill the SSD tier of MOUNTPOINT ahead of training; resumable, stops at the budget."""
     import uuid
@@ -397,27 +463,29 @@ def warm(mountpoint, files, order, progress):
 
 
 def _follow_warm(mountpoint: Path, request_id: str, show: bool) -> dict:
-    """Poll the daemon's warm status until it ends; draw a progress line on stderr."""
-    while True:
-        status = read_stats(mountpoint)["warm"]
-        if status.get("request_id") != request_id:
-            _fail("another warm request replaced this one")
-        if show and status["state"] == "running":
-            click.echo("\r" + _warm_progress(status), nl=False, err=True)
-        if status["state"] not in ("starting", "running"):
-            if show:
-                click.echo("", err=True)
-            return status
-        time.sleep(0.2)
+    """Poll the daemon's warm status until it ends; show its progress on stderr (rich: a bar
+    redrawn in place on a terminal, its last state once otherwise)."""
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
 
-
-def _warm_progress(status: dict) -> str:
-    done, total = status["files_done"], status["files_total"]
-    elapsed_s = max(status.get("elapsed_s", 0.0), 1e-6)
-    rate = done / elapsed_s
-    eta = f"{(total - done) / rate:.0f} s" if rate > 0 else "?"
-    return (f"warm: {done}/{total} files, {status['bytes_admitted'] / 1e6:.1f} MB written, "
-            f"{rate:.0f} files/s, ETA {eta}   ")
+    progress = Progress(TextColumn("warm"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("files, {task.fields[written_mb]:.1f} MB written"),
+                        TimeElapsedColumn(), TimeRemainingColumn(),
+                        console=Console(stderr=True), disable=not show)
+    with progress:
+        task = progress.add_task("warm", total=None, written_mb=0.0)
+        while True:
+            status = read_stats(mountpoint)["warm"]
+            if status.get("request_id") != request_id:
+                _fail("another warm request replaced this one")
+            if "files_total" in status:
+                progress.update(task, total=status["files_total"],
+                                completed=status["files_done"],
+                                written_mb=status["bytes_admitted"] / 1e6)
+            if status["state"] not in ("starting", "running"):
+                return status
+            time.sleep(0.2)
 
 
 def _warm_summary(status: dict) -> str:

@@ -17,8 +17,9 @@ that one piece of code:
   which `cachefs umount` must not wait for; `daemon_killed` one whose main thread is gone
   while a thread of it still waits in the kernel, whose mount `cachefs umount` unblocks with
   `abort_fuse_connection`;
-- `stats_totals` sums the per-epoch counters of a `cachefs stats` snapshot (an epoch switch in
-  the middle of a pass splits the pass between two records); `stats_delta` subtracts two sums;
+- `stats_totals` gives the per-epoch counters of a `cachefs stats` snapshot summed (an epoch
+  switch in the middle of a pass splits the pass between two records); `stats_delta` subtracts
+  two sums;
   `MountProcess.settled_totals` waits for the last files of a pass to be counted;
 - `page_cache_bytes` asks the kernel (mincore(2)) how much of some files' pages it holds: the
   memory the kernel data plane uses for a mount, as the benchmarks and tests measure it.
@@ -47,7 +48,7 @@ MOUNT_WAIT_S = 90.0  # `cachefs mount` gives up after 60 s itself
 UMOUNT_WAIT_S = 30.0
 SETTLE_S = 5.0  # how long settled_totals waits for the last closes of a pass to be counted
 SETTLE_POLL_S = 0.01
-# the per-epoch counters of `cachefs stats` (man/cachefs-stats.1), summed by stats_totals
+# the per-epoch counters of `cachefs stats` (man/cachefs-stats.1) that stats_totals gives
 COUNTERS = ("reads", "hits_ram", "hits_ssd", "prefetched", "misses", "backend_bytes",
             "stall_s", "kernel_reclaimed")
 
@@ -116,12 +117,8 @@ def cachefs_command(*args) -> list[str]:
 
 
 def stats_totals(snapshot: dict) -> dict:
-    """The epoch records' counters summed."""
-    totals = dict.fromkeys(COUNTERS, 0)
-    for record in snapshot["epochs"]:
-        for key in COUNTERS:
-            totals[key] += record.get(key, 0)
-    return totals
+    """The epoch records' counters summed (by the daemon: `Stats.totals`)."""
+    return {key: snapshot["totals"][key] for key in COUNTERS}
 
 
 def stats_delta(before: dict, after: dict) -> dict:

@@ -37,6 +37,20 @@ def parse_size(text: str | int) -> int:
     return int(float(number) * 1024 ** _SIZE_UNITS[unit.lower()])
 
 
+def parse_address(text: str) -> tuple[str, int]:
+    """Parse ``HOST:PORT`` (``localhost:9567``, ``127.0.0.1:9567``, ``[::1]:9567``), the
+    address `--metrics` listens on; the host is a name or an address, never empty, so that
+    serving every interface is a choice written out (``0.0.0.0:9567``)."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or ":" in host and not text.startswith("["):
+        raise ValueError(f"not HOST:PORT: {text!r} (examples: localhost:9567, [::1]:9567)")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"not a port number (1-65535): {port!r}")
+    return host, int(port)
+
+
 def default_state_dir(mountpoint: Path) -> Path:
     """Per-mount directory for the order file, daemon log and pid file.
 
@@ -108,6 +122,8 @@ class MountConfig:
     source_delay_s: float = 0.0  # testing aid: added latency per source open and read
     # adopt the order files present at start (left from an earlier run); else set them aside
     resume_order: bool = False
+    # (host, port) where /metrics is served in Prometheus's format (metrics.py), or None
+    metrics_address: tuple[str, int] | None = None
 
     def __post_init__(self):
         if self.fuse_tasks < 1:

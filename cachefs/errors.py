@@ -52,6 +52,7 @@ EXIT_MOUNTPOINT = 4  # MNT missing or not a directory
 EXIT_ALREADY_MOUNTED = 5  # MNT is already a mount point
 EXIT_NO_FUSE = 6  # /dev/fuse or fusermount3 missing
 EXIT_CACHE_DIR = 7  # --ssd-cache unusable or locked by another mount
+EXIT_METRICS = 8  # the --metrics address cannot be listened on (in use, not this machine's)
 
 
 class StartupError(CachefsError):

@@ -9,6 +9,8 @@ signal handler) and `pyfuse3.main`. SIGTERM/SIGINT and an external `fusermount3 
 removed, and `run` returns 0.
 
 Daemonizing is the CLI's job (it starts this in a child process and waits for the mount).
+With `--metrics`, `run` also listens for Prometheus (metrics.py) before the mount exists, in
+this process, and stops listening when the mount is gone.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyfuse3
 import trio
@@ -46,6 +49,9 @@ from cachefs.revalidate import Revalidator
 from cachefs.source import Source
 from cachefs.stats import Stats, refetch_window_blocks
 from cachefs.warm import Warmer
+
+if TYPE_CHECKING:
+    from cachefs.metrics import Exporter
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +81,10 @@ def check_startup(config: MountConfig) -> None:
         reason = zero_request_unavailable()
         if reason is not None:
             raise errors.StartupError(f"--data-plane no-open: {reason}", errors.EXIT_USAGE)
+    if config.metrics_address is not None:
+        from cachefs import metrics  # prometheus_client: only for mounts that serve metrics
+
+        metrics.check_address(config.metrics_address)
 
 
 class SourceManifest:
@@ -170,6 +180,7 @@ class Mount:
         self.control = Control(self.snapshot, config.order_file, self.warmer.request)
         self.ops = Operations(self.source, self.reader, self.control, self.inodes, self.kernel,
                               self.freshness, kernel_timeout_s=config.kernel_timeout_s)
+        self.metrics: Exporter | None = None  # the --metrics server, given by `run`
 
     def _order_paths(self) -> list[bytes] | None:
         """The current order's files from the cursor on, for `cachefs warm --order`."""
@@ -203,10 +214,12 @@ class Mount:
             "order": order,
             "last_rejection": watch.get("last_rejection"),
             "rejections": watch.get("rejections"),
+            "rejections_total": watch.get("rejections_total"),
             "publications": watch.get("publications"),
             "set_aside": watch.get("set_aside"),
             "manifest": {"files": len(manifest) if manifest is not None else None},
             "epochs": self.stats.snapshot(),
+            "totals": self.stats.totals(),
             "ram": self.ram.stats(),
             "ssd": ssd,
             "prefetch": self.prefetcher.status(),
@@ -247,6 +260,8 @@ class Mount:
             log.info("mounted %s at %s", self.config.source, self.config.mountpoint)
             if self.kernel is not None:
                 self.kernel.start()
+            if self.metrics is not None:
+                self.metrics.collector.attach(self.snapshot)
             try:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(self.invalidation.run)
@@ -378,11 +393,22 @@ def run(config: MountConfig) -> int:
     config.state_dir.mkdir(parents=True, exist_ok=True)
     config.order_file.parent.mkdir(parents=True, exist_ok=True)
     pid_file = config.state_dir / "pid"
-    mount = Mount(config)
-    pid_file.write_text(json.dumps({"pid": os.getpid(), "mountpoint": str(config.mountpoint)}))
+    exporter = None
+    if config.metrics_address is not None:
+        from cachefs.metrics import Exporter
+
+        exporter = Exporter.start(config.metrics_address)
     try:
-        trio.run(mount.serve)
+        mount = Mount(config)
+        mount.metrics = exporter
+        pid_file.write_text(json.dumps({"pid": os.getpid(),
+                                        "mountpoint": str(config.mountpoint)}))
+        try:
+            trio.run(mount.serve)
+        finally:
+            pid_file.unlink(missing_ok=True)
     finally:
-        pid_file.unlink(missing_ok=True)
+        if exporter is not None:
+            exporter.close()
     return errors.EXIT_OK
 

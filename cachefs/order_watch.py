@@ -154,6 +154,7 @@ class OrderWatcher:
         # held files the order in force leaves out
         self._left_out: dict[FileIdentity | None, str] = {}
         self._rejections: collections.deque[dict] = collections.deque(maxlen=REJECTIONS_KEPT)
+        self.rejections_total = 0  # all of them, where `_rejections` keeps the last few
         self._set_aside: dict[str, FileIdentity] = {}  # files left from an earlier run
         if not resume:
             self._set_aside_leftovers()
@@ -375,6 +376,7 @@ class OrderWatcher:
     def _reject(self, reason: str, identity: FileIdentity | None, name: str) -> None:
         if identity is not None:
             self._handled[name] = identity
+        self.rejections_total += 1
         self._rejections.append({"reason": reason, "at": time.time(), "path": name,
                                  "file": identity.to_json() if identity is not None else None})
         log.warning("order file %s rejected, its previous state stays: %s",
@@ -410,5 +412,6 @@ class OrderWatcher:
                      if self._handled.get(name) == identity]  # not changed since the start
         return {"path": str(self.order_path), "order": order,
                 "last_rejection": rejections[-1] if rejections else None,
-                "rejections": rejections, "publications": self.publications(),
+                "rejections": rejections, "rejections_total": self.rejections_total,
+                "publications": self.publications(),
                 "set_aside": set_aside}

@@ -30,6 +30,10 @@ round trip was the reader's whole wait per file once the data was read ahead. `l
 is the only reader of the memo, and uses a remembered stat only while the caller's
 `Freshness` trusts it (the mount's metadata TTL).
 
+Each block read is timed in its worker thread, from the open to the last byte (the queue for a
+slot left out: that is the mount's own limit, not the source's latency), and the time goes into
+`read_seconds`, a fixed-bucket histogram (`cachefs stats --json`, the Prometheus metrics).
+
 `delay_s` is a testing aid (`--source-delay-ms`): it sleeps before every open and every read,
 in the worker thread, to turn a fast local directory into a slow one.
 """
@@ -52,6 +56,7 @@ from cachefs.freshness import Freshness, now_s
 from cachefs.inodes import PackedStat
 from cachefs.mountinfo import filesystem_type
 from cachefs.recent import RecentMap
+from cachefs.stats import Histogram
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +82,7 @@ class BlockData:
     data: bytes
     identity: SourceIdentity
     stat: os.stat_result | None = None  # the fstat the identity came from
+    read_s: float = 0.0  # how long the source took, open to last byte
 
 
 class Source:
@@ -97,6 +103,7 @@ class Source:
         # requests made to the source, by kind, and stats answered from the memo instead
         self.requests = {"lstat": 0, "block_read": 0, "identity_check": 0, "listdir": 0}
         self.stats_reused = 0
+        self.read_seconds = Histogram()  # block reads' latency (module docstring)
 
     def identity_of(self, st: os.stat_result | PackedStat) -> SourceIdentity:
         if isinstance(st, PackedStat):
@@ -140,7 +147,8 @@ class Source:
         return await self.lstat(relpath), asked_s
 
     def status(self) -> dict:
-        return {"requests": dict(self.requests), "stats_reused": self.stats_reused}
+        return {"requests": dict(self.requests), "stats_reused": self.stats_reused,
+                "read_seconds": self.read_seconds.snapshot()}
 
     def _remember(self, relpath: bytes, st: os.stat_result, asked_s: float) -> None:
         self._recent_stats.put(relpath, (st, asked_s))
@@ -241,6 +249,7 @@ class Source:
         return fd, st
 
     def read_block_sync(self, relpath: bytes, block_index: int, block_bytes: int) -> BlockData:
+        started_s = time.monotonic()
         fd, st = self._open(relpath)
         try:
             identity = self.identity_of(st)
@@ -251,7 +260,7 @@ class Source:
             data = _pread_full(fd, want, offset)
         finally:
             os.close(fd)
-        return BlockData(data, identity, st)
+        return BlockData(data, identity, st, time.monotonic() - started_s)
 
     async def read_block(self, relpath: bytes, block_index: int, block_bytes: int, *,
                          background: bool = False) -> BlockData:
@@ -259,6 +268,7 @@ class Source:
         self.requests["block_read"] += 1
         block = await self._run(self.read_block_sync, relpath, block_index, block_bytes,
                                 background=background)
+        self.read_seconds.observe(block.read_s)
         # fstat of a file opened through no link: what lstat would say of a regular file
         self._remember(relpath, block.stat, asked_s)
         return block

@@ -21,12 +21,21 @@ other block only among the last `refetch_window_blocks` distinct blocks read fro
 twice what the RAM tier holds and at least `MIN_REFETCH_WINDOW_BLOCKS`. A block read again
 after that many others is not counted: the RAM tier could not have kept it for that long
 anyway, unless in place of more useful blocks.
+
+`Stats.totals` sums the epoch records since the mount started: what the Prometheus metrics
+(metrics.py) and `cachefs stats --watch` read, exact even when a long run's oldest records are
+left out of the snapshot (ctrl.py).
+
+`Histogram` is a distribution in fixed buckets, for the latency of source reads
+(`Source.read_seconds`): a dozen integers, no per-read memory, and the same buckets in the
+JSON snapshot and in Prometheus, which wants cumulative counts per upper bound.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
@@ -66,6 +75,34 @@ class EpochStats:
     # reads that found pages gone that only the kernel held (reclaimed): part of `misses` or
     # `hits_ssd`, the file having been kept in RAM (cachefs-stats(1))
     kernel_reclaimed: int = 0
+
+
+# the counters of an epoch record (every field but its epoch), summed by Stats.totals
+COUNTER_FIELDS = tuple(field.name for field in fields(EpochStats) if field.name != "epoch")
+
+# Upper bounds of the source-read latency buckets, seconds: from a local disk's 0.1 ms to an
+# overloaded network store's 10 s, about 2.5x apart (as Prometheus's default buckets are).
+READ_SECONDS_BOUNDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                       0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Histogram:
+    """Counts of observed values in fixed buckets, and their sum. `counts[i]` counts the
+    values at most `bounds_s[i]` and above the bound before it; the last count, those above
+    every bound. Single-threaded, like `Stats`."""
+
+    def __init__(self, bounds_s: tuple[float, ...] = READ_SECONDS_BOUNDS):
+        self.bounds_s = bounds_s
+        self.counts = [0] * (len(bounds_s) + 1)
+        self.sum_s = 0.0
+
+    def observe(self, value_s: float) -> None:
+        self.counts[bisect_left(self.bounds_s, value_s)] += 1
+        self.sum_s += value_s
+
+    def snapshot(self) -> dict:
+        return {"bounds_s": list(self.bounds_s), "counts": list(self.counts),
+                "count": sum(self.counts), "sum_s": round(self.sum_s, 6)}
 
 
 class Stats:
@@ -130,6 +167,15 @@ class Stats:
 
     def ssd_read(self, size_bytes: int) -> None:
         self.current.ssd_bytes_read += size_bytes
+
+    def totals(self) -> dict:
+        """Every counter of the epoch records, summed since the mount started."""
+        totals = dict.fromkeys(COUNTER_FIELDS, 0)
+        for record in self.epochs:
+            for name in COUNTER_FIELDS:
+                totals[name] += getattr(record, name)
+        totals["stall_s"] = round(totals["stall_s"], 6)
+        return totals
 
     def snapshot(self) -> list[dict]:
         out = []

@@ -185,6 +185,41 @@ def mounts_in(directory: Path, request):
             print(f"--- daemon log of {mount.mountpoint} ---\n{mount.log()}")
 
 
+def run_in_terminal(cmd: list, timeout_s: float = 30.0, columns: int = 100
+                    ) -> tuple[int, str]:
+    """Run `cmd` with a pseudo-terminal as its stdin, stdout and stderr (as in an xterm of
+    `columns` columns); its exit status and all it wrote there, escape sequences included."""
+    import pty
+    import select
+
+    controller, terminal = pty.openpty()
+    env = dict(os.environ, TERM="xterm", COLUMNS=str(columns), LINES="30")
+    process = subprocess.Popen([str(arg) for arg in cmd], stdin=terminal, stdout=terminal,
+                               stderr=terminal, env=env)
+    os.close(terminal)
+    output = b""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if not select.select([controller], [], [], 1)[0]:
+                continue
+            try:
+                chunk = os.read(controller, 65536)
+            except OSError:  # EIO: every writer closed the terminal
+                break
+            if not chunk:
+                break
+            output += chunk
+    finally:
+        os.close(controller)
+    try:
+        code = process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    return code, output.decode(errors="replace")
+
+
 def release_fifo_readers(fifo: Path) -> None:
     """Open `fifo` for writing once: a reader waiting in open() for a writer goes on. For tests
     of code that must never wait there, so that they fail instead of hanging."""

@@ -223,7 +223,8 @@ def test_missing_file_and_missing_directory_are_quiet(tmp_path):
         await trio.sleep(0.1)
         assert h.watcher.status() == {"path": str(h.path), "order": None,
                                       "last_rejection": None, "rejections": [],
-                                      "publications": [], "set_aside": []}
+                                      "rejections_total": 0, "publications": [],
+                                      "set_aside": []}
 
     run_with_watcher(tmp_path, body)
 
@@ -321,6 +322,7 @@ def test_a_bad_rank_file_keeps_that_ranks_previous_order(tmp_path, mode):
         assert "holds no rank and world_size" in rejection["reason"]
         assert [r["file"] for r in h.watcher.status()["rejections"]] == \
             [wrong.to_json(), unranked.to_json()]
+        assert h.watcher.status()["rejections_total"] == 2
         assert h.watcher.order.epoch == 1 and h.watcher.order.ranks == (0, 1)
         # rank 0 moves on to epoch 2: rank 1 still counts, with the next order of its last
         # good file (epoch 1)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from cachefs.cache.ram import page_bytes
-from conftest import (epoch_record, flat_dataset_fixture, read_epoch, run_cachefs, sha256,
-                      write_file)
+from conftest import (cachefs_cmd, epoch_record, flat_dataset_fixture, read_epoch, run_cachefs,
+                      run_in_terminal, sha256, write_file)
 
 N_FILES = 200
 FILE_BYTES = 20_000
@@ -165,7 +165,15 @@ def test_warm_from_a_list_and_refusals(dataset, mounter, tmp_path):
     done = run_cachefs("warm", mount.mountpoint, "--files", listing)
     assert done.returncode == 0, done.stderr
     assert "warm done; 10/10 files" in done.stdout
+    assert done.stderr == ""  # no progress bar off a terminal, unless asked for
     assert mount.stats()["ssd"]["entries"] == 10
+    done = run_cachefs("warm", mount.mountpoint, "--files", listing, "--progress")
+    assert done.returncode == 0, done.stderr
+    # rich's bar, drawn once at the end off a terminal: files done of the total, MB written
+    assert "warm" in done.stderr and "10/10 files, 0.0 MB written" in done.stderr
+    code, text = run_in_terminal(cachefs_cmd("warm", mount.mountpoint, "--files", listing))
+    assert code == 0 and "warm done; 10/10 files" in text, text
+    assert "\x1b[2K" in text and "10/10 files, 0.0 MB written" in text  # drawn in place
     listing.write_text("../outside\n")
     done = run_cachefs("warm", mount.mountpoint, "--files", listing)
     assert done.returncode == 1 and "'..'" in done.stdout + done.stderr
