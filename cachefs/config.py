@@ -108,6 +108,8 @@ class MountConfig:
     source_delay_s: float = 0.0  # testing aid: added latency per source open and read
     # adopt the order files present at start (left from an earlier run); else set them aside
     resume_order: bool = False
+    # tell systemd (Type=notify) when the mount serves and when it stops (cachefs/sdnotify.py)
+    notify_systemd: bool = False
 
     def __post_init__(self):
         if self.fuse_tasks < 1:
