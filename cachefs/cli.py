@@ -7,6 +7,10 @@ a file gone) or a cachefs error, the group turns into one line on stderr and exi
 (`_Group.invoke`), never a traceback. Every option can also be given as an environment
 variable CACHEFS_<COMMAND>_<OPTION> (click's auto_envvar_prefix; the option's name with dashes
 as underscores), e.g. CACHEFS_MOUNT_RAM_CACHE=8GiB.
+
+`cachefs SRC MNT -o OPTS`, as mount(8) runs it for an fstab line or `mount -t fuse.cachefs`
+(and `mount.cachefs SRC MNT -o OPTS`), is read as the `cachefs mount` command it stands for
+(cachefs/mount_helper.py) and then runs as that command.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import click
 
-from cachefs import __version__, errors
+from cachefs import __version__, errors, mount_helper
 from cachefs.client import abort_fuse_connection, daemon_killed, process_exited
 from cachefs.config import (DATA_PLANES, CacheConfig, MountConfig, PrefetchConfig,
                             default_state_dir, parse_address, parse_size)
@@ -37,6 +41,8 @@ log = logging.getLogger(__name__)
 MOUNT_WAIT_S = 60.0
 XATTR_NAME_MAX = 255  # the kernel's limit on an extended attribute's name
 UMOUNT_WAIT_S = 20.0
+FUSE_OPTIONS = ("allow_other",)  # the values `cachefs mount -o` accepts
+_ARGV = "cachefs.argv"  # click's ctx.meta key: the command line as the group parsed it
 
 
 class SizeType(click.ParamType):
@@ -77,6 +83,11 @@ class _Group(click.Group):
     """The `cachefs` group: every error a command leaves unhandled is one line (module
     docstring)."""
 
+    def parse_args(self, ctx, args):
+        # kept for a daemonized mount, which runs the same command line again (_mount_daemon)
+        ctx.meta[_ARGV] = list(args)
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
@@ -113,6 +124,9 @@ def cli():
 @click.argument("source", type=click.Path(path_type=Path))
 @click.argument("mountpoint", type=click.Path(path_type=Path))
 @click.option("--foreground", "-f", is_flag=True, help="Stay attached; log to stderr.")
+@click.option("--systemd", is_flag=True,
+              help="For a systemd Type=notify service: stay in the foreground and send "
+                   "READY=1 to $NOTIFY_SOCKET once the mount serves.")
 @click.option("--debug", is_flag=True, help="Log debug messages.")
 @click.option("-o", "fuse_options", multiple=True, metavar="OPT",
               help="FUSE mount option; only allow_other is accepted.")
@@ -148,11 +162,11 @@ def cli():
                                       "with no request, with OPEN/RELEASE, or the daemon.")
 @click.option("--metrics", type=AddressType(),
               help="Serve Prometheus metrics at http://HOST:PORT/metrics.")
-def mount(source, mountpoint, foreground, debug, fuse_options, order_file, state_dir,
+def mount(source, mountpoint, foreground, systemd, debug, fuse_options, order_file, state_dir,
           resume_order, ram_cache, block_size, lookahead, source_threads, ssd_cache, ssd_size,
           source_delay_ms, metadata_ttl, kernel_timeout, fuse_tasks, data_plane, metrics):
     """Mount SOURCE read-only at MOUNTPOINT."""
-    unknown = [opt for opt in fuse_options if opt != "allow_other"]
+    unknown = [opt for opt in fuse_options if opt not in FUSE_OPTIONS]
     if unknown:
         raise click.BadParameter(f"unsupported -o option(s): {', '.join(unknown)}",
                                  param_hint="-o")
@@ -168,10 +182,11 @@ def mount(source, mountpoint, foreground, debug, fuse_options, order_file, state
             allow_other="allow_other" in fuse_options, debug=debug, fuse_tasks=fuse_tasks,
             kernel_timeout_s=kernel_timeout, metadata_ttl_s=metadata_ttl,
             source_delay_s=source_delay_ms / 1000.0, data_plane=data_plane,
-            resume_order=resume_order, metrics_address=metrics)
+            resume_order=resume_order, metrics_address=metrics,
+            notify_systemd=systemd)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    if foreground:
+    if foreground or systemd:
         _mount_foreground(config)
     else:
         _mount_daemon(config)
@@ -198,7 +213,8 @@ def _mount_daemon(config: MountConfig) -> None:
         _fail(str(exc), exc.exit_code)
     config.state_dir.mkdir(parents=True, exist_ok=True)
     log_path = config.state_dir / "daemon.log"
-    args = [sys.executable, "-m", "cachefs", *sys.argv[1:], "--foreground"]
+    command = click.get_current_context().meta[_ARGV]  # as typed, or read from the helper form
+    args = [sys.executable, "-m", "cachefs", *command, "--foreground"]
     with open(log_path, "ab") as log_file:
         child = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log_file,
                                  stderr=subprocess.STDOUT, start_new_session=True)
@@ -564,8 +580,32 @@ def demo(files, file_kb, epochs, workers, ram_fraction, ssd_fraction, delay_ms, 
         click.echo(f"data set kept in {result.kept_dataset}")
 
 
+# -- the mount(8) helper form ----------------------------------------------------------------
+
+def _helper_options() -> dict[str, mount_helper.MountOption]:
+    return mount_helper.options_of(cli.commands["mount"], FUSE_OPTIONS)
+
+
+def _helper_command_line(argv: list[str]) -> list[str]:
+    try:
+        return mount_helper.command_line(argv, _helper_options())
+    except mount_helper.HelperArgsError as exc:
+        click.echo(f"cachefs: {exc}", err=True)
+        sys.exit(errors.EXIT_USAGE)
+
+
 def main():
-    cli(auto_envvar_prefix="CACHEFS")
+    """The `cachefs` command; `cachefs SRC MNT -o OPTS` is the helper form of `cachefs mount`."""
+    argv = sys.argv[1:]
+    if mount_helper.is_helper_form(argv, cli.commands):
+        argv = _helper_command_line(argv)
+    cli.main(args=argv, auto_envvar_prefix="CACHEFS")
+
+
+def mount_main():
+    """`mount.cachefs SRC MNT -o OPTS`: mount(8)'s helper for `mount -t cachefs`."""
+    cli.main(args=_helper_command_line(sys.argv[1:]), prog_name="cachefs",
+             auto_envvar_prefix="CACHEFS")
 
 
 if __name__ == "__main__":

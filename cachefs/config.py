@@ -124,6 +124,8 @@ class MountConfig:
     resume_order: bool = False
     # (host, port) where /metrics is served in Prometheus's format (metrics.py), or None
     metrics_address: tuple[str, int] | None = None
+    # tell systemd (Type=notify) when the mount serves and when it stops (cachefs/sdnotify.py)
+    notify_systemd: bool = False
 
     def __post_init__(self):
         if self.fuse_tasks < 1:

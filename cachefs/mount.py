@@ -4,9 +4,11 @@
 exit codes of man/cachefs-mount.1), build source -> tiers -> read path (reader.build_read_path)
 -> operations, each object after those it uses, `pyfuse3.init`, then one root nursery holding
 the services (kernel invalidation, SSD admission, prefetcher, order watcher, source scan,
-signal handler) and `pyfuse3.main`. SIGTERM/SIGINT and an external `fusermount3 -u` both end
-`pyfuse3.main`; the nursery is cancelled, the SSD index is closed and the kernel mount
-removed, and `run` returns 0.
+signal handler) and `pyfuse3.main`. SIGTERM/SIGINT and an external `fusermount3 -u` or
+`umount` all end `pyfuse3.main`; the nursery is cancelled, the SSD index is closed and the
+kernel mount removed, and `run` returns 0. Under systemd (`--systemd`), the mount says READY=1
+once the kernel has its answer to FUSE_INIT, and STOPPING=1 when it begins to go
+(cachefs/sdnotify.py).
 
 Daemonizing is the CLI's job (it starts this in a child process and waits for the mount).
 With `--metrics`, `run` also listens for Prometheus (metrics.py) before the mount exists, in
@@ -46,6 +48,7 @@ from cachefs.fanotify import CloseWatcher, open_close_events
 from cachefs.pagecache import KernelPages, file_pages_dropper
 from cachefs.reader import build_read_path
 from cachefs.revalidate import Revalidator
+from cachefs.sdnotify import Notifier
 from cachefs.source import Source
 from cachefs.stats import Stats, refetch_window_blocks
 from cachefs.warm import Warmer
@@ -181,6 +184,7 @@ class Mount:
         self.ops = Operations(self.source, self.reader, self.control, self.inodes, self.kernel,
                               self.freshness, kernel_timeout_s=config.kernel_timeout_s)
         self.metrics: Exporter | None = None  # the --metrics server, given by `run`
+        self.notifier = Notifier.from_environment() if config.notify_systemd else None
 
     def _order_paths(self) -> list[bytes] | None:
         """The current order's files from the cursor on, for `cachefs warm --order`."""
@@ -272,7 +276,7 @@ class Mount:
                     await nursery.start(self.warmer.run)
                     await nursery.start(self.revalidator.run)
                     nursery.start_soon(self.source_manifest.scan_at_start)
-                    nursery.start_soon(_raise_read_ahead, self.config.mountpoint)
+                    nursery.start_soon(self._serving)
                     if self.config.data_plane in ("auto", "no-open"):
                         nursery.start_soon(self._start_zero_request)
                     else:
@@ -280,6 +284,8 @@ class Mount:
                     await pyfuse3.main(min_tasks=1, max_tasks=self.config.fuse_tasks)
                     nursery.cancel_scope.cancel()
             finally:
+                if self.notifier is not None:
+                    self.notifier.send("STOPPING=1")
                 if self.close_watcher is not None:
                     self.close_watcher.stop()
                 if self.kernel is not None:
@@ -289,6 +295,20 @@ class Mount:
                     self.ssd.close()
                 log.info("unmounted %s", self.config.mountpoint)
 
+
+    async def _serving(self) -> None:
+        """What waits for the mount to serve: the kernel has our answer to FUSE_INIT once a
+        stat of the mount point returns (this process answers it, so the stat runs in a worker
+        thread). Then the read-ahead is raised (processing INIT set it from the init
+        parameters, over anything written before) and systemd is told."""
+        try:
+            await threads.run_abandoning(os.stat, self.config.mountpoint)
+        except OSError as exc:  # answered all the same
+            log.debug("stat of the mount point: %s", exc)
+        _raise_read_ahead(self.config.mountpoint)
+        if self.notifier is not None:
+            self.notifier.send("READY=1", f"STATUS=serving {self.config.source} at "
+                                          f"{self.config.mountpoint}")
 
     async def _start_zero_request(self) -> None:
         """The zero-request mode (fuse_ops), where the kernel and privileges allow it:
@@ -364,18 +384,16 @@ async def _terminate_on_signal(signals) -> None:
         return
 
 
-async def _raise_read_ahead(mountpoint: Path) -> None:
+def _raise_read_ahead(mountpoint: Path) -> None:
     """Best effort (root only): 1 MiB kernel read-ahead for the mount's backing device.
 
-    Only once the kernel has our answer to FUSE_INIT: processing it sets the read-ahead from the
-    init parameters, over anything written before (the mount ran at the kernel's 128 KiB while
-    this was written right after `pyfuse3.init`). A stat of the mount point returns once INIT
-    is answered; it runs in a worker thread, since this process answers it. The device comes
+    Only once the kernel has our answer to FUSE_INIT (`Mount._serving`): processing it sets
+    the read-ahead from the init parameters, over anything written before (the mount ran at
+    the kernel's 128 KiB while this was written right after `pyfuse3.init`). The device comes
     from /proc/self/mountinfo.
     """
     target = os.fsencode(os.path.abspath(mountpoint))
     try:
-        await threads.run_abandoning(os.stat, mountpoint)
         # the last line for the path: a mount over an earlier one at the same point
         devices = [mount.device for mount in mountinfo() if mount.point == target]
         if not devices:
