@@ -25,8 +25,8 @@ import click
 
 from cachefs import __version__, errors
 from cachefs.client import abort_fuse_connection, daemon_killed, process_exited
-from cachefs.config import (DATA_PLANES, CacheConfig, MountConfig, PrefetchConfig,
-                            default_state_dir, parse_size)
+from cachefs.config import (DATA_PLANES, MISS_BATCH_ITEMS, CacheConfig, MountConfig,
+                            PrefetchConfig, default_state_dir, parse_size)
 from cachefs.mountinfo import mounted_paths
 
 if TYPE_CHECKING:
@@ -120,6 +120,9 @@ def cli():
               help="Read-ahead window in files of the order; 0 = automatic.")
 @click.option("--source-threads", type=click.IntRange(min=1), default=32, show_default=True,
               help="Parallel reads of the source.")
+@click.option("--miss-batch", type=click.IntRange(min=1), default=MISS_BATCH_ITEMS,
+              show_default=True,
+              help="Files of its storage target a demand miss reads at once; 1 = the file only.")
 @click.option("--ssd-cache", type=click.Path(path_type=Path),
               help="Directory of the persistent cache-once tier.")
 @click.option("--ssd-size", type=SIZE, default="0",
@@ -137,8 +140,8 @@ def cli():
               show_default=True, help="Who serves cached bytes: the kernel's page cache "
                                       "with no request, with OPEN/RELEASE, or the daemon.")
 def mount(source, mountpoint, foreground, debug, fuse_options, order_file, state_dir,
-          resume_order, ram_cache, block_size, lookahead, source_threads, ssd_cache, ssd_size,
-          source_delay_ms, metadata_ttl, kernel_timeout, fuse_tasks, data_plane):
+          resume_order, ram_cache, block_size, lookahead, source_threads, miss_batch, ssd_cache,
+          ssd_size, source_delay_ms, metadata_ttl, kernel_timeout, fuse_tasks, data_plane):
     """Mount SOURCE read-only at MOUNTPOINT."""
     unknown = [opt for opt in fuse_options if opt != "allow_other"]
     if unknown:
@@ -152,7 +155,8 @@ def mount(source, mountpoint, foreground, debug, fuse_options, order_file, state
             cache=CacheConfig(ram_bytes=ram_cache, block_bytes=block_size,
                               ssd_dir=ssd_cache.absolute() if ssd_cache else None,
                               ssd_bytes=ssd_size),
-            prefetch=PrefetchConfig(lookahead_items=lookahead, source_threads=source_threads),
+            prefetch=PrefetchConfig(lookahead_items=lookahead, source_threads=source_threads,
+                                    miss_batch_items=miss_batch),
             allow_other="allow_other" in fuse_options, debug=debug, fuse_tasks=fuse_tasks,
             kernel_timeout_s=kernel_timeout, metadata_ttl_s=metadata_ttl,
             source_delay_s=source_delay_ms / 1000.0, data_plane=data_plane,
@@ -264,9 +268,12 @@ def _wait_for_exit(pid: int, timeout_s: float) -> None:
 @click.option("--rank", type=click.IntRange(min=0),
               help="This rank: publishes its own file, merged with the other ranks' files.")
 @click.option("--world-size", type=click.IntRange(min=1), help="Number of ranks.")
+@click.option("--targets", type=click.Path(dir_okay=False, path_type=Path),
+              help="Storage target of each manifest file: .npy or text, one per line.")
 @click.option("--timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
               help="Seconds to wait for the daemon to accept the order.")
-def publish(mountpoint, epoch, current, next, files, seed, rank, world_size, timeout):  # noqa: A002
+def publish(mountpoint, epoch, current, next, files, seed, rank, world_size, targets,  # noqa: A002
+            timeout):
     """Publish the read order of MOUNTPOINT and wait until the daemon accepts it."""
     from cachefs import publish as publishing
     from cachefs.order import permutation
@@ -284,9 +291,10 @@ def publish(mountpoint, epoch, current, next, files, seed, rank, world_size, tim
         else:
             current_order = publishing.read_index_file(current)
             next_order = publishing.read_index_file(next) if next else None
+        placement = publishing.read_index_file(targets) if targets else None
         status = publishing.publish(mountpoint, epoch, current_order, next=next_order,
                                     files=manifest, rank=rank, world_size=world_size,
-                                    timeout_s=timeout)
+                                    timeout_s=timeout, targets=placement)
     except errors.OrderError as exc:
         _fail(f"order rejected: {exc}")
     click.echo(f"epoch {status['epoch']}: {status['length']} of {status['total_length']} "
@@ -353,7 +361,27 @@ def format_stats(snapshot: dict) -> str:
         lines.append(f"{epoch:>6} {record['reads']:>8} {record['hits_ram']:>8} "
                      f"{record['hits_ssd']:>8} {record['prefetched']:>8} {record['misses']:>8} "
                      f"{record['backend_bytes'] / 1e6:>11.1f} {record['stall_s']:>8.2f}")
+    lines += format_targets(snapshot.get("targets") or [])
     return "\n".join(lines)
+
+
+def format_targets(targets: list[dict]) -> list[str]:
+    """The storage targets' table of `cachefs stats` (none without an order)."""
+    if not targets:
+        return []
+
+    def ms(seconds) -> str:
+        return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+    lines = [f"{'target':>8} {'by':>6} {'items':>8} {'slots':>5} {'depth':>5} {'requests':>9} "
+             f"{'MB':>9} {'mean ms':>8} {'p99 ms':>8} {'flight':>6} {'miss':>7} {'stall s':>8}"]
+    for target in targets:
+        lines.append(f"{target['target']:>8} {target['by']:>6} {target['items']:>8} "
+                     f"{target['slots']:>5} {target['depth']:>5} {target['requests']:>9} "
+                     f"{target['bytes'] / 1e6:>9.1f} {ms(target['mean_latency_s']):>8} "
+                     f"{ms(target['p99_latency_s']):>8} {target['in_flight']:>6} "
+                     f"{target['misses']:>7} {target['stall_s']:>8.2f}")
+    return lines
 
 
 # -- warm --------------------------------------------------------------------------------------

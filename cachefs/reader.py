@@ -43,12 +43,14 @@ from cachefs import errors
 from cachefs import stats as stats_mod
 from cachefs.cache.ram import RamTier, block_count
 from cachefs.cache.tiered import KernelInodes, TieredCache
+from cachefs.config import MISS_BATCH_ITEMS
 from cachefs.freshness import Freshness, now_s
 from cachefs.pagecache import KernelPages
 from cachefs.planner import Planner
 from cachefs.prefetch import Prefetcher
 from cachefs.ranking import Ranking
 from cachefs.source import SourceIdentity
+from cachefs.targets import Targets
 from cachefs.threads import RunSync
 
 log = logging.getLogger(__name__)
@@ -145,6 +147,8 @@ class Reader:
                           self._ranking.manifest, epoch_record=self._stats.current,
                           order_serial=self._planner.order_serial)
         if identity is None:
+            # not read ahead (or its identity is stale): the batch of its target starts now
+            self._prefetcher.demand_miss(item, handle.manifest)
             started_s = now_s()
             handle.identity, waited_for_data = await self._tiered.fresh_identity(relpath)
             handle.stall_s = now_s() - started_s
@@ -226,6 +230,10 @@ class Reader:
         if block is not None and block.data is not None:  # the hot path: no await
             self._served(handle, key, block)
             return block.data
+        if block_index == 0:
+            # the reader has caught up with the read-ahead of this file's target, or is
+            # outside its window: a batch of that target's next files starts with this one
+            self._prefetcher.demand_miss(handle.item, handle.manifest)
         # the one clock (freshness.py), so that the simulator's virtual clock measures stalls too
         started_s = now_s()
         fetched = await self._tiered.fetch(key, handle.identity, handle.item, handle.manifest,
@@ -283,6 +291,7 @@ class Reader:
             self._consume(handle)
         self._stats.file_read(handle.origin, handle.stall_s, handle.bytes_served,
                              record=handle.epoch_record)
+        self._prefetcher.file_read(handle.item, handle.manifest, handle.origin, handle.stall_s)
         if last:
             self._settle_pages(handle)
 
@@ -306,18 +315,24 @@ class ReadPath:
     tiered: TieredCache
     prefetcher: Prefetcher
     reader: Reader
+    targets: Targets
 
 
-def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, freshness: Freshness, *,
-                    block_bytes: int, source_threads: int, lookahead_items: int,
-                    sequential_blocks: int, kernel: KernelPages | None = None,
+def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, freshness: Freshness,
+                    targets: Targets, *, block_bytes: int, source_threads: int,
+                    lookahead_items: int, sequential_blocks: int,
+                    miss_batch_items: int = MISS_BATCH_ITEMS, per_target: bool = True,
+                    kernel: KernelPages | None = None,
                     kernel_inodes: KernelInodes | None = None,
                     on_source_changed: Callable[[bytes, SourceIdentity], None] | None = None,
                     run_ssd: RunSync | None = None) -> ReadPath:
     """Planner, ranking, tiered cache, prefetcher and reader, wired in that order (each is
     given the ones it uses when it is built); the one wiring used by the mount and the
-    simulator, so that what the simulator tests is what the mount runs. `kernel` and
-    `kernel_inodes`: the kernel data plane (None: the daemon serves every READ).
+    simulator, so that what the simulator tests is what the mount runs. `targets`: the storage
+    targets' lists and counters (cachefs/targets.py; the source reports its requests to them,
+    so it is built before the source). `miss_batch_items`, `per_target`: the read-ahead's
+    (cachefs/prefetch.py). `kernel` and `kernel_inodes`: the kernel data plane (None: the
+    daemon serves every READ).
     `on_source_changed(relpath, identity)`: a file changed at the source (its cached copies
     are gone). `run_ssd`: the worker-thread hop of the SSD tier's calls (None: threads)."""
     planner = Planner(lookahead_items or 1)
@@ -325,9 +340,10 @@ def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, freshness
     tiered = TieredCache(ram, source, stats, block_bytes, ranking, ssd=ssd, run_ssd=run_ssd,
                          kernel=kernel, kernel_inodes=kernel_inodes,
                          on_source_changed=on_source_changed)
-    prefetcher = Prefetcher(planner, ranking, tiered, ram, source, stats, freshness,
+    prefetcher = Prefetcher(planner, ranking, tiered, ram, source, stats, freshness, targets,
                             block_bytes=block_bytes, source_threads=source_threads,
-                            lookahead_items=lookahead_items)
+                            lookahead_items=lookahead_items, miss_batch_items=miss_batch_items,
+                            per_target=per_target)
     reader = Reader(planner, ranking, tiered, prefetcher, stats, block_bytes=block_bytes,
                     sequential_blocks=sequential_blocks)
-    return ReadPath(planner, ranking, tiered, prefetcher, reader)
+    return ReadPath(planner, ranking, tiered, prefetcher, reader, targets)
