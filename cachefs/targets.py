@@ -10,9 +10,12 @@ storage node), every target here has
 
 - its own **list**: the order's virtual positions (planner.py) of its items, nearest first;
 - its own **concurrency** (`slots`): how many of its files the read-ahead reads at once, and
-  its own **queue depth** (`depth`): how far down its list the read-ahead reaches, as many
-  items as it has slots, or more where the window every target reaches (the planner's: the
-  readers' spread, `--lookahead`) covers more of them;
+  its own **queue depth** (`depth`): how far down its list the read-ahead reaches. The
+  window (`--lookahead`, by default as many files as `--source-threads` within a quarter of
+  the RAM budget) is shared out like the threads: a target with k of the S slots reaches
+  k/S of the window's files down its own list, or further where the window every target
+  reaches (the planner's, which follows the readers' spread) covers more of its files. With
+  one target this is the window as it always was;
 - its own **counters** for `cachefs stats`: items, bytes and requests read from it, mean and
   p99 latency of its requests, requests in flight now, misses and stall seconds of its files.
 
@@ -231,13 +234,15 @@ class Targets:
         target.first = first
         target.scan = max(target.scan, first)
 
-    def window_end(self, target: Target, global_end: int, span_end: int) -> int:
-        """The virtual position below which the target's list is read ahead: past the
-        planner's window, as far as its own queue depth reaches, within the RAM's span."""
+    def window_end(self, target: Target, planner: Planner, total_slots: int) -> int:
+        """The virtual position below which the target's list is read ahead: as far as its
+        share of the window reaches down its list (module docstring), or the planner's
+        window if further, within the RAM's span."""
         positions = target.positions
-        last = min(target.first + target.slots, len(positions)) - 1
+        quota = max(1, round(target.slots * planner.lookahead_items / total_slots))
+        last = min(target.first + quota, len(positions)) - 1
         own_end = int(positions[last]) + 1 if last >= 0 else 0
-        end = min(max(global_end, own_end), span_end)
+        end = min(max(planner.window_end(), own_end), planner.span_end())
         target.depth = int(np.searchsorted(positions, end)) - target.first
         return end
 
