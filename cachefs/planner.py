@@ -23,6 +23,10 @@ simulator: 70 % misses with 8 workers of 64-file batches). Reaching past the fro
 every worker; the span limit (set from the RAM budget) keeps a stray read far ahead from
 pulling in the rest of the epoch.
 
+The read-ahead walks the window target by target (cachefs/targets.py): each storage target has
+a list of the virtual positions of its items, and `entries` yields those of a list that still
+have an item to read ahead (`due_item`), nearest first.
+
 Everything is held in numpy arrays indexed by manifest item or by position: an order of
 ImageNet's 1.28M items costs a few tens of MB and no per-item Python objects.
 

@@ -3,11 +3,18 @@
 Design. The planner says which items come next and how soon each is used; the RAM tier keeps
 the nearest uses within its budget, ranked by cachefs/ranking.py. This module connects them:
 
-- `run` is one trio task that walks the planner's window in order and starts a fetch for every
-  item not yet in RAM, as long as (a) fewer than `source_threads` fetches are in flight and
-  (b) RAM has room for it or holds a block used later than it (Cao et al.'s rule: prefetch as
-  soon as the block you would displace is needed after the one you fetch). When neither holds
-  it sleeps until something changes: a consumption, a finished fetch, a new order.
+- `run` is one trio task that walks the read-ahead lists of the storage targets
+  (cachefs/targets.py: one per target, the order's positions of its items) together, nearest
+  position first, and starts a fetch for every item not yet in RAM, as long as (a) its target
+  has fewer fetches in flight than its slots and fewer than `source_threads` are in flight in
+  all, and (b) RAM has room for it or holds a block used later than it (Cao et al.'s rule:
+  prefetch as soon as the block you would displace is needed after the one you fetch). When
+  nothing can start it sleeps until something changes: a consumption, a finished fetch, a new
+  order. With one target (files on one device, no `targets` in the order) its list is the
+  window over the whole order.
+- `demand_miss(item)` is called by the reader when it must wait for a file of the order: the
+  next `--miss-batch` - 1 files of that file's target list start at once (the seed "001"'s
+  batched request on a miss).
 - `consumed(item)` is called by the reader when a file of the order has been read. It marks
   the position in the planner and gives the item's blocks their new priority: the head of the
   next epoch is kept, anything with no further use (or already on the SSD tier, which serves it

@@ -9,6 +9,11 @@ returned to a reader, or when a handle that read from it is released, whichever 
 The prefetcher is told, and moves the window. Each handle is classified once, at release,
 into the stats' per-epoch counters (see stats.py for the classes).
 
+A reader that must wait for the first block of a file of the order (a demand miss: it outran
+the read-ahead, or reads outside its window) tells the prefetcher first, which starts a batch of
+the next files of that file's storage target (prefetch.py `demand_miss`); at release, its miss
+and stall are counted in its target too (cachefs/targets.py).
+
 A file read sequentially (block n right after block n-1) gets its next blocks read ahead even
 without an order, so large files (shards, HDF5, .npy) stream at source bandwidth; those of the
 next blocks already in RAM are stored into the kernel's page cache ahead of the reader.
