@@ -148,7 +148,7 @@ class Prefetcher:
             self._inflight_items = {}
             self.meta = ItemMeta(len(order.manifest))
             self.stats.track_items(len(order.manifest))
-        self.targets.use(order.manifest, self._placement(order))
+        self.targets.use(order.manifest, self._placement(order), self.ranking.item_of)
         self._recount_inflight()
         self.ranking.set_members(order.current, order.next)
         if self.planner.set_order(order):
@@ -282,7 +282,7 @@ class Prefetcher:
         target = self.targets.target_of(item)
         if position == NEVER or target is None or self._nursery is None:
             return
-        start = int(np.searchsorted(target.positions, int(position))) + 1
+        start = int(target.positions.searchsorted(int(position))) + 1
         wanted = self.miss_batch_items - 1
         started = 0
         # beyond the window's span if need be (that is where a reader outside it reads); the

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -109,7 +110,7 @@ class Target:
     share: float = 0.0  # items / the current order's length
     inflight_items: int = 0  # read-ahead fetches of its items in flight (the prefetcher's)
     slots: int = 1
-    depth: int = 0  # entries of its list below its window's end, when last walked
+    window_end: int = 0  # the virtual position its window reached when last walked
     # -- counters
     requests: int = 0
     bytes: int = 0
@@ -120,6 +121,11 @@ class Target:
     batch_items: int = 0  # items those batches started
     latency: LatencyHistogram = field(default_factory=LatencyHistogram)
     latency_avg_s: float | None = None  # exponential average, for the sizing
+
+    @property
+    def depth(self) -> int:
+        """Entries of its list from its first unconsumed one to its window's end."""
+        return max(0, int(self.positions.searchsorted(self.window_end)) - self.first)
 
     def status(self) -> dict:
         mean_s, p99_s = self.latency.mean_s, self.latency.quantile_s(0.99)
@@ -172,9 +178,13 @@ class Targets:
         self.all: list[Target] = []  # by target number
         self._by_name: dict[tuple[bool, str], Target] = {}
         self._sized_s = -math.inf
+        self._item_of: Callable[[bytes], int] = lambda relpath: -1
 
-    def use(self, manifest, placement: Placement) -> None:
-        """The placement of the order in force: its targets, numbered as it numbers them."""
+    def use(self, manifest, placement: Placement, item_of: Callable[[bytes], int]) -> None:
+        """The placement of the order in force: its targets, numbered as it numbers them.
+        `item_of(relpath)`: a file's item in `manifest` (the ranking's, which remembers the
+        files read ahead lately, so a source request costs no path hashing)."""
+        self._item_of = item_of
         if manifest is self.manifest and placement is self.placement:
             return
         self.manifest, self.placement = manifest, placement
@@ -242,9 +252,8 @@ class Targets:
         quota = max(1, round(target.slots * planner.lookahead_items / total_slots))
         last = min(target.first + quota, len(positions)) - 1
         own_end = int(positions[last]) + 1 if last >= 0 else 0
-        end = min(max(planner.window_end(), own_end), planner.span_end())
-        target.depth = int(np.searchsorted(positions, end)) - target.first
-        return end
+        target.window_end = min(max(planner.window_end(), own_end), planner.span_end())
+        return target.window_end
 
     def rescan(self, target: Target) -> None:
         """Walk the target's list again from its first unconsumed entry (a fetch came back
@@ -272,10 +281,9 @@ class Targets:
 
     def request_started(self, relpath: bytes) -> Target | None:
         """A source request for `relpath` starts (cachefs/source.py): its target, if any."""
-        manifest = self.manifest
-        if manifest is None:
+        if self.manifest is None:
             return None
-        target = self.target_of(manifest.index_of(relpath))
+        target = self.target_of(self._item_of(relpath))
         if target is not None:
             target.in_flight += 1
         return target

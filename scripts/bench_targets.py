@@ -198,7 +198,8 @@ class Run:
                                    capture_output=True, text=True, timeout=60)
             if shown.returncode != 0:
                 raise BenchError(f"cachefs stats --json failed: {shown.stderr.strip()}")
-            self.targets = json.loads(shown.stdout)["targets"]
+            # (a cachefs before storage targets has none: the script measures it too)
+            self.targets = json.loads(shown.stdout).get("targets", [])
 
     def ratios(self) -> list[dict]:
         """Per epoch: cachefs's files/s over the mean of the direct epochs of that order."""

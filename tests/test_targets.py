@@ -127,7 +127,7 @@ def test_slots_follow_share_times_latency_with_floors_and_add_up():
 
 def test_a_target_measured_slower_gets_more_slots():
     targets = Targets()
-    targets.use(MANIFEST_2, Placement.of_targets(np.arange(8) % 2))
+    targets.use(MANIFEST_2, Placement.of_targets(np.arange(8) % 2), MANIFEST_2.index_of)
     planner = Planner(32)
     planner.set_order(order.Order(epoch=0, current=np.arange(8), next=None, manifest=MANIFEST_2,
                                   rank=None, world_size=None, total_length=8, file=None))
