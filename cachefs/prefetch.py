@@ -153,7 +153,7 @@ class Prefetcher:
         self.ranking.set_members(order.current, order.next)
         if self.planner.set_order(order):
             self.stats.start_epoch(order.epoch)
-        self.targets.rebuild(self.planner)
+        self.targets.rebuild(self.planner, self._held_items())
         self._batched = set()
         self._size_window()
         if self.planner.reranked_items is None:
@@ -195,6 +195,12 @@ class Prefetcher:
             if now is not None:
                 self._inflight_items[item] = now
                 now.inflight_items += 1
+
+    def _held_items(self) -> np.ndarray:
+        """Items of the manifest in force whose first block RAM holds (in the daemon or the
+        kernel)."""
+        return np.fromiter((block.item for key, block in self.ram.blocks.items()
+                            if key[1] == 0 and block.item >= 0), np.int64)
 
     def _placement(self, order) -> Placement:
         """Where the order's items live: its `targets`, else their devices (placement.py);
@@ -254,7 +260,7 @@ class Prefetcher:
             self.stats.start_epoch(self.planner.epoch)
             self.ranking.set_members(self.planner.current)
             self.ranking.rerank_all()
-            self.targets.rebuild(self.planner)
+            self.targets.rebuild(self.planner, self._held_items())
             self._batched = set()
         self.poke()
 
@@ -334,7 +340,9 @@ class Prefetcher:
         # recompute it as sizes become known.
         self._size_window()
         targets = self.targets
-        targets.size(self.max_inflight, now_s())
+        # (the baseline of one list sizes its window as the read-ahead before targets did)
+        targets.size(self.max_inflight, now_s(),
+                     self.ranking.s_per_item if self.per_target else None)
         heads: list = []  # (position, target number, index, item, the list's entries)
         for number, target in enumerate(targets.all):
             targets.advance(target, planner)

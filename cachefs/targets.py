@@ -14,8 +14,14 @@ storage node), every target here has
   window (`--lookahead`, by default as many files as `--source-threads` within a quarter of
   the RAM budget) is shared out like the threads: a target with k of the S slots reaches
   k/S of the window's files down its own list, or further where the window every target
-  reaches (the planner's, which follows the readers' spread) covers more of its files. With
-  one target this is the window as it always was;
+  reaches (the planner's, which follows the readers' spread) covers more of its files. A
+  file RAM held when the list was built (the head of the epoch, kept from the last one)
+  does not count: while the readers go through the head, the read-ahead is already reading
+  the files after it, as far as RAM makes room (it frees as the head is read). And the depth
+  covers the target's latency tail at the readers' pace: at least as many of its files as
+  the readers consume during its p99 latency (share x p99 / seconds per file consumed), so
+  that its slowest requests are started early enough; a mean-sized window is passed by
+  every request slower than the mean;
 - its own **counters** for `cachefs stats`: items, bytes and requests read from it, mean and
   p99 latency of its requests, requests in flight now, misses and stall seconds of its files.
 
@@ -104,12 +110,15 @@ class Target:
     from_devices: bool
     # -- the read-ahead list (module docstring)
     positions: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    # to_read[i]: entries 0..i whose item RAM did not hold when the list was built
+    to_read: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     first: int = 0
     scan: int = 0
     items: int = 0  # its items in the current order
     share: float = 0.0  # items / the current order's length
     inflight_items: int = 0  # read-ahead fetches of its items in flight (the prefetcher's)
     slots: int = 1
+    tail_items: int = 0  # its files the readers consume in its p99 latency (sizing)
     window_end: int = 0  # the virtual position its window reached when last walked
     # -- counters
     requests: int = 0
@@ -206,15 +215,22 @@ class Targets:
 
     # -- the lists -------------------------------------------------------------------------
 
-    def rebuild(self, planner: Planner) -> None:
-        """Every target's list from the planner's orders (module docstring)."""
+    def rebuild(self, planner: Planner, held_items: np.ndarray) -> None:
+        """Every target's list from the planner's orders (module docstring). `held_items`:
+        the items RAM holds now (the head of an epoch kept from the last), which the lists'
+        queue depth does not count."""
         if self.placement is None:
             return
         ids = self.placement.ids
         current = planner.current
         parts = [ids[current]]
+        orders = [current]
         if planner.next is not None:
             parts.append(ids[planner.next])
+            orders.append(planner.next)
+        held = np.zeros(len(ids), bool)
+        held[held_items] = True
+        to_read = ~held[np.concatenate(orders)]  # by virtual position
         by_position = np.concatenate(parts).astype(np.int16)
         counts_current = np.bincount(parts[0], minlength=len(self.all))
         if len(self.all) == 1:
@@ -227,6 +243,7 @@ class Targets:
         for target, positions, items in zip(self.all, lists, counts_current.tolist(),
                                             strict=True):
             target.positions = positions
+            target.to_read = np.cumsum(to_read[positions], dtype=np.int64)
             target.first = target.scan = 0
             target.items = items
             target.share = items / length
@@ -248,9 +265,12 @@ class Targets:
         """The virtual position below which the target's list is read ahead: as far as its
         share of the window reaches down its list (module docstring), or the planner's
         window if further, within the RAM's span."""
-        positions = target.positions
-        quota = max(1, round(target.slots * planner.lookahead_items / total_slots))
-        last = min(target.first + quota, len(positions)) - 1
+        positions, to_read, first = target.positions, target.to_read, target.first
+        quota = max(1, round(target.slots * planner.lookahead_items / total_slots),
+                    target.tail_items)
+        # the entry where `quota` files to read lie ahead of the first unconsumed one
+        before = int(to_read[first - 1]) if first else 0
+        last = min(int(to_read.searchsorted(before + quota)), len(positions) - 1)
         own_end = int(positions[last]) + 1 if last >= 0 else 0
         target.window_end = min(max(planner.window_end(), own_end), planner.span_end())
         return target.window_end
@@ -262,12 +282,17 @@ class Targets:
 
     # -- sizing ------------------------------------------------------------------------------
 
-    def size(self, total_slots: int, now_s: float) -> None:
-        """Share `total_slots` out among the targets (module docstring), at most every
-        SIZE_INTERVAL_S."""
+    def size(self, total_slots: int, now_s: float, s_per_item: float | None) -> None:
+        """Share `total_slots` out among the targets, and size their queues for the readers'
+        pace, `s_per_item` seconds per file consumed (None: not known yet) (module
+        docstring); at most every SIZE_INTERVAL_S."""
         if now_s - self._sized_s < SIZE_INTERVAL_S or not self.all:
             return
         self._sized_s = now_s
+        for target in self.all:
+            p99_s = target.latency.quantile_s(0.99)
+            target.tail_items = (math.ceil(target.share * p99_s / s_per_item)
+                                 if p99_s is not None and s_per_item else 0)
         known = [t.latency_avg_s for t in self.all if t.latency_avg_s is not None]
         default_s = sum(known) / len(known) if known else 1.0
         weights = [t.share * (t.latency_avg_s if t.latency_avg_s is not None else default_s)
