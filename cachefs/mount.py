@@ -150,7 +150,7 @@ class Mount:
         self.ram = RamTier(cache.ram_bytes, block_bytes=cache.block_bytes,
                            drop_kernel_pages=file_pages_dropper(self.kernel, self.inodes.inode_of))
         read_path = build_read_path(
-            self.source, self.stats, self.ram, self.ssd, self.freshness, self.targets,
+            self.source, self.stats, self.ram, self.ssd, self.freshness, targets=self.targets,
             block_bytes=cache.block_bytes, source_threads=config.prefetch.source_threads,
             lookahead_items=config.prefetch.lookahead_items,
             sequential_blocks=config.prefetch.sequential_blocks,

@@ -324,8 +324,8 @@ class ReadPath:
 
 
 def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, freshness: Freshness,
-                    targets: Targets, *, block_bytes: int, source_threads: int,
-                    lookahead_items: int, sequential_blocks: int,
+                    *, block_bytes: int, source_threads: int, lookahead_items: int,
+                    sequential_blocks: int, targets: Targets | None = None,
                     miss_batch_items: int = MISS_BATCH_ITEMS, per_target: bool = True,
                     kernel: KernelPages | None = None,
                     kernel_inodes: KernelInodes | None = None,
@@ -335,11 +335,12 @@ def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, freshness
     given the ones it uses when it is built); the one wiring used by the mount and the
     simulator, so that what the simulator tests is what the mount runs. `targets`: the storage
     targets' lists and counters (cachefs/targets.py; the source reports its requests to them,
-    so it is built before the source). `miss_batch_items`, `per_target`: the read-ahead's
-    (cachefs/prefetch.py). `kernel` and `kernel_inodes`: the kernel data plane (None: the
-    daemon serves every READ).
+    so it is built before the source; None: new ones, which no source reports to).
+    `miss_batch_items`, `per_target`: the read-ahead's (cachefs/prefetch.py). `kernel` and
+    `kernel_inodes`: the kernel data plane (None: the daemon serves every READ).
     `on_source_changed(relpath, identity)`: a file changed at the source (its cached copies
     are gone). `run_ssd`: the worker-thread hop of the SSD tier's calls (None: threads)."""
+    targets = targets if targets is not None else Targets()
     planner = Planner(lookahead_items or 1)
     ranking = Ranking(planner, ram, ssd, block_bytes=block_bytes)
     tiered = TieredCache(ram, source, stats, block_bytes, ranking, ssd=ssd, run_ssd=run_ssd,

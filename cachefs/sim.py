@@ -427,7 +427,7 @@ class Sim:
             drop_kernel_pages=file_pages_dropper(self.kernel, kernel_inodes.inode_of))
         read_path = build_read_path(
             self.source, self.stats, self.ram, self.ssd, Freshness(config.metadata_ttl_s),
-            self.targets, block_bytes=config.block_bytes, source_threads=config.parallelism,
+            targets=self.targets, block_bytes=config.block_bytes, source_threads=config.parallelism,
             lookahead_items=config.lookahead_items, sequential_blocks=config.sequential_blocks,
             miss_batch_items=config.miss_batch_items, per_target=config.per_target,
             kernel=self.kernel, kernel_inodes=kernel_inodes,
