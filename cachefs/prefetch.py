@@ -291,9 +291,11 @@ class Prefetcher:
         start = int(target.positions.searchsorted(int(position))) + 1
         wanted = self.miss_batch_items - 1
         started = 0
-        # beyond the window's span if need be (that is where a reader outside it reads); the
-        # RAM's room decides, by the same rule as for the window
-        for _, _, batch_item in planner.entries(target.positions, start, planner.known_end()):
+        # beyond the window's span if need be (that is where a reader outside it reads), but
+        # not into the next epoch from this one (the window reads its head); the RAM's room
+        # decides, by the same rule as for the window
+        end = planner.length if position < planner.length else planner.known_end()
+        for _, _, batch_item in planner.entries(target.positions, start, end):
             if wanted == 0:
                 break
             wanted -= 1
@@ -340,9 +342,10 @@ class Prefetcher:
         # recompute it as sizes become known.
         self._size_window()
         targets = self.targets
-        # (the baseline of one list sizes its window as the read-ahead before targets did)
-        targets.size(self.max_inflight, now_s(),
-                     self.ranking.s_per_item if self.per_target else None)
+        # queues sized for the latency tail, unless `--lookahead` sets the window (and in the
+        # baseline of one list, which sizes its window as the read-ahead before targets did)
+        automatic = self.per_target and not self.configured_lookahead
+        targets.size(self.max_inflight, now_s(), self.ranking.s_per_item if automatic else None)
         heads: list = []  # (position, target number, index, item, the list's entries)
         for number, target in enumerate(targets.all):
             targets.advance(target, planner)

@@ -20,8 +20,8 @@ storage node), every target here has
   the files after it, as far as RAM makes room (it frees as the head is read). And the depth
   covers the target's latency tail at the readers' pace: at least as many of its files as
   the readers consume during its p99 latency (share x p99 / seconds per file consumed), so
-  that its slowest requests are started early enough; a mean-sized window is passed by
-  every request slower than the mean;
+  that its slowest requests are started early enough (a mean-sized window is passed by
+  every request slower than the mean); not with `--lookahead`, which sets the window;
 - its own **counters** for `cachefs stats`: items, bytes and requests read from it, mean and
   p99 latency of its requests, requests in flight now, misses and stall seconds of its files.
 
