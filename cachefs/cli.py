@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, NoReturn
 
 import click
 
-from cachefs import __version__, errors, mount_helper
+from cachefs import __version__, errors, mount_helper, stats_table
 from cachefs.client import abort_fuse_connection, daemon_killed, process_exited
-from cachefs.config import (DATA_PLANES, CacheConfig, MountConfig, PrefetchConfig,
-                            default_state_dir, parse_address, parse_size)
+from cachefs.config import (DATA_PLANES, MISS_BATCH_ITEMS, CacheConfig, MountConfig,
+                            PrefetchConfig, default_state_dir, parse_address, parse_size)
 from cachefs.mountinfo import mounted_paths
 
 if TYPE_CHECKING:
@@ -144,6 +144,9 @@ def cli():
               help="Read-ahead window in files of the order; 0 = automatic.")
 @click.option("--source-threads", type=click.IntRange(min=1), default=32, show_default=True,
               help="Parallel reads of the source.")
+@click.option("--miss-batch", type=click.IntRange(min=1), default=MISS_BATCH_ITEMS,
+              show_default=True,
+              help="Files of its storage target a demand miss reads at once; 1 = the file only.")
 @click.option("--ssd-cache", type=click.Path(path_type=Path),
               help="Directory of the persistent cache-once tier.")
 @click.option("--ssd-size", type=SIZE, default="0",
@@ -163,8 +166,9 @@ def cli():
 @click.option("--metrics", type=AddressType(),
               help="Serve Prometheus metrics at http://HOST:PORT/metrics.")
 def mount(source, mountpoint, foreground, systemd, debug, fuse_options, order_file, state_dir,
-          resume_order, ram_cache, block_size, lookahead, source_threads, ssd_cache, ssd_size,
-          source_delay_ms, metadata_ttl, kernel_timeout, fuse_tasks, data_plane, metrics):
+          resume_order, ram_cache, block_size, lookahead, source_threads, miss_batch, ssd_cache,
+          ssd_size, source_delay_ms, metadata_ttl, kernel_timeout, fuse_tasks, data_plane,
+          metrics):
     """Mount SOURCE read-only at MOUNTPOINT."""
     unknown = [opt for opt in fuse_options if opt not in FUSE_OPTIONS]
     if unknown:
@@ -178,7 +182,8 @@ def mount(source, mountpoint, foreground, systemd, debug, fuse_options, order_fi
             cache=CacheConfig(ram_bytes=ram_cache, block_bytes=block_size,
                               ssd_dir=ssd_cache.absolute() if ssd_cache else None,
                               ssd_bytes=ssd_size),
-            prefetch=PrefetchConfig(lookahead_items=lookahead, source_threads=source_threads),
+            prefetch=PrefetchConfig(lookahead_items=lookahead, source_threads=source_threads,
+                                    miss_batch_items=miss_batch),
             allow_other="allow_other" in fuse_options, debug=debug, fuse_tasks=fuse_tasks,
             kernel_timeout_s=kernel_timeout, metadata_ttl_s=metadata_ttl,
             source_delay_s=source_delay_ms / 1000.0, data_plane=data_plane,
@@ -292,9 +297,12 @@ def _wait_for_exit(pid: int, timeout_s: float) -> None:
 @click.option("--rank", type=click.IntRange(min=0),
               help="This rank: publishes its own file, merged with the other ranks' files.")
 @click.option("--world-size", type=click.IntRange(min=1), help="Number of ranks.")
+@click.option("--targets", type=click.Path(dir_okay=False, path_type=Path),
+              help="Storage target of each manifest file: .npy or text, one per line.")
 @click.option("--timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
               help="Seconds to wait for the daemon to accept the order.")
-def publish(mountpoint, epoch, current, next, files, seed, rank, world_size, timeout):  # noqa: A002
+def publish(mountpoint, epoch, current, next, files, seed, rank, world_size, targets,  # noqa: A002
+            timeout):
     """Publish the read order of MOUNTPOINT and wait until the daemon accepts it."""
     from cachefs import publish as publishing
     from cachefs.order import permutation
@@ -312,21 +320,14 @@ def publish(mountpoint, epoch, current, next, files, seed, rank, world_size, tim
         else:
             current_order = publishing.read_index_file(current)
             next_order = publishing.read_index_file(next) if next else None
+        placement = publishing.read_index_file(targets) if targets else None
         status = publishing.publish(mountpoint, epoch, current_order, next=next_order,
                                     files=manifest, rank=rank, world_size=world_size,
-                                    timeout_s=timeout)
+                                    timeout_s=timeout, targets=placement)
     except errors.OrderError as exc:
         _fail(f"order rejected: {exc}")
     click.echo(f"epoch {status['epoch']}: {status['length']} of {status['total_length']} "
-               f"items accepted{_merged_ranks(status)}")
-
-
-def _merged_ranks(order_status: dict) -> str:
-    """', ranks 0, 1 of 8 merged' for an order merged from several ranks' files, else ''."""
-    ranks = order_status.get("ranks") or ()
-    if len(ranks) < 2:
-        return ""
-    return f", ranks {', '.join(map(str, ranks))} of {order_status.get('world_size')} merged"
+               f"items accepted{stats_table.merged_ranks(status)}")
 
 
 # -- stats -------------------------------------------------------------------------------------
@@ -361,7 +362,7 @@ def stats(mountpoint, as_json, watch, interval, count):
     if as_json:
         click.echo(json.dumps(snapshot, indent=2))
         return
-    click.echo(format_stats(snapshot))
+    click.echo(stats_table.format_stats(snapshot))
 
 
 def _watch_stats(mountpoint: Path, interval_s: float, count: int | None) -> None:
@@ -404,38 +405,6 @@ def _watch_stats(mountpoint: Path, interval_s: float, count: int | None) -> None
     finally:
         if live is not None:
             live.stop()
-
-
-def format_stats(snapshot: dict) -> str:
-    lines = []
-    order = snapshot.get("order")
-    if order:
-        lines.append(f"order: epoch {order.get('epoch')}, {order.get('consumed', 0)}/"
-                     f"{order.get('length')} consumed, cursor {order.get('cursor', 0)}, "
-                     f"next {'known' if order.get('has_next') else 'unknown'}"
-                     f"{_merged_ranks(order)}")
-    else:
-        lines.append("order: none published (plain caching)")
-    rejection = snapshot.get("last_rejection")
-    if rejection:
-        lines.append(f"last rejected order: {rejection['reason']}")
-    ram = snapshot["ram"]
-    lines.append(f"ram: {ram['bytes'] / 2**20:.1f} / {ram['budget'] / 2**20:.1f} MiB, "
-                 f"{ram['blocks']} blocks")
-    ssd = snapshot.get("ssd")
-    if ssd:
-        lines.append(f"ssd: {ssd['bytes'] / 2**20:.1f} / {ssd['budget'] / 2**20:.1f} MiB, "
-                     f"{ssd['entries']} entries, {ssd['rejected_checksum']} corrupt, "
-                     f"{ssd['dropped_stale']} stale")
-    header = (f"{'epoch':>6} {'reads':>8} {'ram':>8} {'ssd':>8} {'prefetch':>8} {'miss':>8} "
-              f"{'backend MB':>11} {'stall s':>8}")
-    lines.append(header)
-    for record in snapshot["epochs"]:
-        epoch = "-" if record["epoch"] is None else record["epoch"]
-        lines.append(f"{epoch:>6} {record['reads']:>8} {record['hits_ram']:>8} "
-                     f"{record['hits_ssd']:>8} {record['prefetched']:>8} {record['misses']:>8} "
-                     f"{record['backend_bytes'] / 1e6:>11.1f} {record['stall_s']:>8.2f}")
-    return "\n".join(lines)
 
 
 # -- warm --------------------------------------------------------------------------------------

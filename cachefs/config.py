@@ -64,6 +64,10 @@ def default_state_dir(mountpoint: Path) -> Path:
 
 
 DATA_PLANES = ("auto", "no-open", "keep-cache", "daemon")
+# `--miss-batch`: a demand miss reads the missed file and the next MISS_BATCH_ITEMS - 1 files of
+# its storage target's list (cachefs/prefetch.py `demand_miss`); the default is measured with
+# the simulator (docs/design.md §2)
+MISS_BATCH_ITEMS = 8
 
 
 @dataclass(frozen=True)
@@ -91,12 +95,16 @@ class PrefetchConfig:
     lookahead_items: int = 0  # 0: automatic (as far as the RAM budget reaches)
     source_threads: int = 32
     sequential_blocks: int = 4  # read-ahead inside a file read sequentially without an order
+    # a demand miss reads this many files of its storage target's list (prefetch.py)
+    miss_batch_items: int = MISS_BATCH_ITEMS
 
     def __post_init__(self):
         if self.lookahead_items < 0:
             raise ValueError("--lookahead must be >= 0")
         if self.source_threads < 1:
             raise ValueError("--source-threads must be >= 1")
+        if self.miss_batch_items < 1:
+            raise ValueError("--miss-batch must be >= 1")
 
 
 @dataclass(frozen=True)

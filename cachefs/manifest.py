@@ -17,7 +17,10 @@ Design points:
   `check_unique_paths`); a bad one raises OrderError naming the position and the path, since a
   list comes from an order file's ``files`` or from a file the user named.
 - `scan_source` walks the source beneath its root through no symbolic link
-  (`cachefs.beneath`), so a directory swapped for a link cannot list files outside it.
+  (`cachefs.beneath`), so a directory swapped for a link cannot list files outside it. It also
+  records each file's device, that of its directory (one fstat per directory, none per file):
+  the storage target of the file when the order names none (cachefs/placement.py). A trainer's
+  list (`files`) takes its devices from the source's listing (`cachefs.order`).
 
 This module imports neither pyfuse3 nor torch: trainers import it (through `cachefs.order`).
 """
@@ -34,6 +37,7 @@ import numpy as np
 
 from cachefs.beneath import open_beneath
 from cachefs.errors import OrderError
+from cachefs.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -192,13 +196,16 @@ class Manifest:
     path hashes, built once (in the loader's worker thread, by `prepare`) and kept.
     """
 
-    def __init__(self, paths: np.ndarray):
+    def __init__(self, paths: np.ndarray, devices: np.ndarray | None = None):
         if not isinstance(paths, np.ndarray) or paths.dtype.kind != "S" or paths.ndim != 1:
             raise TypeError("Manifest needs a 1-D numpy 'S' array; use Manifest.from_paths")
         paths = paths.view()
         paths.flags.writeable = False
         self.paths = paths
         self._table: _HashTable | None = None
+        # st_dev of each path's directory (scan_source), None where not known
+        self.devices = devices
+        self._device_placement: Placement | None = None
 
     @classmethod
     def from_paths(cls, paths) -> Manifest:
@@ -220,6 +227,15 @@ class Manifest:
         if not 0 <= index < len(self.paths):
             raise IndexError(f"manifest index {index} out of range (0..{len(self.paths) - 1})")
         return bytes(self.paths[index])
+
+    def device_placement(self) -> Placement:
+        """Every path's target by its device (cachefs/placement.py), computed once; one
+        target for all when the devices are not known."""
+        if self._device_placement is None:
+            self._device_placement = (Placement.of_devices(self.devices)
+                                      if self.devices is not None
+                                      else Placement.single(len(self)))
+        return self._device_placement
 
     def prepare(self) -> Manifest:
         """Build the lookup table now (it is otherwise built by the first lookup)."""
@@ -288,9 +304,10 @@ def scan_source(root: Path) -> Manifest:
 
     lstat semantics: symbolic links are neither followed nor included (a link could point out of
     the source or make a cycle). An unreadable directory is skipped with a warning so that one
-    bad directory does not stop a mount.
+    bad directory does not stop a mount. Each file's device is its directory's (module
+    docstring).
     """
-    found: list[bytes] = []
+    found: list[tuple[bytes, int]] = []
     pending: list[bytes] = [b""]
     root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -301,6 +318,7 @@ def scan_source(root: Path) -> Manifest:
                 # we walk must not list the whole machine into the manifest
                 dir_fd = open_beneath(root_fd, relative_dir, os.O_RDONLY | os.O_DIRECTORY)
                 try:
+                    device = os.fstat(dir_fd).st_dev
                     with os.scandir(dir_fd) as entries:
                         for entry in entries:
                             name = os.fsencode(entry.name)
@@ -308,7 +326,7 @@ def scan_source(root: Path) -> Manifest:
                             if entry.is_dir(follow_symlinks=False):
                                 pending.append(relative)
                             elif entry.is_file(follow_symlinks=False):
-                                found.append(relative)
+                                found.append((relative, device))
                 finally:
                     os.close(dir_fd)
             except OSError as err:
@@ -319,8 +337,10 @@ def scan_source(root: Path) -> Manifest:
     finally:
         os.close(root_fd)
     found.sort()
-    paths = np.array(found, dtype="S") if found else np.array([], dtype="S1")
-    return Manifest(paths).prepare()
+    paths = (np.array([path for path, _ in found], dtype="S") if found
+             else np.array([], dtype="S1"))
+    devices = np.array([device for _, device in found], dtype=np.int64)
+    return Manifest(paths, devices).prepare()
 
 
 

@@ -51,6 +51,7 @@ from cachefs.revalidate import Revalidator
 from cachefs.sdnotify import Notifier
 from cachefs.source import Source
 from cachefs.stats import Stats, refetch_window_blocks
+from cachefs.targets import Targets
 from cachefs.warm import Warmer
 
 if TYPE_CHECKING:
@@ -144,8 +145,10 @@ class Mount:
         self.started_at = time.time()
         self.stats = Stats(refetch_window_blocks(cache.ram_bytes, cache.block_bytes))
         self.freshness = Freshness(config.metadata_ttl_s)
+        # the storage targets' lists and counters: the source reports its requests to them
+        self.targets = Targets()
         self.source = Source(config.source, threads=config.prefetch.source_threads,
-                             delay_s=config.source_delay_s)
+                             delay_s=config.source_delay_s, requests=self.targets)
         self.ssd = None
         if cache.ssd_dir is not None:
             from cachefs.cache.ssd import SsdTier  # only mounts with an SSD tier need it
@@ -160,10 +163,11 @@ class Mount:
         self.ram = RamTier(cache.ram_bytes, block_bytes=cache.block_bytes,
                            drop_kernel_pages=file_pages_dropper(self.kernel, self.inodes.inode_of))
         read_path = build_read_path(
-            self.source, self.stats, self.ram, self.ssd, self.freshness,
+            self.source, self.stats, self.ram, self.ssd, self.freshness, targets=self.targets,
             block_bytes=cache.block_bytes, source_threads=config.prefetch.source_threads,
             lookahead_items=config.prefetch.lookahead_items,
             sequential_blocks=config.prefetch.sequential_blocks,
+            miss_batch_items=config.prefetch.miss_batch_items,
             kernel=self.kernel, kernel_inodes=self.inodes,
             on_source_changed=self.invalidation.source_changed)
         self.planner = read_path.planner
@@ -227,6 +231,7 @@ class Mount:
             "ram": self.ram.stats(),
             "ssd": ssd,
             "prefetch": self.prefetcher.status(),
+            "targets": self.targets.status(),
             "kernel": self._kernel_status(),
             "revalidation": self.revalidator.status(),
             "source": self.source.status(),

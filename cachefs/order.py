@@ -13,6 +13,10 @@ use this module):
                 every regular file under the source, sorted by its path's bytes
     rank, world_size   int scalars, optional, together: this node reads
                 `pad(order)[rank::world_size]`, PyTorch DistributedSampler(drop_last=False)
+    targets     1-D int array, optional: the storage target each manifest item lives on (a
+                Lustre OST index, an object-store shard, `index mod N`), one per manifest
+                item, 0..MAX_TARGET_ID, at most MAX_TARGETS distinct values. Without it the
+                target of a file is the device it lives on (cachefs/targets.py)
 
 Where a file is published: a publication without a rank goes to the order file itself
 (``order.npz``); rank R publishes to its own file next to it, ``order.rank<R>.npz``
@@ -56,15 +60,20 @@ import numpy as np
 
 from cachefs.errors import OrderError
 from cachefs.manifest import Manifest, check_relpaths, check_unique_paths, quote_path
+from cachefs.placement import MAX_TARGETS, Placement
 
 ORDER_VERSION = 1
 
 
-_KNOWN_KEYS = frozenset({"version", "epoch", "current", "next", "files", "rank", "world_size"})
+_KNOWN_KEYS = frozenset({"version", "epoch", "current", "next", "files", "rank", "world_size",
+                         "targets"})
 _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip with members / an empty zip
 NPY_MAGIC = b"\x93NUMPY"  # a single .npy array (read_index_file reads those)
 # The largest world_size: a rank file's name carries at most nine digits (rank_of_file_name).
 MAX_WORLD_SIZE = 10**9
+# `targets`: a value is a small label (a Lustre OST index fits), and an order names at most
+# MAX_TARGETS of them (cachefs/placement.py)
+MAX_TARGET_ID = 65535
 
 
 class FileIdentity(NamedTuple):
@@ -107,6 +116,8 @@ class Order:
     file: FileIdentity | None
     ranks: tuple[int, ...] | None = None
     files: tuple[FileIdentity, ...] = ()
+    # where each manifest item lives, from the `targets` key; None: by device (targets.py)
+    targets: Placement | None = None
 
     def status(self) -> dict:
         return {
@@ -119,6 +130,7 @@ class Order:
             "has_next": self.next is not None,
             "file": self.file.to_json() if self.file is not None else None,
             "files": [identity.to_json() for identity in self.files],
+            "targets": "order" if self.targets is not None else "device",
         }
 
 
@@ -226,6 +238,33 @@ def check_indices(key: str, indices: np.ndarray, manifest_len: int | None) -> np
     return indices
 
 
+def check_targets(targets, manifest_len: int | None) -> np.ndarray:
+    """The `targets` array checked (one small integer per manifest item, few distinct ones);
+    returned as int32. Without `manifest_len` its length is not checked (the daemon checks it
+    against the source)."""
+    targets = _as_index_array("targets", targets)
+    if manifest_len is not None and len(targets) != manifest_len:
+        raise OrderError(f"targets has {len(targets)} entries but the manifest has "
+                         f"{manifest_len} files; give one target per manifest item")
+    if len(targets) == 0:
+        return targets.astype(np.int32)
+    if targets.dtype.kind == "i" and targets.min() < 0:
+        position = int(np.argmax(targets < 0))
+        raise OrderError(f"targets[{position}] = {targets[position]} is negative; targets are "
+                         f"0..{MAX_TARGET_ID}")
+    if int(targets.max()) > MAX_TARGET_ID:
+        position = int(np.argmax(targets > MAX_TARGET_ID))
+        raise OrderError(f"targets[{position}] = {targets[position]} is out of range; targets "
+                         f"are 0..{MAX_TARGET_ID}")
+    targets = targets.astype(np.int32)
+    distinct = int(np.count_nonzero(np.bincount(targets)))
+    if distinct > MAX_TARGETS:
+        raise OrderError(f"targets has {distinct} distinct values; at most {MAX_TARGETS} "
+                         f"targets (fold them, for example an OST index modulo "
+                         f"{MAX_TARGETS})")
+    return targets
+
+
 @dataclass
 class CheckedArrays:
     """Normalised arrays after validation (int64 indices, ``S`` paths)."""
@@ -236,10 +275,11 @@ class CheckedArrays:
     files: Manifest | None
     rank: int | None
     world_size: int | None
+    targets: np.ndarray | None = None  # int32, one per manifest item
 
 
 def check_arrays(epoch, current, next=None, files=None, rank=None, world_size=None,
-                 manifest_len=None, unique_paths_checked=False) -> CheckedArrays:
+                 manifest_len=None, unique_paths_checked=False, targets=None) -> CheckedArrays:
     """The arrays of an order, checked and normalised; OrderError naming the first problem."""
     epoch = _as_int_scalar("epoch", epoch)
     if epoch < 0:
@@ -272,17 +312,19 @@ def check_arrays(epoch, current, next=None, files=None, rank=None, world_size=No
             raise OrderError(f"next has {len(next)} entries but current has {len(current)}; "
                              f"both epochs must have the same length")
         next = check_indices("next", next, manifest_len)
-    return CheckedArrays(epoch, current, next, files, rank, world_size)
+    if targets is not None:
+        targets = check_targets(targets, manifest_len)
+    return CheckedArrays(epoch, current, next, files, rank, world_size, targets)
 
 
 def validate_arrays(epoch, current, next=None, files=None, rank=None, world_size=None,
-                    manifest_len=None) -> None:
+                    manifest_len=None, targets=None) -> None:
     """Raise OrderError naming the problem (key, position, value) if the arrays are unusable.
 
     Without `files` and `manifest_len` the upper bound of the indices is not checked (the
     daemon checks it against the source).
     """
-    check_arrays(epoch, current, next, files, rank, world_size, manifest_len)
+    check_arrays(epoch, current, next, files, rank, world_size, manifest_len, targets=targets)
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,16 +412,22 @@ def load_order(path: Path, source_manifest: Manifest | Callable[[], Manifest]) -
         # Duplicate paths are found later, more cheaply, by the check against the source.
         checked = check_arrays(arrays["epoch"], arrays["current"], arrays.get("next"),
                             arrays.get("files"), arrays.get("rank"), arrays.get("world_size"),
-                            unique_paths_checked=True)
+                            unique_paths_checked=True, targets=arrays.get("targets"))
         source = source_manifest() if callable(source_manifest) else source_manifest
         if checked.files is None:
             manifest = source
             for key, indices in (("current", checked.current), ("next", checked.next)):
                 if indices is not None:
                     check_indices(key, indices, len(source))
+            if checked.targets is not None:
+                check_targets(checked.targets, len(source))
         else:
             manifest = _manifest_within_source(checked.files, source)
         manifest.prepare()
+        # where the items live, worked out here in the loader's thread, not the daemon's
+        targets = (Placement.of_targets(checked.targets) if checked.targets is not None
+                   else None)
+        manifest.device_placement()
     except OrderError as err:
         err.file = identity
         raise
@@ -395,7 +443,7 @@ def load_order(path: Path, source_manifest: Manifest | Callable[[], Manifest]) -
                  rank=checked.rank, world_size=checked.world_size,
                  total_length=len(checked.current), file=identity,
                  ranks=(checked.rank,) if checked.rank is not None else None,
-                 files=(identity,))
+                 files=(identity,), targets=targets)
 
 
 def _manifest_within_source(files: Manifest, source: Manifest) -> Manifest:
@@ -416,6 +464,8 @@ def _manifest_within_source(files: Manifest, source: Manifest) -> Manifest:
         first, second = np.flatnonzero(found == repeated[0])[:2]
         raise OrderError(f"files has duplicate path {quote_path(paths[first])} at positions "
                          f"{first} and {second}")
+    if source.devices is not None:
+        files.devices = source.devices[found]  # each file's device, as the scan saw it
     return files
 
 
@@ -432,6 +482,8 @@ def write_checked(path: Path, checked: CheckedArrays) -> FileIdentity:
         arrays["next"] = checked.next
     if checked.files is not None:
         arrays["files"] = checked.files.paths
+    if checked.targets is not None:
+        arrays["targets"] = checked.targets
     if checked.rank is not None and checked.world_size is not None:
         arrays["rank"] = np.int64(checked.rank)
         arrays["world_size"] = np.int64(checked.world_size)
@@ -456,9 +508,9 @@ def write_checked(path: Path, checked: CheckedArrays) -> FileIdentity:
 
 
 def write_order_file(path: Path, *, epoch, current, next=None, files=None, rank=None,
-                     world_size=None) -> FileIdentity:
+                     world_size=None, targets=None) -> FileIdentity:
     """Validate, then write atomically (temporary name, fsync, rename); nothing on failure."""
-    checked = check_arrays(epoch, current, next, files, rank, world_size)
+    checked = check_arrays(epoch, current, next, files, rank, world_size, targets=targets)
     return write_checked(Path(path), checked)
 
 

@@ -26,6 +26,8 @@ force. The rules, and why:
   ranks sorted by rank. The merged `next` interleaves the members' next orders if every
   member has one; otherwise the next epoch is unknown for part of the node, and a partial next
   order would rank the known part's items wrongly, so it is None.
+- Where the items live (`targets`, per manifest item) is the newest publication's: the members
+  share its manifest.
 
 Pure: no I/O, no trio, no FUSE; the order watcher (`cachefs.order_watch`) calls it.
 """
@@ -132,7 +134,8 @@ def merge(plain: Publication | None, by_rank: Mapping[int, Publication]) -> Merg
                    world_size=decider.world_size, total_length=decider.total_length,
                    file=decider.file, ranks=tuple(member[0] for member in members),
                    files=tuple(member[3].file for member in members
-                               if member[3].file is not None))
+                               if member[3].file is not None),
+                   targets=decider.targets)
     return Merge(merged, left_out)
 
 

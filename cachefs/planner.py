@@ -23,6 +23,10 @@ simulator: 70 % misses with 8 workers of 64-file batches). Reaching past the fro
 every worker; the span limit (set from the RAM budget) keeps a stray read far ahead from
 pulling in the rest of the epoch.
 
+The read-ahead walks the window target by target (cachefs/targets.py): each storage target has
+a list of the virtual positions of its items, and `entries` yields those of a list that still
+have an item to read ahead (`due_item`), nearest first.
+
 Everything is held in numpy arrays indexed by manifest item or by position: an order of
 ImageNet's 1.28M items costs a few tens of MB and no per-item Python objects.
 
@@ -66,7 +70,6 @@ class Planner:
         self.consumed_count = 0
         self.cursor = 0
         self.front = 0  # one past the highest consumed position
-        self.scan = 0  # the prefetcher has handled every window position below this
         # after set_order: the items whose next use it changed, or None for every item
         self.reranked_items: np.ndarray | None = None
         self.pos_cur = np.empty(0, np.int64)
@@ -123,7 +126,6 @@ class Planner:
                                          np.setdiff1d(either_next, self.current))
         self.next = order.next
         self.pos_next = _positions(order.next, manifest_len)
-        self.scan = self.cursor
         return False
 
     def _rank_joined(self, order) -> bool:
@@ -169,7 +171,6 @@ class Planner:
                 self.consume(item)
         unconsumed = np.flatnonzero(~self.consumed)
         self.cursor = int(unconsumed[0]) if len(unconsumed) else len(self.current)
-        self.scan = self.cursor
 
     def _start(self, epoch: int, current: np.ndarray, next_: np.ndarray | None,
                manifest_len: int, new_epoch: bool = True) -> None:
@@ -181,7 +182,6 @@ class Planner:
         self.consumed = np.zeros(len(current), bool)
         self.consumed_count = 0
         self.cursor = self.front = 0
-        self.scan = 0
         self.pos_cur = _positions(current, manifest_len)
         self.pos_next = _positions(next_, manifest_len)
         self._later_positions = _duplicates(current)
@@ -226,33 +226,45 @@ class Planner:
         return np.where(self.pos_cur >= 0, self.pos_cur.astype(float), in_next)
 
     def window_end(self) -> int:
-        known = len(self.current) + (len(self.next) if self.next is not None else 0)
         # past the front by the lookahead, or by the readers' spread if wider: workers that
         # finish a round of batches jump a spread ahead, and find the next round read ahead
         spread = self.front - self.cursor
         reach = max(self.cursor, self.front) + max(self.lookahead_items, spread)
-        span = max(self.lookahead_items, self.max_span_items)
-        return min(reach, self.cursor + span, known)
+        return min(reach, self.span_end())
 
-    def window(self) -> Iterator[tuple[int, int]]:
-        """(virtual position, item) pairs the prefetcher has not handled yet, nearest first.
+    def span_end(self) -> int:
+        """The virtual position below which anything may be read ahead: the window's span at
+        most past the cursor (the RAM budget's), within the known orders."""
+        return min(self.cursor + max(self.lookahead_items, self.max_span_items),
+                   self.known_end())
 
-        An item of the next order that is still unconsumed in the current one is skipped: its
-        next use is its current position, where the window already met it.
-        """
+    def known_end(self) -> int:
+        """One past the last virtual position of the known orders."""
+        return len(self.current) + (len(self.next) if self.next is not None else 0)
+
+    def due_item(self, position: int) -> int:
+        """The item to read ahead for a virtual position, or -1 if there is none: the position
+        is consumed, beyond the known orders, or of the next order for an item still
+        unconsumed in the current one (its next use is its current position, where the
+        read-ahead meets it)."""
         n = len(self.current)
-        position = max(self.scan, self.cursor)
-        end = self.window_end()
-        while position < end:
-            if position < n:
-                if not self.consumed[position]:
-                    yield position, int(self.current[position])
-            else:
-                assert self.next is not None  # window_end reaches past n only into it
-                item = int(self.next[position - n])
-                if self.pos_cur[item] < 0:
-                    yield position, item
-            position += 1
+        if position < n:
+            return -1 if self.consumed[position] else int(self.current[position])
+        item = self.item_at(position)
+        return item if item >= 0 and self.pos_cur[item] < 0 else -1
+
+    def entries(self, positions: np.ndarray, start: int, end: int
+                ) -> Iterator[tuple[int, int, int]]:
+        """(index, virtual position, item) of the entries of `positions` (ascending virtual
+        positions: a target's read-ahead list, cachefs/targets.py) from index `start` on, below
+        position `end`, that have an item to read ahead (`due_item`), nearest first."""
+        for index in range(start, len(positions)):
+            position = int(positions[index])
+            if position >= end:
+                return
+            item = self.due_item(position)
+            if item >= 0:
+                yield index, position, item
 
     # -- consumption -----------------------------------------------------------------------
 

@@ -3,11 +3,18 @@
 Design. The planner says which items come next and how soon each is used; the RAM tier keeps
 the nearest uses within its budget, ranked by cachefs/ranking.py. This module connects them:
 
-- `run` is one trio task that walks the planner's window in order and starts a fetch for every
-  item not yet in RAM, as long as (a) fewer than `source_threads` fetches are in flight and
-  (b) RAM has room for it or holds a block used later than it (Cao et al.'s rule: prefetch as
-  soon as the block you would displace is needed after the one you fetch). When neither holds
-  it sleeps until something changes: a consumption, a finished fetch, a new order.
+- `run` is one trio task that walks the read-ahead lists of the storage targets
+  (cachefs/targets.py: one per target, the order's positions of its items) together, nearest
+  position first, and starts a fetch for every item not yet in RAM, as long as (a) its target
+  has fewer fetches in flight than its slots and fewer than `source_threads` are in flight in
+  all, and (b) RAM has room for it or holds a block used later than it (Cao et al.'s rule:
+  prefetch as soon as the block you would displace is needed after the one you fetch). When
+  nothing can start it sleeps until something changes: a consumption, a finished fetch, a new
+  order. With one target (files on one device, no `targets` in the order) its list is the
+  window over the whole order.
+- `demand_miss(item)` is called by the reader when it must wait for a file of the order: the
+  next `--miss-batch` - 1 files of that file's target list start at once (the seed "001"'s
+  batched request on a miss).
 - `consumed(item)` is called by the reader when a file of the order has been read. It marks
   the position in the planner and gives the item's blocks their new priority: the head of the
   next epoch is kept, anything with no further use (or already on the SSD tier, which serves it
@@ -47,6 +54,7 @@ the RAM budget in all (`planner.max_span_items`, see planner.py).
 
 from __future__ import annotations
 
+import heapq
 import logging
 
 import numpy as np
@@ -54,11 +62,14 @@ import trio
 
 from cachefs.cache.ram import RamTier, block_count
 from cachefs.cache.tiered import TieredCache
+from cachefs.config import MISS_BATCH_ITEMS
 from cachefs.freshness import NEVER_S, Freshness, now_s
-from cachefs.planner import Planner
+from cachefs.placement import Placement
+from cachefs.planner import NEVER, Planner
 from cachefs.ranking import Ranking
 from cachefs.source import Source, SourceIdentity
 from cachefs.stats import Stats
+from cachefs.targets import Target, Targets
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +110,9 @@ class ItemMeta:
 
 class Prefetcher:
     def __init__(self, planner: Planner, ranking: Ranking, tiered: TieredCache, ram: RamTier,
-                 source: Source, stats: Stats, freshness: Freshness, *, block_bytes: int,
-                 source_threads: int, lookahead_items: int):
+                 source: Source, stats: Stats, freshness: Freshness, targets: Targets, *,
+                 block_bytes: int, source_threads: int, lookahead_items: int,
+                 miss_batch_items: int = MISS_BATCH_ITEMS, per_target: bool = True):
         self.planner = planner
         self.ranking = ranking
         self.tiered = tiered
@@ -108,11 +120,18 @@ class Prefetcher:
         self.source = source
         self.stats = stats
         self.freshness = freshness
+        self.targets = targets
         self.block_bytes = block_bytes
         self.max_inflight = source_threads
         self.configured_lookahead = lookahead_items
+        self.miss_batch_items = miss_batch_items
+        # False: one list for the whole order, whatever the targets (the simulator's baseline)
+        self.per_target = per_target
         self.meta = ItemMeta(0)
-        self._inflight_items: set[int] = set()  # of the manifest in force
+        # items of the manifest in force being read ahead, and the target each counts in
+        self._inflight_items: dict[int, Target] = {}
+        # items read by miss batches of this epoch's plan and not consumed yet (demand_miss)
+        self._batched: set[int] = set()
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.prefetch_errors = 0
@@ -126,12 +145,16 @@ class Prefetcher:
         if self.ranking.use_manifest(order.manifest):
             # every item number changes meaning: fetches in flight finish on their own and
             # drop their results (_fetch_item), and the state per item starts over
-            self._inflight_items = set()
+            self._inflight_items = {}
             self.meta = ItemMeta(len(order.manifest))
             self.stats.track_items(len(order.manifest))
+        self.targets.use(order.manifest, self._placement(order), self.ranking.item_of)
+        self._recount_inflight()
         self.ranking.set_members(order.current, order.next)
         if self.planner.set_order(order):
             self.stats.start_epoch(order.epoch)
+        self.targets.rebuild(self.planner, self._held_items())
+        self._batched = set()
         self._size_window()
         if self.planner.reranked_items is None:
             self.ranking.rerank_all()
@@ -161,6 +184,31 @@ class Prefetcher:
         # crowded out that reader's own requests (50,000 one-byte files: 68 s, 23 s without
         # an order)
         self.planner.max_span_items = min(ram_quarter_items, MAX_SPAN_ITEMS)
+
+    def _recount_inflight(self) -> None:
+        """Each fetch in flight counts in the target its item is on under the placement in
+        force (a new publication may place items elsewhere)."""
+        for target in self.targets.all:
+            target.inflight_items = 0
+        for item in self._inflight_items:
+            now = self.targets.target_of(item)
+            if now is not None:
+                self._inflight_items[item] = now
+                now.inflight_items += 1
+
+    def _held_items(self) -> np.ndarray:
+        """Items of the manifest in force whose first block RAM holds (in the daemon or the
+        kernel)."""
+        return np.fromiter((block.item for key, block in self.ram.blocks.items()
+                            if key[1] == 0 and block.item >= 0), np.int64)
+
+    def _placement(self, order) -> Placement:
+        """Where the order's items live: its `targets`, else their devices (placement.py);
+        one list for all when per-target read-ahead is off."""
+        if not self.per_target:
+            return Placement.single(len(order.manifest))
+        return (order.targets if order.targets is not None
+                else order.manifest.device_placement())
 
     @property
     def manifest(self):
@@ -204,6 +252,7 @@ class Prefetcher:
         if not self.planner.active or item < 0:
             return
         self.ranking.consumed_at(now_s())
+        self._batched.discard(item)
         completed = self.planner.consume(item)
         self.ranking.rerank(item, int(self.meta.size[item]))
         if completed and self.planner.switch_to_next():
@@ -211,7 +260,65 @@ class Prefetcher:
             self.stats.start_epoch(self.planner.epoch)
             self.ranking.set_members(self.planner.current)
             self.ranking.rerank_all()
+            self.targets.rebuild(self.planner, self._held_items())
+            self._batched = set()
         self.poke()
+
+    def demand_miss(self, item: int, manifest) -> None:
+        """A reader waits for `item` of `manifest`, which RAM does not hold (cachefs/reader.py
+        calls this before it fetches): read the next `miss_batch_items` - 1 items of the
+        item's target list too, at once (the seed "001": a miss requests a batch of the same
+        storage node's next items), even past the target's share of the threads. Items of
+        the batch already held or in flight count in it, so a second miss on the same file
+        starts nothing. A reader that has outrun the read-ahead, or reads outside its window
+        (a job resumed in mid-epoch), finds the next files of each target on their way.
+
+        A batch reads ahead beyond the window, by the window's rule (RAM makes room for a file
+        only by dropping one used later): it may push out a file kept for the next epoch's
+        head, which the window then reads again near the epoch's end. So the files of
+        batches not yet read are capped at the window's span, a quarter of the RAM budget;
+        with that, the simulator finds no file read twice except with a RAM budget of a few
+        dozen files (2 of 160 in one epoch of 15; `--miss-batch 1` turns batches off)."""
+        planner = self.planner
+        if (self.miss_batch_items <= 1 or not planner.active or item < 0
+                or manifest is not self.ranking.manifest
+                or (manifest.path(item), 0) in self.ram):
+            return
+        position = planner.next_use(item)
+        target = self.targets.target_of(item)
+        if position == NEVER or target is None or self._nursery is None:
+            return
+        start = int(target.positions.searchsorted(int(position))) + 1
+        wanted = self.miss_batch_items - 1
+        started = 0
+        # beyond the window's span if need be (that is where a reader outside it reads), but
+        # not into the next epoch from this one (the window reads its head); the RAM's room
+        # decides, by the same rule as for the window
+        end = planner.length if position < planner.length else planner.known_end()
+        for _, _, batch_item in planner.entries(target.positions, start, end):
+            if wanted == 0:
+                break
+            wanted -= 1
+            if batch_item in self._inflight_items or self._resident(batch_item):
+                continue
+            # Batches read ahead of the window and take RAM from the head of the next epoch
+            # that it keeps: the files of batches not read yet take at most the window's span
+            # (a quarter of the RAM budget), or a head file pushed out is read twice an epoch
+            if (len(self._batched) >= planner.max_span_items
+                    or not self._room_for(self._need_bytes(batch_item),
+                                          self.ranking.priority_of(batch_item, 0, None))):
+                break
+            self._batched.add(batch_item)
+            self._start_item(batch_item, target, manifest, self._nursery)
+            started += 1
+        if started:
+            target.batches += 1
+            target.batch_items += started
+
+    def file_read(self, item: int, manifest, origin: int, stall_s: float) -> None:
+        """A reader is done with `item` of `manifest` (its class and stall, as the stats count
+        them): counted in its target (cachefs/targets.py)."""
+        self.targets.file_read(item, manifest, origin, stall_s)
 
     # -- the read-ahead loop ---------------------------------------------------------------
 
@@ -225,6 +332,8 @@ class Prefetcher:
                 self._wake = trio.Event()
 
     def _start_fetches(self, nursery: trio.Nursery) -> None:
+        """Walk every target's list (cachefs/targets.py) nearest position first, and start
+        fetches while the target has a free slot and the source threads one in all."""
         planner = self.planner
         manifest = self.ranking.manifest
         if not planner.active or manifest is None:
@@ -232,11 +341,24 @@ class Prefetcher:
         # The window depends on file sizes, and at set_order none may be known yet:
         # recompute it as sizes become known.
         self._size_window()
+        targets = self.targets
+        # queues sized for the latency tail, unless `--lookahead` sets the window (and in the
+        # baseline of one list, which sizes its window as the read-ahead before targets did)
+        automatic = self.per_target and not self.configured_lookahead
+        targets.size(self.max_inflight, now_s(), self.ranking.s_per_item if automatic else None)
+        heads: list = []  # (position, target number, index, item, the list's entries)
+        for number, target in enumerate(targets.all):
+            targets.advance(target, planner)
+            if target.inflight_items < target.slots:
+                entries = planner.entries(target.positions, target.scan,
+                                          targets.window_end(target, planner, self.max_inflight))
+                self._push_head(heads, number, entries)
         kernel = self.tiered.kernel is not None
-        estimate = self.meta.mean_size(self.block_bytes)
-        for position, item in planner.window():
+        while heads:
             if len(self._inflight_items) >= self.max_inflight:
                 return
+            _, number, index, item, entries = heapq.heappop(heads)
+            target = targets.all[number]
             if item in self._inflight_items:
                 pass
             elif self._resident(item):
@@ -246,18 +368,33 @@ class Prefetcher:
                     # the last epoch; without this re-stat off the reader's path, the reader's
                     # open pays a source round trip for every RAM hit (fuse_ops.open).
                     # _fetch_item stats it, finds its blocks resident and pushes them.
-                    self._inflight_items.add(item)
-                    nursery.start_soon(self._fetch_item, item, manifest)
+                    self._start_item(item, target, manifest, nursery)
                 elif kernel:
                     self._push(item, identity)
             else:
-                size = int(self.meta.size[item])
-                need = min(size if size >= 0 else estimate, self.block_bytes)
-                if not self._room_for(need, self.ranking.priority_of(item, 0, None)):
+                if not self._room_for(self._need_bytes(item),
+                                      self.ranking.priority_of(item, 0, None)):
                     return  # RAM holds only nearer uses: wait for a consumption
-                self._inflight_items.add(item)
-                nursery.start_soon(self._fetch_item, item, manifest)
-            planner.scan = position + 1
+                self._start_item(item, target, manifest, nursery)
+            target.scan = index + 1
+            if target.inflight_items < target.slots:
+                self._push_head(heads, number, entries)
+
+    @staticmethod
+    def _push_head(heads: list, number: int, entries) -> None:
+        head = next(entries, None)
+        if head is not None:
+            index, position, item = head
+            heapq.heappush(heads, (position, number, index, item, entries))
+
+    def _need_bytes(self, item: int) -> int:
+        """RAM to find for the first block of an item about to be read."""
+        return min(self._size_estimate(item), self.block_bytes)
+
+    def _start_item(self, item: int, target: Target, manifest, nursery: trio.Nursery) -> None:
+        self._inflight_items[item] = target
+        target.inflight_items += 1
+        nursery.start_soon(self._fetch_item, item, manifest)
 
     def _resident(self, item: int) -> bool:
         size = int(self.meta.size[item])
@@ -338,7 +475,9 @@ class Prefetcher:
             log.debug("prefetch of %r failed: %s", relpath, exc)
         finally:
             if not self._superseded(manifest):  # else it is in no set any more
-                self._inflight_items.discard(item)
+                target = self._inflight_items.pop(item, None)
+                if target is not None:
+                    target.inflight_items -= 1
             self.poke()
 
     # The files of the window are stored into the kernel's page cache (TieredCache.push) as
@@ -358,11 +497,14 @@ class Prefetcher:
     def _revisit(self, item: int, block_index: int, identity: SourceIdentity | None) -> None:
         """A fetch came back without reading: if the block is worth keeping, RAM had no room
         after all (it was promised elsewhere between the loop's check and the fetch's
-        reservation, e.g. to several files of unknown size started at once), so walk the
-        window again from the cursor, or the item would never be read ahead. A block not worth
+        reservation, e.g. to several files of unknown size started at once), so walk its
+        target's list again from its first unconsumed item, or the item would never be read
+        ahead. A block not worth
         keeping (its only use is next epoch's and the SSD holds it) is left to the SSD."""
         if self.ranking.priority_of(item, block_index, identity) is not None:
-            self.planner.scan = self.planner.cursor
+            target = self.targets.target_of(item)
+            if target is not None:
+                self.targets.rescan(target)
 
     def _needs_stat(self, relpath: bytes) -> bool:
         """A copy of the file is in RAM or on the SSD: it must be checked against a fresh stat
@@ -397,4 +539,5 @@ class Prefetcher:
             log.debug("read-ahead of %r failed: %s", key, exc)
 
     def status(self) -> dict:
-        return {"inflight": len(self._inflight_items), "errors": self.prefetch_errors}
+        return {"inflight": len(self._inflight_items), "errors": self.prefetch_errors,
+                "miss_batch_items": self.miss_batch_items}

@@ -28,7 +28,8 @@ import numpy as np
 
 from cachefs import ctrl
 from cachefs.errors import OrderError
-from cachefs.order import NPY_MAGIC, check_arrays, check_indices, rank_order_path, write_checked
+from cachefs.order import (NPY_MAGIC, check_arrays, check_indices, check_targets, rank_order_path,
+                           write_checked)
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ def read_files_list(path: Path) -> list[str]:
 
 
 def publish(mount: Path, epoch: int, current, next=None, files=None, rank=None,
-            world_size=None, timeout_s: float = 10.0) -> dict:
+            world_size=None, timeout_s: float = 10.0, targets=None) -> dict:
     """Publish an order to a mount and wait until the daemon takes it.
 
     Without a rank the order file itself is written; with one, the rank's own file next to it
@@ -103,9 +104,11 @@ def publish(mount: Path, epoch: int, current, next=None, files=None, rank=None,
     among the files it was made of; raises OrderError with the daemon's reason if it rejects
     the file, or if it does not answer within timeout_s. A valid file that the daemon keeps
     but leaves out of the merge (its epoch or world size does not fit the newest
-    publication's) returns too, with a warning giving the daemon's reason.
+    publication's) returns too, with a warning giving the daemon's reason. `targets`: the
+    storage target of each manifest item (man/cachefs-order.5), None to let the daemon go by
+    the files' devices.
     """
-    checked = check_arrays(epoch, current, next, files, rank, world_size)
+    checked = check_arrays(epoch, current, next, files, rank, world_size, targets=targets)
     mount = Path(mount)
     order_path = Path(os.fsdecode(ctrl.read_attr(mount, ctrl.ORDER_FILE, OrderError)))
     if checked.rank is not None:  # (and world_size: check_arrays takes both or neither)
@@ -118,6 +121,8 @@ def publish(mount: Path, epoch: int, current, next=None, files=None, rank=None,
             for key, indices in (("current", checked.current), ("next", checked.next)):
                 if indices is not None:
                     check_indices(key, indices, known)
+            if checked.targets is not None:
+                check_targets(checked.targets, known)
     identity = write_checked(order_path, checked).to_json()
     log.debug("wrote %s, waiting for the daemon of %s", order_path, mount)
     deadline = time.monotonic() + timeout_s

@@ -99,6 +99,12 @@ class Ranking:
                                 else self._s_per_item + RATE_WEIGHT * (gap_s - self._s_per_item))
         self._last_consumed_s = now_s
 
+    @property
+    def s_per_item(self) -> float | None:
+        """Seconds between consumptions, smoothed (None until two are seen): the readers'
+        pace, as `kernel_may_keep` and the storage targets' queues use it."""
+        return self._s_per_item
+
     # -- ranking ---------------------------------------------------------------------------
 
     def priority_of(self, item: int, block_index: int, identity: SourceIdentity | None

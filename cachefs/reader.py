@@ -9,6 +9,11 @@ returned to a reader, or when a handle that read from it is released, whichever 
 The prefetcher is told, and moves the window. Each handle is classified once, at release,
 into the stats' per-epoch counters (see stats.py for the classes).
 
+A reader that must wait for the first block of a file of the order (a demand miss: it outran
+the read-ahead, or reads outside its window) tells the prefetcher first, which starts a batch of
+the next files of that file's storage target (prefetch.py `demand_miss`); at release, its miss
+and stall are counted in its target too (cachefs/targets.py).
+
 A file read sequentially (block n right after block n-1) gets its next blocks read ahead even
 without an order, so large files (shards, HDF5, .npy) stream at source bandwidth; those of the
 next blocks already in RAM are stored into the kernel's page cache ahead of the reader.
@@ -43,12 +48,14 @@ from cachefs import errors
 from cachefs import stats as stats_mod
 from cachefs.cache.ram import RamTier, block_count
 from cachefs.cache.tiered import KernelInodes, TieredCache
+from cachefs.config import MISS_BATCH_ITEMS
 from cachefs.freshness import Freshness, now_s
 from cachefs.pagecache import KernelPages
 from cachefs.planner import Planner
 from cachefs.prefetch import Prefetcher
 from cachefs.ranking import Ranking
 from cachefs.source import SourceIdentity
+from cachefs.targets import Targets
 from cachefs.threads import RunSync
 
 log = logging.getLogger(__name__)
@@ -148,6 +155,8 @@ class Reader:
                           self._ranking.manifest, epoch_record=self._stats.current,
                           order_serial=self._planner.order_serial)
         if identity is None:
+            # not read ahead (or its identity is stale): the batch of its target starts now
+            self._prefetcher.demand_miss(item, handle.manifest)
             started_s = now_s()
             handle.identity, waited_for_data = await self._tiered.fresh_identity(relpath)
             handle.stall_s = now_s() - started_s
@@ -231,6 +240,10 @@ class Reader:
             return block.data
         if self._tiered.kernel_reclaimed(key, handle.identity):
             handle.kernel_reclaimed = True
+        if block_index == 0:
+            # the reader has caught up with the read-ahead of this file's target, or is
+            # outside its window: a batch of that target's next files starts with this one
+            self._prefetcher.demand_miss(handle.item, handle.manifest)
         # the one clock (freshness.py), so that the simulator's virtual clock measures stalls too
         started_s = now_s()
         fetched = await self._tiered.fetch(key, handle.identity, handle.item, handle.manifest,
@@ -289,6 +302,7 @@ class Reader:
         self._stats.file_read(handle.origin, handle.stall_s, handle.bytes_served,
                              record=handle.epoch_record,
                              kernel_reclaimed=handle.kernel_reclaimed)
+        self._prefetcher.file_read(handle.item, handle.manifest, handle.origin, handle.stall_s)
         if last:
             self._settle_pages(handle)
 
@@ -312,28 +326,36 @@ class ReadPath:
     tiered: TieredCache
     prefetcher: Prefetcher
     reader: Reader
+    targets: Targets
 
 
-def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, freshness: Freshness, *,
-                    block_bytes: int, source_threads: int, lookahead_items: int,
-                    sequential_blocks: int, kernel: KernelPages | None = None,
+def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, freshness: Freshness,
+                    *, block_bytes: int, source_threads: int, lookahead_items: int,
+                    sequential_blocks: int, targets: Targets | None = None,
+                    miss_batch_items: int = MISS_BATCH_ITEMS, per_target: bool = True,
+                    kernel: KernelPages | None = None,
                     kernel_inodes: KernelInodes | None = None,
                     on_source_changed: Callable[[bytes, SourceIdentity], None] | None = None,
                     run_ssd: RunSync | None = None) -> ReadPath:
     """Planner, ranking, tiered cache, prefetcher and reader, wired in that order (each is
     given the ones it uses when it is built); the one wiring used by the mount and the
-    simulator, so that what the simulator tests is what the mount runs. `kernel` and
+    simulator, so that what the simulator tests is what the mount runs. `targets`: the storage
+    targets' lists and counters (cachefs/targets.py; the source reports its requests to them,
+    so it is built before the source; None: new ones, which no source reports to).
+    `miss_batch_items`, `per_target`: the read-ahead's (cachefs/prefetch.py). `kernel` and
     `kernel_inodes`: the kernel data plane (None: the daemon serves every READ).
     `on_source_changed(relpath, identity)`: a file changed at the source (its cached copies
     are gone). `run_ssd`: the worker-thread hop of the SSD tier's calls (None: threads)."""
+    targets = targets if targets is not None else Targets()
     planner = Planner(lookahead_items or 1)
     ranking = Ranking(planner, ram, ssd, block_bytes=block_bytes)
     tiered = TieredCache(ram, source, stats, block_bytes, ranking, ssd=ssd, run_ssd=run_ssd,
                          kernel=kernel, kernel_inodes=kernel_inodes,
                          on_source_changed=on_source_changed)
-    prefetcher = Prefetcher(planner, ranking, tiered, ram, source, stats, freshness,
+    prefetcher = Prefetcher(planner, ranking, tiered, ram, source, stats, freshness, targets,
                             block_bytes=block_bytes, source_threads=source_threads,
-                            lookahead_items=lookahead_items)
+                            lookahead_items=lookahead_items, miss_batch_items=miss_batch_items,
+                            per_target=per_target)
     reader = Reader(planner, ranking, tiered, prefetcher, stats, block_bytes=block_bytes,
                     sequential_blocks=sequential_blocks)
-    return ReadPath(planner, ranking, tiered, prefetcher, reader)
+    return ReadPath(planner, ranking, tiered, prefetcher, reader, targets)

@@ -13,10 +13,20 @@ What is real and what is simulated. `simulate` builds the real `Planner`, `Ranki
 `cachefs.reader.build_read_path`, the wiring `cachefs.mount.Mount` uses too. Only the edges are
 fakes, passed in through that wiring (no library is patched):
 - `SimSource` has the interface the code uses from `cachefs.source.Source` (`read_block`,
-  `lstat`, `check_readable`, `identity_of`). Every request holds one slot of a
-  `trio.CapacityLimiter(parallelism)` and sleeps `latency_s` (plus `size / bandwidth` when a
-  per-request bandwidth is given). Payloads are zeros behind a short header naming the file and
-  block, so the consumer checks that every read returns the right bytes.
+  `lstat`, `check_readable`, `identity_of`), and reports every request to the storage targets'
+  counters as the source does. Every request holds one slot of a
+  `trio.CapacityLimiter(parallelism)` (the source's threads) and sleeps `latency_s` (plus
+  `size / bandwidth` when a per-request bandwidth is given). Payloads are zeros behind a short
+  header naming the file and block, so the consumer checks that every read returns the right
+  bytes.
+- Storage targets (`target_latencies_s`): item i lives on target i mod T (the seed's striping),
+  seen as the device of its file, as a mount sees several servers mounted under one source
+  (cachefs/placement.py). A request to target t takes `target_latencies_s[t]` and, with
+  `target_parallelism`, holds one of that target's own slots too (a server that serves so
+  many requests at once; the others queue there, holding their source thread, as a thread
+  blocked on a busy NFS or sshfs server does). `per_target=False` runs the read-ahead with one
+  list for the whole order (one window), the baseline the per-target lists are measured
+  against.
 - `SimSsd` has the interface of `cachefs.cache.ssd.SsdTier` (`contains`,
   `holds_other_version`, `read`, `admit`, `has_room`, `drop_file`, `stats`, `close`): in
   memory, cache-once within a byte budget.
@@ -62,13 +72,14 @@ import trio.testing
 from cachefs import stats as stats_mod
 from cachefs.cache.ram import RamTier
 from cachefs.cache.tiered import SSD_THREADS, block_length
-from cachefs.config import KIB, MIB
+from cachefs.config import KIB, MIB, MISS_BATCH_ITEMS
 from cachefs.freshness import Freshness
 from cachefs.order import Manifest, Order, permutation
 from cachefs.pagecache import KernelPages, file_pages_dropper
 from cachefs.reader import build_read_path
-from cachefs.source import BlockData, SourceIdentity
+from cachefs.source import BlockData, RequestObserver, SourceIdentity
 from cachefs.stats import Stats, refetch_window_blocks
+from cachefs.targets import Targets
 from cachefs.threads import RunSync
 
 log = logging.getLogger(__name__)
@@ -106,6 +117,15 @@ class SimConfig:
     check_identity_at_open: bool = True  # model fuse_ops.open's identity check
     kernel_cache: bool = True  # the kernel data plane (cachefs mount --data-plane, not daemon)
     seed: int = 0
+    # storage targets (module docstring): per-target latency (None: one target, latency_s),
+    # and how many requests each serves at once (None: no limit of its own)
+    target_latencies_s: tuple[float, ...] | None = None
+    target_parallelism: tuple[int, ...] | None = None
+    per_target: bool = True  # one read-ahead list per target (False: one for the order)
+    miss_batch_items: int = MISS_BATCH_ITEMS  # --miss-batch
+    # the readers skip this many positions at the start of every epoch (a job resumed in
+    # mid-epoch): those are never consumed, and the rest is read outside the window
+    skip_items: int = 0
 
     def sizes(self) -> np.ndarray:
         if self.sizes_bytes is not None:
@@ -118,6 +138,13 @@ class SimConfig:
             raise ValueError("epochs, workers, parallelism and batch_items must be >= 1")
         if self.request_bytes < 1 or self.block_bytes < 1:
             raise ValueError("request_bytes and block_bytes must be positive")
+        if (self.target_parallelism is not None
+                and len(self.target_parallelism) != len(self.target_latencies_s or ())):
+            raise ValueError("target_parallelism needs one entry per target latency")
+
+    @property
+    def target_count(self) -> int:
+        return len(self.target_latencies_s) if self.target_latencies_s else 1
 
 
 @dataclass
@@ -168,6 +195,7 @@ class SimResult:
     ssd_bytes: int  # bytes held by the SSD tier at the end
     ssd_keys: frozenset  # (relpath, block_index) held by the SSD tier at the end
     data_errors: int  # reads whose bytes were not those of the file and block asked for
+    targets: list[dict] = field(default_factory=list)  # `cachefs stats`'s targets at the end
 
     def table(self) -> str:
         rows = [e.row() for e in self.epochs]
@@ -192,13 +220,20 @@ class SimSource:
     """The slow directory, as `cachefs.source.Source` is used by the cache and prefetcher."""
 
     def __init__(self, manifest: Manifest, sizes: np.ndarray, *, latency_s: float,
-                 parallelism: int, bandwidth_bytes_s: float = 0.0):
+                 parallelism: int, bandwidth_bytes_s: float = 0.0,
+                 target_latencies_s: tuple[float, ...] | None = None,
+                 target_parallelism: tuple[int, ...] | None = None,
+                 requests: RequestObserver | None = None):
         self.limiter = trio.CapacityLimiter(parallelism)
         self.latency_s = latency_s
         self.bandwidth_bytes_s = bandwidth_bytes_s
         self._sizes = sizes
         self._index = {manifest.path(i): i for i in range(len(manifest))}
         self.requests = 0
+        self._target_latencies_s = target_latencies_s or (latency_s,)
+        self._target_limiters = [trio.CapacityLimiter(slots)
+                                 for slots in target_parallelism or ()]
+        self._observer = requests
 
     def identity(self, relpath: bytes) -> SourceIdentity:
         item = self._item(relpath)
@@ -210,31 +245,40 @@ class SimSource:
         except KeyError:
             raise FileNotFoundError(2, "No such file or directory", relpath) from None
 
-    async def _request(self, nbytes: int) -> None:
+    async def _request(self, relpath: bytes, nbytes: int) -> None:
+        target = self._item(relpath) % len(self._target_latencies_s)
+        started = self._observer.request_started(relpath) if self._observer else None
         async with self.limiter:
             self.requests += 1
+            began_s = trio.current_time()  # in the thread, as the source times it
             transfer_s = nbytes / self.bandwidth_bytes_s if self.bandwidth_bytes_s else 0.0
-            await trio.sleep(self.latency_s + transfer_s)
+            if self._target_limiters:
+                async with self._target_limiters[target]:
+                    await trio.sleep(self._target_latencies_s[target] + transfer_s)
+            else:
+                await trio.sleep(self._target_latencies_s[target] + transfer_s)
+            if self._observer is not None:
+                self._observer.request_finished(started, trio.current_time() - began_s, nbytes)
 
     def identity_of(self, st) -> SourceIdentity:
         return SourceIdentity(st.st_size, st.st_mtime_ns, st.st_ino)
 
     async def lstat(self, relpath: bytes, *, background: bool = False):
         identity = self.identity(relpath)
-        await self._request(0)
+        await self._request(relpath, 0)
         return types.SimpleNamespace(st_size=identity.size, st_mtime_ns=identity.mtime_ns,
                                      st_ino=identity.ino)
 
     async def check_readable(self, relpath: bytes) -> SourceIdentity:
         identity = self.identity(relpath)
-        await self._request(0)
+        await self._request(relpath, 0)
         return identity
 
     async def read_block(self, relpath: bytes, block_index: int, block_bytes: int, *,
                          background: bool = False) -> BlockData:
         identity = self.identity(relpath)
         length = block_length(identity, block_index, block_bytes)
-        await self._request(length)
+        await self._request(relpath, length)
         return BlockData(payload(relpath, block_index, length), identity)
 
 
@@ -361,13 +405,19 @@ class Sim:
         self.config = config
         self.sizes = config.sizes()
         n = len(self.sizes)
-        self.manifest = Manifest.from_paths(
-            [b"d%02d/item%07d.bin" % (i % 16, i) for i in range(n)]).prepare()
+        # item i on target i mod T, as the device of its file (module docstring)
+        self.manifest = Manifest(
+            Manifest.from_paths([b"d%02d/item%07d.bin" % (i % 16, i) for i in range(n)]).paths,
+            devices=np.arange(n, dtype=np.int64) % config.target_count).prepare()
         self.paths = [self.manifest.path(i) for i in range(n)]
         self.stats = Stats(refetch_window_blocks(config.ram_bytes, config.block_bytes))
+        self.targets = Targets()
         self.source = SimSource(self.manifest, self.sizes, latency_s=config.latency_s,
                                 parallelism=config.parallelism,
-                                bandwidth_bytes_s=config.bandwidth_bytes_s)
+                                bandwidth_bytes_s=config.bandwidth_bytes_s,
+                                target_latencies_s=config.target_latencies_s,
+                                target_parallelism=config.target_parallelism,
+                                requests=self.targets)
         self.ssd = SimSsd(config.ssd_bytes) if config.ssd_bytes else None
         self.kernel = (KernelPages(lambda inode, offset, data: None, lambda inode: None)
                        if config.kernel_cache else None)
@@ -377,8 +427,9 @@ class Sim:
             drop_kernel_pages=file_pages_dropper(self.kernel, kernel_inodes.inode_of))
         read_path = build_read_path(
             self.source, self.stats, self.ram, self.ssd, Freshness(config.metadata_ttl_s),
-            block_bytes=config.block_bytes, source_threads=config.parallelism,
+            targets=self.targets, block_bytes=config.block_bytes, source_threads=config.parallelism,
             lookahead_items=config.lookahead_items, sequential_blocks=config.sequential_blocks,
+            miss_batch_items=config.miss_batch_items, per_target=config.per_target,
             kernel=self.kernel, kernel_inodes=kernel_inodes,
             run_ssd=inline_ssd_calls(config.ssd_latency_s))
         self.planner = read_path.planner
@@ -422,7 +473,8 @@ class Sim:
         self.prefetcher.set_order(order)
         self.ram.observe()
         batch = self.config.batch_items
-        batches = iter([range(start, min(start + batch, n)) for start in range(0, n, batch)])
+        skip = min(self.config.skip_items, n)
+        batches = iter([range(start, min(start + batch, n)) for start in range(skip, n, batch)])
         async with trio.open_nursery() as nursery:
             for _ in range(self.config.workers):
                 nursery.start_soon(self._worker, epoch, order, batches, result)
@@ -507,7 +559,8 @@ def simulate(config: SimConfig) -> SimResult:
     ssd_keys = frozenset(sim.ssd.entries) if sim.ssd is not None else frozenset()
     return SimResult(config, epochs, sim.ram.max_used_bytes, sim.ram.budget_bytes,
                      sim.planner.lookahead_items, sim.ram.evictions,
-                     sim.ssd.bytes if sim.ssd is not None else 0, ssd_keys, sim.data_errors)
+                     sim.ssd.bytes if sim.ssd is not None else 0, ssd_keys, sim.data_errors,
+                     sim.targets.status())
 
 
 def run_script(config: SimConfig, script):

@@ -36,6 +36,11 @@ slot left out: that is the mount's own limit, not the source's latency), and the
 
 `delay_s` is a testing aid (`--source-delay-ms`): it sleeps before every open and every read,
 in the worker thread, to turn a fast local directory into a slow one.
+
+Every request for a file's data or identity (`read_block`, `lstat`, `check_readable`) is
+reported to `requests`, a `RequestObserver` (the storage targets' counters, cachefs/targets.py):
+when it starts, and when it ends with its latency, timed in the worker thread (a wait for a free
+thread is not the source's latency), and the bytes it read.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from cachefs import threads as threads_mod
 from cachefs.beneath import open_beneath, proc_path
@@ -85,10 +90,27 @@ class BlockData:
     read_s: float = 0.0  # how long the source took, open to last byte
 
 
+class RequestObserver(Protocol):
+    """Who is told of each source request (module docstring)."""
+
+    def request_started(self, relpath: bytes) -> Any:
+        """A request for `relpath` starts; what is returned is handed to request_finished."""
+
+    def request_finished(self, started: Any, elapsed_s: float, nbytes: int) -> None:
+        """The request ended (or failed) after `elapsed_s` in its thread, having read `nbytes`."""
+
+
+def _timed(fn, *args) -> tuple[Any, float]:
+    """`fn(*args)` and the seconds it took; in the worker thread."""
+    started_s = time.perf_counter()
+    return fn(*args), time.perf_counter() - started_s
+
+
 class Source:
     """Read-only access to the source directory, in worker threads."""
 
-    def __init__(self, root: Path, *, threads: int, delay_s: float = 0.0):
+    def __init__(self, root: Path, *, threads: int, delay_s: float = 0.0,
+                 requests: RequestObserver | None = None):
         self.root = os.fsencode(os.path.realpath(root))
         # every path is resolved beneath this descriptor (module docstring)
         self._root_fd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -104,6 +126,7 @@ class Source:
         self.requests = {"lstat": 0, "block_read": 0, "identity_check": 0, "listdir": 0}
         self.stats_reused = 0
         self.read_seconds = Histogram()  # block reads' latency (module docstring)
+        self._observer = requests
 
     def identity_of(self, st: os.stat_result | PackedStat) -> SourceIdentity:
         if isinstance(st, PackedStat):
@@ -119,6 +142,24 @@ class Source:
     async def _run(self, fn, *args, background: bool = False):
         return await (self._background if background else self._demand)(fn, *args)
 
+    async def _observed(self, relpath: bytes, fn, *args, background: bool = False):
+        """`_run(fn, relpath, *args)`, reported to the observer (module docstring)."""
+        observer = self._observer
+        if observer is None:
+            return await self._run(fn, relpath, *args, background=background)
+        started = observer.request_started(relpath)
+        waited_s = time.perf_counter()
+        elapsed_s, nbytes = None, 0
+        try:
+            result, elapsed_s = await self._run(_timed, fn, relpath, *args,
+                                                background=background)
+            nbytes = len(result.data) if isinstance(result, BlockData) else 0
+            return result
+        finally:
+            if elapsed_s is None:  # it failed: its time, with the wait for a thread
+                elapsed_s = time.perf_counter() - waited_s
+            observer.request_finished(started, elapsed_s, nbytes)
+
     # -- metadata --------------------------------------------------------------------------
 
     def lstat_sync(self, relpath: bytes) -> os.stat_result:
@@ -131,7 +172,7 @@ class Source:
     async def lstat(self, relpath: bytes, *, background: bool = False) -> os.stat_result:
         asked_s = now_s()
         self.requests["lstat"] += 1
-        st = await self._run(self.lstat_sync, relpath, background=background)
+        st = await self._observed(relpath, self.lstat_sync, background=background)
         self._remember(relpath, st, asked_s)
         return st
 
@@ -220,7 +261,7 @@ class Source:
     async def check_readable(self, relpath: bytes) -> SourceIdentity:
         """Open the file for reading (permission check, as the reader's open would) and fstat it."""
         self.requests["identity_check"] += 1
-        return await self._run(self._open_identity, relpath)
+        return await self._observed(relpath, self._open_identity)
 
     def _open_identity(self, relpath: bytes) -> SourceIdentity:
         fd, st = self._open(relpath)
@@ -266,8 +307,8 @@ class Source:
                          background: bool = False) -> BlockData:
         asked_s = now_s()
         self.requests["block_read"] += 1
-        block = await self._run(self.read_block_sync, relpath, block_index, block_bytes,
-                                background=background)
+        block = await self._observed(relpath, self.read_block_sync, block_index, block_bytes,
+                                     background=background)
         self.read_seconds.observe(block.read_s)
         # fstat of a file opened through no link: what lstat would say of a regular file
         self._remember(relpath, block.stat, asked_s)

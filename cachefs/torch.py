@@ -84,12 +84,14 @@ class CachefsSampler(Sampler[int]):
     None to publish nothing. `num_replicas` / `rank` default to torch.distributed's world size
     and rank when it is initialised, else 1 and 0. `files`: the dataset's sample paths, when
     the dataset does not expose them. `timeout_s`: how long a publication waits for the daemon.
+    `targets`: the storage target of each dataset index, published as the order file's
+    `targets` (None: the mount goes by the files' devices).
     """
 
     def __init__(self, dataset_or_len, mount, *, shuffle: bool = True, seed: int = 0,
                  num_replicas: int | None = None, rank: int | None = None,
                  drop_last: bool = False, files: Sequence | None = None,
-                 timeout_s: float = DEFAULT_PUBLISH_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_PUBLISH_TIMEOUT_S, targets: Sequence | None = None):
         super().__init__()
         self.dataset_length = _length_of(dataset_or_len)
         self.num_replicas, self.rank = _replicas(num_replicas, rank)
@@ -110,6 +112,8 @@ class CachefsSampler(Sampler[int]):
         # The published manifest (numpy 'S' array of paths relative to the mount), or None.
         self.files = (_manifest_for(dataset_or_len, files, self.mount, self.dataset_length)
                       if self.mount is not None else None)
+        # the storage target of each dataset index (man/cachefs-order.5), or None
+        self.targets = np.asarray(targets) if targets is not None else None
         self.epoch = 0
         self._epoch_iterated = False  # set by iter(), cleared by set_epoch()
         self._published_epoch: int | None = None
@@ -156,7 +160,7 @@ class CachefsSampler(Sampler[int]):
                                     next=self.epoch_order(self.epoch + 1), files=self.files,
                                     rank=self.rank if distributed else None,
                                     world_size=self.num_replicas if distributed else None,
-                                    timeout_s=self.timeout_s)
+                                    timeout_s=self.timeout_s, targets=self.targets)
         self._published_epoch = self.epoch
         log.info("published epoch %d to %s: rank %d of %d reads %d items; the mount's order "
                  "has %d, for ranks %s", self.epoch, self.mount, self.rank, self.num_replicas,

@@ -214,3 +214,34 @@ def test_evict_files_drops_only_the_files_pages(tmp_path):
     assert benchlib.evict_files([source]) == 3
     assert before > 0 and page_cache_bytes(bytes(source), names) == 0
     assert page_cache_bytes(bytes(other), [b"keep"]) == 3 * mmap.PAGESIZE
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(os.geteuid() != 0, reason="its two targets are tmpfs mounts: root")
+def test_bench_targets_smoke(tmp_path):
+    out = tmp_path / "targets.json"
+    done = run_script("bench_targets.py", "--smoke", "--workdir", tmp_path / "work",
+                      "--json", out)
+    assert done.returncode == 0, done.stderr
+    assert "| epoch | direct files/s (before, after) | cachefs files/s |" in done.stdout
+    result = json.loads(out.read_text())
+    files = result["dataset"]["files"]
+    assert files == 2 * 30
+    for contender in ("direct", "cachefs", "direct-after"):
+        records = [r for r in result["records"] if r["contender"] == contender]
+        assert [r["epoch"] for r in records] == [1, 2]
+        assert all(r["files"] == files and r["bytes"] == result["dataset"]["total_bytes"]
+                   for r in records)
+    for record in result["records"]:
+        if record["contender"] == "cachefs":
+            stats = record["stats"]
+            assert stats["reads"] == files
+            assert stats["hits_ram"] + stats["prefetched"] + stats["misses"] == files
+    assert [r["epoch"] for r in result["ratios"]] == [1, 2]
+    assert all(r["ratio"] > 0 for r in result["ratios"])
+    # one target per tmpfs, told apart by device, with every file of the order on one of them
+    targets = result["targets"]
+    assert len(targets) == 2 and {t["by"] for t in targets} == {"device"}
+    assert [t["items"] for t in targets] == [30, 30]
+    assert all(t["requests"] >= 30 for t in targets)
+    assert_no_mount_under(tmp_path)

@@ -31,6 +31,14 @@ def order(epoch, current, next_=None, manifest=MANIFEST) -> Order:
                  world_size=None, total_length=len(current), file=None)
 
 
+def window(planner: Planner, start: int = 0) -> list[tuple[int, int]]:
+    """(position, item) the read-ahead of a single storage target walks (cachefs/targets.py:
+    its list is every virtual position), from list index `start` on."""
+    positions = np.arange(planner.known_end(), dtype=np.int64)
+    return [(position, item)
+            for _, position, item in planner.entries(positions, start, planner.window_end())]
+
+
 def planner_with(current, next_=None, lookahead=100, epoch=1) -> Planner:
     planner = Planner(lookahead)
     assert planner.set_order(order(epoch, current, next_))
@@ -111,18 +119,18 @@ def test_window_skips_consumed_and_next_items_still_unconsumed_in_current():
     # window [0, 6): positions 0..3 of current, then next positions 0 and 1 (items 3 and 1).
     # Item 3 is still unconsumed in current (its next use is there): skipped. Item 1 is
     # consumed: its next use is next position 1, virtual position 5.
-    assert list(planner.window()) == [(0, 0), (2, 2), (3, 3), (5, 1)]
+    assert window(planner) == [(0, 0), (2, 2), (3, 3), (5, 1)]
 
 
 def test_window_slides_with_the_cursor_and_the_scan_mark():
     planner = planner_with(list(range(8)), lookahead=3)
-    assert [p for p, _ in planner.window()] == [0, 1, 2]
-    planner.scan = 2  # the prefetcher handled 0 and 1
-    assert [p for p, _ in planner.window()] == [2]
+    assert [p for p, _ in window(planner)] == [0, 1, 2]
+    # the prefetcher handled list entries 0 and 1
+    assert [p for p, _ in window(planner, start=2)] == [2]
     planner.consume(0)
     planner.consume(1)
     assert planner.cursor == 2
-    assert [p for p, _ in planner.window()] == [2, 3, 4]
+    assert [p for p, _ in window(planner, start=2)] == [2, 3, 4]
 
 
 def test_window_stops_at_the_end_of_the_known_orders():
@@ -179,7 +187,7 @@ def test_the_same_epoch_over_a_longer_manifest_is_a_new_plan_sized_to_it():
     assert planner.set_order(order(2, [0, 1], next_=[12, 9, 0], manifest=longer))
     assert planner.order_serial == serial + 1  # item numbers of open files mean other files
     assert len(planner.pos_cur) == len(planner.pos_next) == 16
-    assert list(planner.window()) == [(0, 0), (1, 1), (2, 12), (3, 9)]
+    assert window(planner) == [(0, 0), (1, 1), (2, 12), (3, 9)]
     assert planner.next_use(12) == 2
     planner.consume(0)
     assert planner.consume(1) and planner.switch_to_next()
@@ -220,7 +228,7 @@ def test_a_rank_joining_keeps_what_was_consumed():
     assert planner.consumed_count == 1 and planner.cursor == 0
     assert planner.next_use(4) == 4 + 3  # consumed: its place in the merged next order
     # the window skips the consumed position; of the next order only item 4 is not ahead
-    assert list(planner.window()) == [(0, 0), (2, 1), (3, 5), (7, 4)]
+    assert window(planner) == [(0, 0), (2, 1), (3, 5), (7, 4)]
     planner.consume(0)
     assert planner.cursor == 2
     # and a third rank joining later keeps both ranks' progress
@@ -300,7 +308,7 @@ def test_rank_padding_duplicates_are_consumed_once_per_occurrence():
 
 def test_window_lists_a_padded_item_once_per_occurrence():
     planner = planner_with([5, 6, 5], lookahead=3)
-    assert list(planner.window()) == [(0, 5), (1, 6), (2, 5)]
+    assert window(planner) == [(0, 5), (1, 6), (2, 5)]
 
 
 # -- the RAM tier ------------------------------------------------------------------------------
