@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pyfuse3
 import trio
 
@@ -40,7 +41,7 @@ from cachefs.ctrl import Control
 from cachefs.freshness import Freshness
 from cachefs.fuse_ops import KernelInvalidation, Operations
 from cachefs.inodes import ROOT_INODE, InodeTable
-from cachefs.manifest import Manifest, scan_source
+from cachefs.manifest import Manifest, quote_path, scan_source
 from cachefs.order import load_order
 from cachefs.order_watch import OrderWatcher
 from cachefs import fanotify
@@ -195,7 +196,20 @@ class Mount:
         return [manifest.path(int(item)) for item in self.planner.current[self.planner.cursor:]]
 
     def _load_order(self, path: Path):
-        return load_order(path, self.source_manifest.get_for_order)
+        return load_order(path, self.source_manifest.get_for_order, self._file_sizes)
+
+    def _file_sizes(self, manifest, indices) -> np.ndarray:
+        """The sizes of files of `manifest` now, for an order's byte-range items (the order
+        watcher's worker thread; one lstat per file that holds items)."""
+        sizes = np.empty(len(indices), np.int64)
+        for slot, index in enumerate(indices.tolist()):
+            relpath = manifest.path(index)
+            try:
+                sizes[slot] = self.source.lstat_sync(relpath).st_size
+            except OSError as exc:
+                raise errors.OrderError(f"{quote_path(relpath)}, which holds items: "
+                                        f"{exc.strerror}") from None
+        return sizes
 
     def snapshot(self) -> dict:
         """The JSON of `cachefs stats` (keys documented in man/cachefs-stats.1)."""

@@ -93,16 +93,17 @@ class Planner:
           publish one after another, and what the first ones read before the others
           published stays read. One position per consumed item is marked consumed again.
         Neither bumps `order_serial`: files open during the change keep consuming. Any other
-        order is a new plan, and so is any order over a manifest with other paths: item
-        numbers are indices into the manifest, and every per-item array (`pos_cur`,
-        `pos_next`) is sized to it.
+        order is a new plan, and so is any order over a manifest with other paths or other
+        byte-range items: item numbers are indices into the manifest (or the item table), and
+        every per-item array (`pos_cur`, `pos_next`) is sized to it.
         """
         same_epoch = (self.order is not None and order.epoch == self.epoch
                       and order.manifest.same_paths(self.order.manifest)
+                      and order.same_items(self.order)
                       and np.array_equal(order.current, self.current))
         joined = not same_epoch and self._rank_joined(order)
         self.order = order
-        manifest_len = len(order.manifest)
+        manifest_len = order.item_count  # byte-range items, or the manifest's files
         self.reranked_items = None
         if joined:
             consumed_items = self.current[self.consumed]
@@ -139,7 +140,7 @@ class Planner:
                 or order.ranks is None or order.world_size != old.world_size
                 or not set(old.ranks) <= set(order.ranks)):
             return False
-        if not order.manifest.same_paths(old.manifest):
+        if not order.manifest.same_paths(old.manifest) or not order.same_items(old):
             return False
         old_k, new_k = len(old.ranks), len(order.ranks)
         if len(self.current) % old_k or len(order.current) % new_k:

@@ -123,17 +123,17 @@ class Prefetcher:
     # -- events from the order watcher and the reader ---------------------------------------
 
     def set_order(self, order) -> None:
-        if self.ranking.use_manifest(order.manifest):
+        if self.ranking.use_manifest(order.manifest, order.items):
             # every item number changes meaning: fetches in flight finish on their own and
             # drop their results (_fetch_item), and the state per item starts over
             self._inflight_items = set()
             self.meta = ItemMeta(len(order.manifest))
             self.stats.track_items(len(order.manifest))
-        self.ranking.set_members(order.current, order.next)
+        self.ranking.set_members(order.current, order.next, order.item_count)
         if self.planner.set_order(order):
             self.stats.start_epoch(order.epoch)
         self._size_window()
-        if self.planner.reranked_items is None:
+        if self.planner.reranked_items is None or self.ranking.ranged:
             self.ranking.rerank_all()
         else:  # a new next epoch only: the few items whose next use changed
             for item in self.planner.reranked_items.tolist():
@@ -209,7 +209,7 @@ class Prefetcher:
         if completed and self.planner.switch_to_next():
             assert self.planner.epoch is not None  # the switch set it
             self.stats.start_epoch(self.planner.epoch)
-            self.ranking.set_members(self.planner.current)
+            self.ranking.set_members(self.planner.current, item_count=len(self.planner.pos_cur))
             self.ranking.rerank_all()
         self.poke()
 
@@ -227,8 +227,8 @@ class Prefetcher:
     def _start_fetches(self, nursery: trio.Nursery) -> None:
         planner = self.planner
         manifest = self.ranking.manifest
-        if not planner.active or manifest is None:
-            return
+        if not planner.active or manifest is None or self.ranking.ranged:
+            return  # byte-range items are not read ahead yet
         # The window depends on file sizes, and at set_order none may be known yet:
         # recompute it as sizes become known.
         self._size_window()
