@@ -56,6 +56,7 @@ from cachefs.cache.ram import RamTier, block_count
 from cachefs.cache.tiered import TieredCache
 from cachefs.freshness import NEVER_S, Freshness, now_s
 from cachefs.planner import Planner
+from cachefs.range_prefetch import RangePrefetcher
 from cachefs.ranking import Ranking
 from cachefs.source import Source, SourceIdentity
 from cachefs.stats import Stats
@@ -100,7 +101,8 @@ class ItemMeta:
 class Prefetcher:
     def __init__(self, planner: Planner, ranking: Ranking, tiered: TieredCache, ram: RamTier,
                  source: Source, stats: Stats, freshness: Freshness, *, block_bytes: int,
-                 source_threads: int, lookahead_items: int):
+                 source_threads: int, lookahead_items: int,
+                 ranges: RangePrefetcher | None = None):
         self.planner = planner
         self.ranking = ranking
         self.tiered = tiered
@@ -111,6 +113,9 @@ class Prefetcher:
         self.block_bytes = block_bytes
         self.max_inflight = source_threads
         self.configured_lookahead = lookahead_items
+        # the read-ahead of an order of byte-range items (cachefs/range_prefetch.py): this
+        # loop hands it the window while such an order is in force
+        self.ranges = ranges
         self.meta = ItemMeta(0)
         self._inflight_items: set[int] = set()  # of the manifest in force
         self._wake = trio.Event()
@@ -130,7 +135,8 @@ class Prefetcher:
             self.meta = ItemMeta(len(order.manifest))
             self.stats.track_items(len(order.manifest))
         self.ranking.set_members(order.current, order.next, order.item_count)
-        if self.planner.set_order(order):
+        started = self.planner.set_order(order)
+        if started:
             self.stats.start_epoch(order.epoch)
         self._size_window()
         if self.planner.reranked_items is None or self.ranking.ranged:
@@ -138,13 +144,16 @@ class Prefetcher:
         else:  # a new next epoch only: the few items whose next use changed
             for item in self.planner.reranked_items.tolist():
                 self.ranking.rerank(item, int(self.meta.size[item]))
+        if started and self.ranges is not None and self.ranking.ranged:
+            self.ranges.new_epoch()
         self.poke()
 
     def _size_window(self) -> None:
         """The window from the RAM budget and the mean file size seen so far: `--lookahead`, or
         `source_threads` items, at most a quarter of RAM; and the most the window may span when
         readers spread out, as a DataLoader's workers do (planner.max_span_items)."""
-        mean_size = self.meta.mean_size(-1)
+        mean_size = (self.ranges.mean_item_bytes() if self.ranges is not None
+                     and self.ranking.ranged else self.meta.mean_size(-1))
         if mean_size < 0:
             # No size known yet. Guessing one block per item let a data set of large files
             # (10 blocks each) start with a window of 25 items, ten times the RAM budget's
@@ -205,12 +214,17 @@ class Prefetcher:
             return
         self.ranking.consumed_at(now_s())
         completed = self.planner.consume(item)
-        self.ranking.rerank(item, int(self.meta.size[item]))
+        if self.ranges is not None and self.ranking.ranged:
+            self.ranges.rerank(item)
+        else:
+            self.ranking.rerank(item, int(self.meta.size[item]))
         if completed and self.planner.switch_to_next():
             assert self.planner.epoch is not None  # the switch set it
             self.stats.start_epoch(self.planner.epoch)
             self.ranking.set_members(self.planner.current, item_count=len(self.planner.pos_cur))
             self.ranking.rerank_all()
+            if self.ranges is not None and self.ranking.ranged:
+                self.ranges.new_epoch()
         self.poke()
 
     # -- the read-ahead loop ---------------------------------------------------------------
@@ -227,8 +241,13 @@ class Prefetcher:
     def _start_fetches(self, nursery: trio.Nursery) -> None:
         planner = self.planner
         manifest = self.ranking.manifest
-        if not planner.active or manifest is None or self.ranking.ranged:
-            return  # byte-range items are not read ahead yet
+        if not planner.active or manifest is None:
+            return
+        if self.ranking.ranged:
+            if self.ranges is not None:
+                self._size_window()
+                self.ranges.start_fetches(nursery, self.poke)
+            return
         # The window depends on file sizes, and at set_order none may be known yet:
         # recompute it as sizes become known.
         self._size_window()
@@ -397,4 +416,6 @@ class Prefetcher:
             log.debug("read-ahead of %r failed: %s", key, exc)
 
     def status(self) -> dict:
+        if self.ranges is not None and self.ranking.ranged:
+            return self.ranges.status()
         return {"inflight": len(self._inflight_items), "errors": self.prefetch_errors}

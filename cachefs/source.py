@@ -274,6 +274,39 @@ class Source:
         return block
 
 
+    def read_ranges_sync(self, relpath: bytes, ranges: list[tuple[int, int]]) -> BlockData:
+        """The bytes of each (offset, length) of the file, cut at its end, one after the
+        other in `data`, with the identity of the same open file, as `read_block_sync`
+        reads a block."""
+        started_s = time.monotonic()
+        fd, st = self._open(relpath)
+        try:
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            data = b"".join(_pread_full(fd, max(0, min(length, st.st_size - offset)), offset)
+                            for offset, length in ranges)
+        finally:
+            os.close(fd)
+        return BlockData(data, self.identity_of(st), st, time.monotonic() - started_s)
+
+    async def read_ranges(self, relpath: bytes, ranges: list[tuple[int, int]], *,
+                          background: bool = False) -> BlockData:
+        """Byte ranges of one file in one worker-thread call: the byte-range items of an
+        order (cachefs/range_cache.py), or the edges of their pages."""
+        asked_s = now_s()
+        self.requests["block_read"] += 1
+        block = await self._run(self.read_ranges_sync, relpath, ranges, background=background)
+        self.read_seconds.observe(block.read_s)
+        self._remember(relpath, block.stat, asked_s)
+        return block
+
+    async def read_range(self, relpath: bytes, offset: int, length: int, *,
+                         background: bool = False) -> BlockData:
+        """Bytes [offset, offset + length) of the file (fewer at its end): one span of
+        adjacent items (cachefs/range_cache.py)."""
+        return await self.read_ranges(relpath, [(offset, length)], background=background)
+
+
 def _pread_full(fd: int, size: int, offset: int) -> bytes:
     """pread until `size` bytes or EOF: network file systems may return short reads."""
     data = os.pread(fd, size, offset)
