@@ -1,16 +1,19 @@
-"""Samples inside a large file on a real mount: a `.npy` read through `numpy.memmap` in the
-published order of its rows (byte-range items), what the daemon counts, and reads that span
-cached and uncached bytes."""
+"""Samples inside large files on a real mount: a `.npy` read through `numpy.memmap` in the
+published order of its rows (byte-range items), what the daemon counts, reads that span cached
+and uncached bytes, and the tables of cachefs.ranges for a tar shard and an HDF5 dataset."""
 
 from __future__ import annotations
 
+import io
 import os
+import tarfile
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from cachefs import ranges
 from cachefs.order import permutation
 from cachefs.order_items import ItemArrays
 from cachefs.publish import publish
@@ -136,3 +139,59 @@ def test_reads_spanning_cached_and_uncached_bytes(npy, mounter, data_plane):
                 (offset, size)
         assert os.pread(f.fileno(), 200, 0) == expected[:200]  # the header: no item
         assert os.pread(f.fileno(), 100, len(expected) - 50) == expected[-50:]
+
+
+def test_a_tar_shard_read_member_by_member_in_the_order(tmp_path, mounter):
+    """A WebDataset-like shard: its members' data are the items (cachefs.ranges); tarfile on
+    the mount reads them in the published order, headers included (bytes of no item)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(5)
+    contents = [rng.integers(0, 256, int(rng.integers(20_000, 60_000)), np.uint8).tobytes()
+                for _ in range(40)]
+    with tarfile.open(src / "shard.tar", "w") as archive:
+        for index, data in enumerate(contents):
+            info = tarfile.TarInfo(f"sample{index:03d}.bin")
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    items, names = ranges.tar_members(src / "shard.tar")
+    mount = mounter(src, "--ram-cache", sum(map(len, contents)) // 4)
+    order = permutation(len(names), 0, 0)
+    publish(mount.mountpoint, 0, order, next=permutation(len(names), 0, 1), items=items,
+            files=["shard.tar"])
+    with tarfile.open(mount.mountpoint / "shard.tar") as archive:
+        members = {member.name: member for member in archive.getmembers()}
+        for index in order.tolist():
+            data = archive.extractfile(members[names[index]]).read()
+            assert data == contents[int(names[index][6:9])], names[index]
+    record = epoch_record(mount, 0, reads=len(names))
+    assert record["reads"] == len(names)
+    assert record["bytes_served"] == sum(map(len, contents))
+
+
+def test_an_hdf5_dataset_read_row_by_row_in_the_order(tmp_path, mounter):
+    """h5py on the mount reads the rows of a contiguous dataset in the published order; its
+    metadata are bytes of no item."""
+    h5py = pytest.importorskip("h5py")
+    src = tmp_path / "src"
+    src.mkdir()
+    # rows larger than HDF5's 64 KiB sieve buffer, which would read the next rows along
+    rows = np.random.default_rng(9).integers(0, 2**31, (60, 20_000), dtype=np.int32)
+    with h5py.File(src / "data.h5", "w") as hdf:
+        hdf.create_dataset("x", data=rows)
+    items, per_item = ranges.hdf5_rows(src / "data.h5", "x")
+    assert per_item == 1
+    mount = mounter(src, "--ram-cache", rows.nbytes // 4)
+    for epoch in range(2):
+        order = permutation(len(rows), 0, epoch)
+        publish(mount.mountpoint, epoch, order, next=permutation(len(rows), 0, epoch + 1),
+                items=items, files=["data.h5"])
+        if epoch == 0:
+            hdf = h5py.File(mount.mountpoint / "data.h5", "r")
+        for index in order.tolist():
+            assert np.array_equal(hdf["x"][index], rows[index]), (epoch, index)
+        record = epoch_record(mount, epoch, reads=len(rows))
+        assert record["reads"] == len(rows)
+        if epoch:
+            assert record["hits_ram"] >= 0.15 * len(rows), record
+    hdf.close()
