@@ -33,7 +33,7 @@ fault reads that page alone: no bytes of neighbouring items are fetched behind t
 back, and a READ of a sentinel means that sample, not a neighbour. Pages stay in the kernel
 after their item was consumed; so that a sample read again is seen again, and the kernel holds
 no more than the window and a few recently read items beyond the RAM budget, a file's pages
-are dropped (`invalidate_inode`) every `DROP_EVERY_ITEMS` consumed items and whenever a new
+are dropped (`invalidate_inode`) every `DROP_EVERY_ITEMS` (128) consumed items and whenever a new
 epoch or plan starts; the window's items are then pushed again from RAM.
 
 Pure trio and the injected kernel calls: no pyfuse3 here.
@@ -52,17 +52,19 @@ import trio
 from cachefs import stats as stats_mod
 from cachefs.cache.ram import PAGE_BYTES, RamBlock, RamTier
 from cachefs.cache.tiered import KernelInodes
-from cachefs.freshness import Freshness, now_s
+from cachefs.freshness import REFRESH_AGE_FRACTION, Freshness, now_s
 from cachefs.order_items import Items
 from cachefs.pagecache import KernelPages
 from cachefs.ranking import Ranking
+from cachefs.recent import RecentMap
 from cachefs.source import Source, SourceIdentity
 from cachefs.stats import Stats
 
 log = logging.getLogger(__name__)
 
 MAX_SPAN_BYTES = 4 << 20  # one source read covers adjacent items up to this many bytes
-DROP_EVERY_ITEMS = 64  # consumed items of a file whose pages the kernel may still hold
+DROP_EVERY_ITEMS = 128  # consumed items of a file whose pages the kernel may still hold
+KEYS_REMEMBERED = 16384  # items whose RAM-tier key is remembered (`key_of`)
 
 
 class RangeKey(NamedTuple):
@@ -159,6 +161,11 @@ class RangeCache:
         self._consumed_since_drop: dict[bytes, int] = {}  # per file
         self.pushes = 0  # items stored into the kernel's pages
         self.drops = 0  # files' pages dropped
+        self.caught_up = 0  # items taken as read with no READ of their sentinel (range_read)
+        # RAM-tier keys of the items used lately, for the table `_keys_of` (a READ, a push
+        # and a consumption each ask for them several times)
+        self._keys: RecentMap[int, tuple] = RecentMap(KEYS_REMEMBERED)
+        self._keys_of: Items | None = None
 
     # -- the order in force ------------------------------------------------------------------
 
@@ -174,7 +181,14 @@ class RangeCache:
     def key_of(self, item: int) -> tuple:
         items = self.ranking.items
         assert items is not None
-        return (self.path_of(item), RangeKey(int(items.offset[item]), int(items.length[item])))
+        if self._keys_of is not items:
+            self._keys, self._keys_of = RecentMap(KEYS_REMEMBERED), items
+        key = self._keys.get(item)
+        if key is None:
+            key = (self.path_of(item),
+                   RangeKey(int(items.offset[item]), int(items.length[item])))
+            self._keys.put(item, key)
+        return key
 
     def want(self, item: int, reserved: int = 0) -> Want:
         items = self.ranking.items
@@ -268,6 +282,18 @@ class RangeCache:
         and still earns it. Returns the identity read and each item's extent. Items of
         another plan than the one in force when it lands are not kept."""
         items = self.ranking.items
+        # an item a reader or another fetch got to first (between the caller's look and now)
+        # is not read again: the caller finds it in RAM or in flight
+        taken = [want for want in span if self.key_of(want.item) in self.inflight
+                 or self.entry(self.key_of(want.item), identity) is not None]
+        for want in taken:
+            if want.reserved:
+                self.ram.unreserve(want.reserved)
+                want.reserved = 0
+        span = [want for want in span if want not in taken]
+        if not span:
+            return identity or self.source.identity_of(
+                await self.source.lstat(relpath, background=not demand)), {}
         keys = [self.key_of(want.item) for want in span]
         flights = []
         for key in keys:
@@ -275,7 +301,7 @@ class RangeCache:
             flights.append(flight)
         lo, hi = span[0].extent[0], span[-1].extent[1]
         try:
-            block = await self.source.read_range(relpath, lo, hi - lo, background=not demand)
+            block = await self.read_source(relpath, [(lo, hi - lo)], demand=demand)
             identity = block.identity
             self.record_identity(relpath, identity)  # a change drops the file's copies
             origin = stats_mod.ORIGIN_MISS if demand else stats_mod.ORIGIN_PREFETCHED
@@ -306,6 +332,15 @@ class RangeCache:
                     del self.inflight[key]
                 flight.done.set()
 
+    async def read_source(self, relpath: bytes, ranges: list[tuple[int, int]], *,
+                          demand: bool):
+        """Ranges of one file from the source, through a descriptor kept open for its next
+        range reads as long as its identity is trusted without a re-check
+        (cachefs/held_files.py)."""
+        return await self.source.read_ranges(
+            relpath, ranges, background=not demand,
+            hold_s=self.freshness.ttl_s * REFRESH_AGE_FRACTION)
+
     def _keep(self, key: tuple, block: RamBlock, want: Want) -> None:
         priority = self.ranking.priority_of(want.item, 0, block.identity)
         if priority is None:
@@ -329,7 +364,7 @@ class RangeCache:
         offset, length = key[1]
         lo, hi = page_extent(offset, length, identity.size)
         left, right = (lo, offset - lo), (offset + length, hi - offset - length)
-        parts = await self.source.read_ranges(key[0], [left, right], background=True)
+        parts = await self.read_source(key[0], [left, right], demand=False)
         if parts.identity != identity:
             self.record_identity(key[0], parts.identity)
             return False
@@ -400,5 +435,6 @@ class RangeCache:
             self.pushed -= set(pushed[items.file[pushed] == file_index].tolist())
 
     def status(self) -> dict:
-        return {"pushed_items": self.pushes, "page_drops": self.drops}
+        return {"pushed_items": self.pushes, "page_drops": self.drops,
+                "caught_up": self.caught_up}
 

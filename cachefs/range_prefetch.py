@@ -16,8 +16,11 @@ item for a file. Each pass walks the window nearest first and, for each item:
 The missing items of a pass are grouped by file into spans of touching page extents
 (`range_cache.spans`) and each span is one source read: adjacent items in the order (a
 sequential reader, or a shuffle within a shard) cost one round trip. Fetches in flight are at
-most the prefetcher's `source_threads` items. When a span lands, its items are pushed to the
-kernel, but for their sentinel pages (cachefs/range_read.py counts the reads by those).
+most the prefetcher's `source_threads` reads. Past the window's end, the items that follow the
+last one wanted both in its file and in the order join its read (`_extend`), so that a reader
+going through a file in order is read ahead in requests of up to 4 MiB. When a span lands, its
+items are pushed to the kernel, but for their sentinel pages (cachefs/range_read.py counts the
+reads by those).
 
 Item numbers are the plan's: a task that outlives its plan (another item table came into
 force meanwhile) keeps nothing and leaves the new plan's bookkeeping alone (`_items_then`).
@@ -33,7 +36,7 @@ import trio
 from cachefs.cache.ram import PAGE_BYTES
 from cachefs.order_items import Items
 from cachefs.planner import Planner
-from cachefs.range_cache import RangeCache, Want, spans
+from cachefs.range_cache import MAX_SPAN_BYTES, RangeCache, Want, spans
 from cachefs.ranking import Ranking
 from cachefs.source import SourceIdentity
 
@@ -48,6 +51,7 @@ class RangePrefetcher:
         self.cache = cache
         self.max_inflight = max_inflight
         self._busy: set[int] = set()  # items being fetched or completed, of `_busy_items`
+        self._tasks = 0  # fetches and completions running: source reads in flight
         self._busy_items: Items | None = None
         self._stating: set[bytes] = set()  # files being stat'ed
         self._mean_of: Items | None = None  # the table `_mean_bytes` is of
@@ -81,9 +85,13 @@ class RangePrefetcher:
         if self._busy_items is not items:
             self._busy, self._busy_items = set(), items
         wanted: dict[bytes, list[Want]] = {}
+        new_reads = 0  # source reads this pass will start, at most (one per item wanted)
         held = False  # a position below is to be walked again (its pages are not pushed)
+        last: tuple[int, int] | None = None  # (position, item) of the last item wanted
+        walked_all = True
         for position, item in planner.window():
-            if len(self._busy) >= self.max_inflight:
+            if self._tasks + new_reads >= self.max_inflight:
+                walked_all = False
                 break
             if item not in self._busy:
                 key = cache.key_of(item)
@@ -92,6 +100,7 @@ class RangePrefetcher:
                 block = cache.ram.get(key)
                 if block is not None and identity is None:
                     self._stat(nursery, relpath, poke)
+                    walked_all = False
                     break  # back here once the file's identity is known
                 block = cache.entry(key, identity)
                 if block is not None:
@@ -108,19 +117,54 @@ class RangePrefetcher:
                 else:
                     reserved = cache.reserve(item, self.ranking.priority_of(item, 0, None))
                     if not reserved:
+                        walked_all = False
                         break  # RAM holds only nearer uses: wait for a consumption
                     wanted.setdefault(relpath, []).append(cache.want(item, reserved))
                     self._busy.add(item)
+                    new_reads += 1
+                    last = (position, item)
             if not held:
                 planner.scan = position + 1
+        if walked_all and last is not None:
+            self._extend(wanted, *last, held)
         for relpath, wants in wanted.items():
             for span in spans(wants):
                 self._busy.difference_update(want.item for want in span)
                 self._start(nursery, self._fetch, [want.item for want in span], poke,
                             relpath, span, cache.identity(relpath))
 
+    def _extend(self, wanted: dict[bytes, list[Want]], position: int, item: int,
+                held: bool) -> None:
+        """Past the window's end, the items that follow the last one wanted both in its file
+        and in the order (a reader going through a file in order) join its source read, up to
+        `MAX_SPAN_BYTES` and the window's largest span: adjacent ranges in one request, not one
+        per window step, and never so far ahead that the window's own items would have to
+        evict them before their use."""
+        items, planner, cache = self.ranking.items, self.planner, self.cache
+        assert items is not None
+        relpath = cache.key_of(item)[0]
+        span_bytes = sum(want.length for want in wanted[relpath])
+        while span_bytes < MAX_SPAN_BYTES:
+            following = items.next_in_file(item)
+            if following < 0 or planner.item_at(position + 1) != following \
+                    or planner.next_use(following) != position + 1 \
+                    or following in self._busy or cache.key_of(following) in cache.ram:
+                return
+            if position + 1 >= planner.cursor + planner.max_span_items:
+                return  # no further than the window may ever span (a quarter of RAM)
+            reserved = cache.reserve(following, self.ranking.priority_of(following, 0, None))
+            if not reserved:
+                return
+            wanted[relpath].append(cache.want(following, reserved))
+            self._busy.add(following)
+            position, item = position + 1, following
+            span_bytes += int(items.length[item])
+            if not held:
+                planner.scan = max(planner.scan, position + 1)
+
     def _start(self, nursery: trio.Nursery, task, items: list[int], poke, *args) -> None:
         self._busy.update(items)
+        self._tasks += 1
         nursery.start_soon(self._run, task, items, self.ranking.items, poke, *args)
 
     async def _run(self, task, items: list[int], items_then: Items | None, poke, *args) -> None:
@@ -131,6 +175,7 @@ class RangePrefetcher:
             self.errors += 1
             log.debug("read-ahead of items %s failed: %s", items[:4], exc)
         finally:
+            self._tasks -= 1
             if self._busy_items is items_then:
                 self._busy.difference_update(items)
             poke()
@@ -171,5 +216,5 @@ class RangePrefetcher:
 
     def status(self) -> dict:
         """`cachefs stats`'s `prefetch` while an order of ranges is in force."""
-        return {"inflight": len(self._busy), "errors": self.errors,
+        return {"inflight": self._tasks, "errors": self.errors,
                 "ranges": self.cache.status()}

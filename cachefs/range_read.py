@@ -24,7 +24,9 @@ counted early (the bytes served are right whatever is counted).
 
 from __future__ import annotations
 
+import collections
 import logging
+import math
 from collections.abc import Callable
 
 from cachefs import errors
@@ -39,6 +41,10 @@ from cachefs.source import SourceIdentity
 
 log = logging.getLogger(__name__)
 
+RETRY_S = 1.0  # at most this long after its item's consumption is a sentinel's READ a retry
+READERS_SEEN = 8  # consumptions by READs that say where the readers are (`_catch_up`)
+MAX_FILES_REMEMBERED = 65536  # files whose `file_of` is remembered
+
 
 class RangeReader:
     def __init__(self, planner: Planner, ranking: Ranking, cache: RangeCache,
@@ -50,17 +56,33 @@ class RangeReader:
         self._on_consumed = on_consumed  # the prefetcher's: the plan moves on
         # items touched by READs and not consumed yet: [costliest origin, stall seconds], for
         # the table and epoch of `_touched_plan`; at most the window's items and a few more
+        # the item the last READ consumed, and when (a READ of its sentinel again, before
+        # any other item's, is the kernel asking again: `_consume_sentinels`)
+        self._last: tuple[int, float] = (-1, -math.inf)
+        # positions of the last items consumed by READs, in this epoch (`_catch_up`)
+        self._positions: collections.deque[int] = collections.deque(maxlen=READERS_SEEN)
+        self._positions_epoch = -1
+        self._files_of: Items | None = None  # the table `_file_index` is of
+        self._file_index: dict[bytes, int] = {}  # relpath -> file_of (the manifest's index)
         self._touched: dict[int, list] = {}
         self._touched_plan: tuple[Items | None, int] = (None, -1)  # items, epoch serial
 
     def file_of(self, relpath: bytes) -> int:
         """The file's index in the manifest in force if the order's items include ranges of
-        it (its READs are served here), else -1."""
+        it (its READs are served here), else -1. Remembered per table: every READ asks."""
         items, manifest = self._ranking.items, self._ranking.manifest
         if items is None or manifest is None:
             return -1
-        file_index = manifest.index_of(relpath)
-        return file_index if file_index >= 0 and len(items.in_file(file_index)) else -1
+        if self._files_of is not items:
+            self._files_of, self._file_index = items, {}
+        file_index = self._file_index.get(relpath)
+        if file_index is None:
+            file_index = manifest.index_of(relpath)
+            if file_index < 0 or not len(items.in_file(file_index)):
+                file_index = -1
+            if len(self._file_index) < MAX_FILES_REMEMBERED:
+                self._file_index[relpath] = file_index
+        return file_index
 
     async def read(self, relpath: bytes, identity: SourceIdentity, file_index: int,
                    offset: int, size: int) -> bytes:
@@ -137,13 +159,27 @@ class RangeReader:
                 read, extents = await self._cache.fetch(relpath, span, identity, demand=True)
                 self._check_version(relpath, identity, read)
                 for want in span:
-                    if want.item not in extents:  # the file is shorter now
-                        raise errors.StaleFileError(f"{relpath!r} changed in the source")
-                    found[want.item] = self._own(extents[want.item], self._cache.key_of(want.item))
+                    key = self._cache.key_of(want.item)
+                    if want.item in extents:
+                        found[want.item] = self._own(extents[want.item], key)
+                    else:  # fetched by another meanwhile, or beyond the file's end now
+                        found[want.item] = await self._again(relpath, identity, key)
         waited_s = now_s() - started_s
         for index, item in enumerate(missing):
             self._touch(item, stats_mod.ORIGIN_MISS, waited_s if index == 0 else 0.0)
         return found
+
+    async def _again(self, relpath: bytes, identity: SourceIdentity, key: tuple
+                     ) -> memoryview:
+        """An item another fetch got to first: from RAM, or from that fetch."""
+        block = self._cache.entry(key, identity)
+        if block is not None and block.data is not None:
+            return item_bytes(block, *key[1])
+        result = await self._cache.flight_result(key)
+        if result is None:  # the file is shorter now
+            raise errors.StaleFileError(f"{relpath!r} changed in the source")
+        self._check_version(relpath, identity, result[1])
+        return self._own(result[0], key)
 
     @staticmethod
     def _own(extent: bytes, key: tuple) -> memoryview:
@@ -161,7 +197,7 @@ class RangeReader:
     async def _gaps(self, relpath: bytes, identity: SourceIdentity,
                     gaps: list[tuple[int, int]]) -> list[bytes]:
         """Bytes of no item, from the source (not cached), in one read."""
-        block = await self._cache.source.read_ranges(relpath, gaps)
+        block = await self._cache.read_source(relpath, gaps, demand=True)
         self._check_version(relpath, identity, block.identity)
         out, position = [], 0
         for _, length in gaps:
@@ -184,19 +220,56 @@ class RangeReader:
 
     def _consume_sentinels(self, relpath: bytes, items: Items, hits: list[int], offset: int,
                            end: int) -> None:
-        """Consume the items whose sentinel page this READ covers (module docstring)."""
-        pos_cur = self._planner.pos_cur
+        """Consume the items whose sentinel page this READ covers (module docstring), but for
+        a READ of the sentinel of the item consumed last, a moment ago: the kernel asks again
+        for a page that a drop of the file's pages took while its first READ was answered
+        (the drop at the end of an epoch follows the READ of its last item at once), and that
+        is no read of the item in the new epoch. (An item read last in one epoch and first in
+        the next is then counted when the readers have passed it, `_catch_up`.)"""
+        now = now_s()
         for item in hits:
             if not self._covers_sentinel(items, item, offset, end):
                 continue
+            pos_cur = self._planner.pos_cur  # (a consumption may have switched the epoch)
             origin, stall_s = self._touched.pop(item, (stats_mod.ORIGIN_MISS, 0.0))
             if self._ranking.items is not items or item >= len(pos_cur) or pos_cur[item] < 0:
                 continue  # not to be read in this epoch (read again, or another plan)
-            block = self._ranking.ram.get(self._cache.key_of(item))
-            if block is not None:
-                block.served = True
-            self._stats.file_read(origin, stall_s, int(items.length[item]),
-                                  record=self._stats.current)
-            self._cache.note_consumed(relpath)
-            self._on_consumed(item)
+            if item == self._last[0] and now - self._last[1] < RETRY_S:
+                continue
+            self._last = (item, now)
+            self._positions.append(int(pos_cur[item]))
+            self._consume(relpath, items, item, origin, stall_s)
+        self._catch_up(items)
 
+    def _consume(self, relpath: bytes, items: Items, item: int, origin: int,
+                 stall_s: float) -> None:
+        block = self._ranking.ram.get(self._cache.key_of(item))
+        if block is not None:
+            block.served = True
+        self._stats.file_read(origin, stall_s, int(items.length[item]),
+                              record=self._stats.current)
+        self._cache.note_consumed(relpath)
+        self._on_consumed(item)
+
+    def _catch_up(self, items: Items) -> None:
+        """Items the readers passed by without a READ of their sentinel, so far that the
+        window (at most `max_span_items` from its start) could no longer reach a lookahead
+        past them, are taken as read: their sentinel was in the kernel's pages after all (the
+        kernel failed to drop them, or a reader read the item before the order came), and an
+        item never consumed would hold the window's start, and the read-ahead, there. Where
+        the readers are is the lowest position among the last `READERS_SEEN` items consumed
+        by their READs: one stray READ far ahead does not move it."""
+        planner = self._planner
+        if len(self._positions) < READERS_SEEN or self._positions_epoch != planner.epoch_serial:
+            if self._positions_epoch != planner.epoch_serial:
+                self._positions.clear()
+                self._positions_epoch = planner.epoch_serial
+            return
+        behind = min(self._positions) - max(1, planner.max_span_items - planner.lookahead_items)
+        while planner.cursor < behind and self._ranking.items is items:
+            item = int(planner.current[planner.cursor])
+            block = self._ranking.ram.get(self._cache.key_of(item))
+            origin = (stats_mod.ORIGIN_MISS if block is None else stats_mod.ORIGIN_RAM
+                      if block.served else block.origin)
+            self._cache.caught_up += 1
+            self._consume(self._cache.key_of(item)[0], items, item, origin, 0.0)

@@ -43,6 +43,10 @@ random delay of up to `open_jitter_s` between taking a position and opening it m
 workers read a little out of order, as DataLoader workers do. An epoch ends when every worker
 is done; its wall time is in virtual seconds.
 
+Samples inside large files (`ranges_per_file` > 0): the items are byte ranges of packed files
+read as a `numpy.memmap` reader reads them, with a fake kernel page cache of those files
+(cachefs/sim_ranges.py).
+
 Per epoch the result carries the mount's own counters (from `Stats`) and what only a simulator
 can see: the origin of every position (to check where RAM hits fall), the RAM blocks kept
 across the epoch boundary and how many of them the SSD also holds, and the largest
@@ -59,14 +63,17 @@ import numpy as np
 import trio
 import trio.testing
 
+from cachefs import sim_ranges
 from cachefs import stats as stats_mod
 from cachefs.cache.ram import RamTier
 from cachefs.cache.tiered import SSD_THREADS, block_length
 from cachefs.config import KIB, MIB
 from cachefs.freshness import Freshness
 from cachefs.order import Manifest, Order, permutation
+from cachefs.order_items import Items
 from cachefs.pagecache import KernelPages, file_pages_dropper
-from cachefs.reader import build_read_path
+from cachefs.reader import OpenFile, build_read_path
+from cachefs.sim_ranges import SimPages, packed, read_range_item
 from cachefs.source import BlockData, SourceIdentity
 from cachefs.stats import Stats, refetch_window_blocks
 from cachefs.threads import RunSync
@@ -106,6 +113,10 @@ class SimConfig:
     check_identity_at_open: bool = True  # model fuse_ops.open's identity check
     kernel_cache: bool = True  # the kernel data plane (cachefs mount --data-plane, not daemon)
     seed: int = 0
+    # > 0: the items are byte ranges, this many per packed file (module docstring)
+    ranges_per_file: int = 0
+    range_header_bytes: int = 128  # bytes of no item at the start of a packed file
+    shuffle: bool = True  # a new permutation each epoch; False: every epoch in item order
 
     def sizes(self) -> np.ndarray:
         if self.sizes_bytes is not None:
@@ -168,6 +179,7 @@ class SimResult:
     ssd_bytes: int  # bytes held by the SSD tier at the end
     ssd_keys: frozenset  # (relpath, block_index) held by the SSD tier at the end
     data_errors: int  # reads whose bytes were not those of the file and block asked for
+    source_requests: int = 0  # stats, opens and reads the source answered
 
     def table(self) -> str:
         rows = [e.row() for e in self.epochs]
@@ -192,12 +204,13 @@ class SimSource:
     """The slow directory, as `cachefs.source.Source` is used by the cache and prefetcher."""
 
     def __init__(self, manifest: Manifest, sizes: np.ndarray, *, latency_s: float,
-                 parallelism: int, bandwidth_bytes_s: float = 0.0):
+                 parallelism: int, bandwidth_bytes_s: float = 0.0, packed: bool = False):
         self.limiter = trio.CapacityLimiter(parallelism)
         self.latency_s = latency_s
         self.bandwidth_bytes_s = bandwidth_bytes_s
         self._sizes = sizes
         self._index = {manifest.path(i): i for i in range(len(manifest))}
+        self.packed = packed  # the files' bytes are `range_content`
         self.requests = 0
 
     def identity(self, relpath: bytes) -> SourceIdentity:
@@ -235,7 +248,22 @@ class SimSource:
         identity = self.identity(relpath)
         length = block_length(identity, block_index, block_bytes)
         await self._request(length)
+        if self.packed:
+            start = block_index * block_bytes
+            return BlockData(sim_ranges.range_content(self._item(relpath), start,
+                                                      start + length), identity)
         return BlockData(payload(relpath, block_index, length), identity)
+
+    async def read_ranges(self, relpath: bytes, ranges: list[tuple[int, int]], *,
+                          background: bool = False, hold_s: float = 0.0) -> BlockData:
+        identity = self.identity(relpath)
+        file_index = self._item(relpath)
+        parts = [sim_ranges.range_content(file_index, offset,
+                                          min(offset + length, identity.size))
+                 for offset, length in ranges]
+        await self._request(sum(map(len, parts)))
+        return BlockData(b"".join(parts), identity)
+
 
 
 class SimKernelInodes:
@@ -361,17 +389,40 @@ class Sim:
         self.config = config
         self.sizes = config.sizes()
         n = len(self.sizes)
-        self.manifest = Manifest.from_paths(
-            [b"d%02d/item%07d.bin" % (i % 16, i) for i in range(n)]).prepare()
-        self.paths = [self.manifest.path(i) for i in range(n)]
+        self.items: Items | None = None
+        self.pages: SimPages | None = None
+        if config.ranges_per_file:
+            self.items, file_sizes = packed(self.sizes, config.ranges_per_file,
+                                            config.range_header_bytes)
+            self.manifest = Manifest.from_paths(
+                [b"packed%04d.bin" % i for i in range(len(file_sizes))]).prepare()
+        else:
+            file_sizes = self.sizes
+            self.manifest = Manifest.from_paths(
+                [b"d%02d/item%07d.bin" % (i % 16, i) for i in range(n)]).prepare()
+        self.paths = [self.manifest.path(i) for i in range(len(self.manifest))]
         self.stats = Stats(refetch_window_blocks(config.ram_bytes, config.block_bytes))
-        self.source = SimSource(self.manifest, self.sizes, latency_s=config.latency_s,
+        self.source = SimSource(self.manifest, file_sizes, latency_s=config.latency_s,
                                 parallelism=config.parallelism,
-                                bandwidth_bytes_s=config.bandwidth_bytes_s)
+                                bandwidth_bytes_s=config.bandwidth_bytes_s,
+                                packed=self.items is not None)
         self.ssd = SimSsd(config.ssd_bytes) if config.ssd_bytes else None
-        self.kernel = (KernelPages(lambda inode, offset, data: None, lambda inode: None)
-                       if config.kernel_cache else None)
         kernel_inodes = SimKernelInodes(self.manifest)
+        drop_file_pages = None
+        if self.items is not None:
+            # a kernel that keeps the pages of packed files (module docstring); the daemon
+            # drops them whatever its data plane
+            pages = self.pages = SimPages({i + 2: int(size) for i, size in enumerate(file_sizes)})
+            self.kernel = KernelPages(pages.store, pages.invalidate) if config.kernel_cache \
+                else None
+
+            def drop_file_pages(relpath: bytes) -> None:
+                inode = kernel_inodes.inode_of(relpath)
+                if inode is not None:
+                    pages.invalidate(inode)
+        else:
+            self.kernel = (KernelPages(lambda inode, offset, data: None, lambda inode: None)
+                           if config.kernel_cache else None)
         self.ram = _ObservedRamTier(
             config.ram_bytes, block_bytes=config.block_bytes,
             drop_kernel_pages=file_pages_dropper(self.kernel, kernel_inodes.inode_of))
@@ -380,7 +431,7 @@ class Sim:
             block_bytes=config.block_bytes, source_threads=config.parallelism,
             lookahead_items=config.lookahead_items, sequential_blocks=config.sequential_blocks,
             kernel=self.kernel, kernel_inodes=kernel_inodes,
-            run_ssd=inline_ssd_calls(config.ssd_latency_s))
+            run_ssd=inline_ssd_calls(config.ssd_latency_s), drop_file_pages=drop_file_pages)
         self.planner = read_path.planner
         self.tiered = read_path.tiered
         self.prefetcher = read_path.prefetcher
@@ -388,12 +439,16 @@ class Sim:
         rng = np.random.default_rng(config.seed)
         self.jitter_s = rng.uniform(0, config.open_jitter_s, (config.epochs, n))
         self.data_errors = 0
+        self.handles: dict[int, OpenFile] = {}  # packed file -> its reader's handle
 
     def order(self, epoch: int) -> Order:
         n = len(self.sizes)
-        return Order(epoch=epoch, current=permutation(n, self.config.seed, epoch),
-                     next=permutation(n, self.config.seed, epoch + 1), manifest=self.manifest,
-                     rank=None, world_size=None, total_length=n, file=None)
+
+        def of(e: int) -> np.ndarray:
+            return permutation(n, self.config.seed, e) if self.config.shuffle \
+                else np.arange(n, dtype=np.int64)
+        return Order(epoch=epoch, current=of(epoch), next=of(epoch + 1), manifest=self.manifest,
+                     rank=None, world_size=None, total_length=n, file=None, items=self.items)
 
     async def main(self) -> list[EpochResult]:
         return await self.serving(self._epochs)
@@ -447,6 +502,10 @@ class Sim:
         item = int(order.current[position])
         if config.open_jitter_s:
             await trio.sleep(self.jitter_s[epoch - 1, position])
+        if self.items is not None:
+            await read_range_item(self, item, position, result)
+            await trio.sleep(config.consume_s)
+            return
         handle = await self._open(item, result)
         size = handle.identity.size
         # a file the kernel holds whole is read from its pages: no request reaches the daemon
@@ -507,7 +566,8 @@ def simulate(config: SimConfig) -> SimResult:
     ssd_keys = frozenset(sim.ssd.entries) if sim.ssd is not None else frozenset()
     return SimResult(config, epochs, sim.ram.max_used_bytes, sim.ram.budget_bytes,
                      sim.planner.lookahead_items, sim.ram.evictions,
-                     sim.ssd.bytes if sim.ssd is not None else 0, ssd_keys, sim.data_errors)
+                     sim.ssd.bytes if sim.ssd is not None else 0, ssd_keys, sim.data_errors,
+                     sim.source.requests)
 
 
 def run_script(config: SimConfig, script):
@@ -548,9 +608,11 @@ def main(argv=None) -> None:
     @click.option("--block-kib", default=4096, show_default=True)
     @click.option("--metadata-ttl-s", default=60.0, show_default=True)
     @click.option("--seed", default=0, show_default=True)
+    @click.option("--ranges-per-file", default=0, show_default=True,
+                  help="Items are byte ranges of packed files, this many per file (0: files).")
     def command(items, item_kb, ram_fraction, ssd_fraction, epochs, latency_ms, parallelism,
                 bandwidth_mbs, consume_ms, jitter_ms, workers, batch_items, lookahead,
-                block_kib, metadata_ttl_s, seed):
+                block_kib, metadata_ttl_s, seed, ranges_per_file):
         """Simulate a training run over cachefs on virtual time and print per-epoch figures."""
         item_bytes = int(item_kb * 1000)
         data_bytes = items * item_bytes
@@ -561,7 +623,7 @@ def main(argv=None) -> None:
             bandwidth_bytes_s=bandwidth_mbs * 1e6, consume_s=consume_ms / 1e3,
             open_jitter_s=jitter_ms / 1e3, workers=workers, batch_items=batch_items,
             lookahead_items=lookahead,
-            metadata_ttl_s=metadata_ttl_s, seed=seed)
+            metadata_ttl_s=metadata_ttl_s, seed=seed, ranges_per_file=ranges_per_file)
         result = simulate(config)
         click.echo(result.table())
         click.echo(f"RAM budget {result.ram_budget_bytes / 1e6:.1f} MB, max used "
