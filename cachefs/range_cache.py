@@ -41,6 +41,7 @@ Pure trio and the injected kernel calls: no pyfuse3 here.
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -158,10 +159,15 @@ class RangeCache:
         # each file's identity as last read, and when (freshness.now_s); by relpath
         self._identities: dict[bytes, tuple[SourceIdentity, float]] = {}
         self.pushed: set[int] = set()  # items whose extent the kernel holds, since a drop
+        # trimmed items whose inside pages are stored, since a drop (`push`)
+        self._inside_pushed: set[int] = set()
+        # (relpath, page) of READs waiting for their answer (range_read.py), and how many
+        self._reading: collections.Counter[tuple[bytes, int]] = collections.Counter()
         self._consumed_since_drop: dict[bytes, int] = {}  # per file
         self.pushes = 0  # items stored into the kernel's pages
         self.drops = 0  # files' pages dropped
         self.caught_up = 0  # items taken as read with no READ of their sentinel (range_read)
+        self.reads = 0  # READs of files that hold items (range_read.py): one an item, ideally
         # RAM-tier keys of the items used lately, for the table `_keys_of` (a READ, a push
         # and a consumption each ask for them several times)
         self._keys: RecentMap[int, tuple] = RecentMap(KEYS_REMEMBERED)
@@ -379,23 +385,35 @@ class RangeCache:
 
     def push(self, item: int, block: RamBlock) -> bool:
         """Store the item's extent into the kernel's pages but for the sentinel pages in it;
-        False if the entry is trimmed (`complete` first) or the kernel does not take it."""
+        False if the kernel does not take it, or if the entry is trimmed: then only the whole
+        pages inside the item go now, and the rest once `complete` gave it its edges back
+        (a reader that gets there first then faults two pages, not every one)."""
         items, manifest = self.ranking.items, self.ranking.manifest
         if self.kernel is None or self.kernel_inodes is None or items is None \
                 or manifest is None or block.data is None:
             return False
         relpath, (offset, length) = self.key_of(item)
         lo, hi = page_extent(offset, length, block.identity.size)
-        if len(block.data) != hi - lo:
+        trimmed = len(block.data) != hi - lo
+        if trimmed and (len(block.data) != length or item in self._inside_pushed):
             return False
         inode = self.kernel_inodes.store_target(relpath, block.identity)
         if inode is None:
             return False
         near = items.overlapping(int(items.file[item]), lo, hi)
+        skip = {sentinel_page(int(items.offset[i]), int(items.length[i])) for i in near.tolist()}
+        # and the pages a READ is being answered for: the kernel holds them locked until the
+        # answer, a store into them would wait for it, and the reader would overtake the
+        # store page by page (each a READ), where a store around them is done before it
+        skip.update(page for (path, page) in self._reading if path == relpath
+                    and lo <= page * PAGE_BYTES < hi)
+        data_lo = offset if trimmed else lo  # the file offset of block.data[0]
+        if trimmed:  # the whole pages inside the item
+            lo = -(-offset // PAGE_BYTES) * PAGE_BYTES
+            hi = max(lo, (offset + length) // PAGE_BYTES * PAGE_BYTES)
         runs = []
         start = lo
-        for page in sorted({sentinel_page(int(items.offset[i]), int(items.length[i]))
-                            for i in near.tolist()}):
+        for page in sorted(skip):
             page_lo = page * PAGE_BYTES
             if page_lo + PAGE_BYTES <= lo or page_lo >= hi:
                 continue  # a neighbour's sentinel outside this extent
@@ -404,15 +422,40 @@ class RangeCache:
             start = max(start, page_lo + PAGE_BYTES)
         if start < hi:
             runs.append((start, hi))
+        if not trimmed and item in self._inside_pushed:  # the inside went before: the edges
+            edges = ((lo, lo + PAGE_BYTES), (hi - PAGE_BYTES, hi))
+            runs = [(max(run_lo, edge_lo), min(run_hi, edge_hi)) for run_lo, run_hi in runs
+                    for edge_lo, edge_hi in edges if run_lo < edge_hi and edge_lo < run_hi]
+            self._inside_pushed.discard(item)
         for run_lo, run_hi in runs:
-            self.kernel.store(inode, run_lo, block.data[run_lo - lo:run_hi - lo])
-        self.pushed.add(item)
+            self.kernel.store(inode, run_lo, block.data[run_lo - data_lo:run_hi - data_lo])
         self._consumed_since_drop.setdefault(relpath, 0)
+        if trimmed:
+            self._inside_pushed.add(item)
+            return False
+        self.pushed.add(item)
         self.pushes += 1
         return True
 
-    def note_consumed(self, relpath: bytes) -> None:
-        """An item of the file was consumed; every `DROP_EVERY_ITEMS` the file's pages go."""
+    def reading(self, relpath: bytes, lo: int, hi: int, add: bool) -> None:
+        """A READ of bytes [lo, hi) of the file waits for its answer (`add`), or has it."""
+        for page in range(lo // PAGE_BYTES, -(-hi // PAGE_BYTES)):
+            key = (relpath, page)
+            if add:
+                self._reading[key] += 1
+            elif self._reading[key] <= 1:
+                del self._reading[key]
+            else:
+                self._reading[key] -= 1
+
+    def note_consumed(self, relpath: bytes, item: int) -> None:
+        """An item of the file was consumed; every `DROP_EVERY_ITEMS` the file's pages go.
+        (Dropping each item's pages alone, with FUSE_NOTIFY_INVAL_INODE over its range, was
+        measured: two notifications an item cost the daemon a third more CPU, in the kernel
+        unmapping the reader's pages, than the drops every 128 items and the window pushed
+        again after each.)"""
+        self.pushed.discard(item)
+        self._inside_pushed.discard(item)
         count = self._consumed_since_drop.get(relpath, 0) + 1
         self._consumed_since_drop[relpath] = count
         if count >= DROP_EVERY_ITEMS:
@@ -428,13 +471,15 @@ class RangeCache:
         items, manifest = self.ranking.items, self.ranking.manifest
         if items is None or manifest is None:
             self.pushed.clear()
+            self._inside_pushed.clear()
             return
         file_index = manifest.index_of(relpath)
-        if file_index >= 0 and self.pushed:
-            pushed = np.fromiter(self.pushed, np.int64, len(self.pushed))
-            self.pushed -= set(pushed[items.file[pushed] == file_index].tolist())
+        for held in (self.pushed, self._inside_pushed):
+            if file_index >= 0 and held:
+                pushed = np.fromiter(held, np.int64, len(held))
+                held -= set(pushed[items.file[pushed] == file_index].tolist())
 
     def status(self) -> dict:
         return {"pushed_items": self.pushes, "page_drops": self.drops,
-                "caught_up": self.caught_up}
+                "caught_up": self.caught_up, "reads": self.reads}
 

@@ -90,13 +90,18 @@ class RangeReader:
         end = min(offset + size, identity.size)
         if offset >= end:
             return b""
+        self._cache.reads += 1
         items = self._ranking.items
         assert items is not None  # file_of found the file among the items
         plan = (items, self._planner.epoch_serial)
         if self._touched_plan[0] is not items or self._touched_plan[1] != plan[1]:
             self._touched, self._touched_plan = {}, plan
         hits = items.overlapping(file_index, offset, end).tolist()
-        found = await self._item_bytes(relpath, identity, items, hits, offset, end)
+        self._cache.reading(relpath, offset, end, add=True)
+        try:
+            found = await self._item_bytes(relpath, identity, items, hits, offset, end)
+        finally:
+            self._cache.reading(relpath, offset, end, add=False)
         parts: list = []
         gaps: list[tuple[int, int]] = []
         position = offset  # bytes before it are in `parts` or `gaps`
@@ -162,6 +167,9 @@ class RangeReader:
                     key = self._cache.key_of(want.item)
                     if want.item in extents:
                         found[want.item] = self._own(extents[want.item], key)
+                        block = self._cache.entry(key, identity)
+                        if block is not None:  # its other pages: no READ for each
+                            self._cache.push(want.item, block)
                     else:  # fetched by another meanwhile, or beyond the file's end now
                         found[want.item] = await self._again(relpath, identity, key)
         waited_s = now_s() - started_s
@@ -248,7 +256,7 @@ class RangeReader:
             block.served = True
         self._stats.file_read(origin, stall_s, int(items.length[item]),
                               record=self._stats.current)
-        self._cache.note_consumed(relpath)
+        self._cache.note_consumed(relpath, item)
         self._on_consumed(item)
 
     def _catch_up(self, items: Items) -> None:
