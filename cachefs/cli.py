@@ -292,6 +292,8 @@ def _wait_for_exit(pid: int, timeout_s: float) -> None:
               help="The next epoch's order, same format.")
 @click.option("--files", type=click.Path(dir_okay=False, path_type=Path),
               help="Manifest: text file of relative paths, one per line.")
+@click.option("--items", type=click.Path(dir_okay=False, path_type=Path),
+              help="Byte-range items the indices number: .npz, or text (file offset length).")
 @click.option("--seed", type=click.IntRange(min=0),
               help="Draw both orders with the documented generator instead.")
 @click.option("--rank", type=click.IntRange(min=0),
@@ -301,8 +303,8 @@ def _wait_for_exit(pid: int, timeout_s: float) -> None:
               help="Storage target of each manifest file: .npy or text, one per line.")
 @click.option("--timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
               help="Seconds to wait for the daemon to accept the order.")
-def publish(mountpoint, epoch, current, next, files, seed, rank, world_size, targets,  # noqa: A002
-            timeout):
+def publish(mountpoint, epoch, current, next, files, items, seed, rank, world_size,  # noqa: A002
+            targets, timeout):
     """Publish the read order of MOUNTPOINT and wait until the daemon accepts it."""
     from cachefs import publish as publishing
     from cachefs.order import permutation
@@ -312,9 +314,9 @@ def publish(mountpoint, epoch, current, next, files, seed, rank, world_size, tar
     if seed is None and current is None:
         raise click.UsageError("give --current (and optionally --next), or --seed")
     try:
-        manifest = publishing.read_files_list(files) if files else None
+        manifest, ranges = publishing.read_inputs(files, items)
         if seed is not None:
-            n = len(manifest) if manifest is not None else publishing.source_file_count(mountpoint)
+            n = publishing.order_length(mountpoint, manifest, ranges)
             current_order = permutation(n, seed, epoch)
             next_order: np.ndarray | None = permutation(n, seed, epoch + 1)
         else:
@@ -323,7 +325,7 @@ def publish(mountpoint, epoch, current, next, files, seed, rank, world_size, tar
         placement = publishing.read_index_file(targets) if targets else None
         status = publishing.publish(mountpoint, epoch, current_order, next=next_order,
                                     files=manifest, rank=rank, world_size=world_size,
-                                    timeout_s=timeout, targets=placement)
+                                    timeout_s=timeout, targets=placement, items=ranges)
     except errors.OrderError as exc:
         _fail(f"order rejected: {exc}")
     click.echo(f"epoch {status['epoch']}: {status['length']} of {status['total_length']} "

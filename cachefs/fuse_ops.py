@@ -424,6 +424,17 @@ class KernelInvalidation:
         elif self._nursery is not None:
             self._nursery.start_soon(self._invalidate, inode)
 
+    def drop_pages(self, relpath: bytes) -> None:
+        """The kernel drops its pages of the file (cachefs/range_cache.py drops those of the
+        files whose samples are byte ranges, so that a sample read again is seen again)."""
+        inode = self._inodes.inode_of(relpath)
+        if inode is None:
+            return
+        if self._kernel is not None:
+            self._kernel.invalidate(inode)  # after any store queued before: one FIFO
+        elif self._nursery is not None:
+            self._nursery.start_soon(self._invalidate, inode)
+
     async def _invalidate(self, inode: int) -> None:
         try:
             await self._run_sync(pyfuse3.invalidate_inode, inode)

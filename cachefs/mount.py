@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pyfuse3
 import trio
 
@@ -40,7 +41,7 @@ from cachefs.ctrl import Control
 from cachefs.freshness import Freshness
 from cachefs.fuse_ops import KernelInvalidation, Operations
 from cachefs.inodes import ROOT_INODE, InodeTable
-from cachefs.manifest import Manifest, scan_source
+from cachefs.manifest import Manifest, quote_path, scan_source
 from cachefs.order import load_order
 from cachefs.order_watch import OrderWatcher
 from cachefs import fanotify
@@ -169,14 +170,19 @@ class Mount:
             sequential_blocks=config.prefetch.sequential_blocks,
             miss_batch_items=config.prefetch.miss_batch_items,
             kernel=self.kernel, kernel_inodes=self.inodes,
-            on_source_changed=self.invalidation.source_changed)
+            on_source_changed=self.invalidation.source_changed,
+            drop_file_pages=self.invalidation.drop_pages)
         self.planner = read_path.planner
         self.tiered = read_path.tiered
         self.prefetcher = read_path.prefetcher
         self.reader = read_path.reader
         self.source_manifest = SourceManifest(config.source)
         self.watcher = OrderWatcher(config.order_file, self._load_order,
-                                    self.prefetcher.set_order, resume=config.resume_order)
+                                    self._order_in_force, resume=config.resume_order)
+        # the kernel's read-ahead for the mount: set once it has our answer to FUSE_INIT
+        # (`_serving`), and 0 while the order in force has byte-range items
+        self._read_ahead_kb: int | None = None
+        self._init_answered = False
         self.warmer = Warmer(self.source, self.ssd, block_bytes=cache.block_bytes,
                              threads=config.prefetch.source_threads,
                              order_paths=self._order_paths,
@@ -198,9 +204,39 @@ class Mount:
         manifest = order.manifest
         return [manifest.path(int(item)) for item in self.planner.current[self.planner.cursor:]]
 
-    def _load_order(self, path: Path):
-        return load_order(path, self.source_manifest.get_for_order)
+    def _order_in_force(self, order) -> None:
+        """The order watcher's order comes into force (`OrderWatcher`'s `on_order`)."""
+        self.prefetcher.set_order(order)
+        self._set_read_ahead()
 
+    def _set_read_ahead(self) -> None:
+        """1 MiB of kernel read-ahead, or none while the order in force has byte-range items:
+        the kernel's read-ahead reads a file's neighbouring bytes, which for samples inside a
+        file are other samples, where cachefs reads ahead the next samples of the order; and a
+        page fault of a memmap reader then reads its own page alone, so that its READ says
+        which sample was read (cachefs/range_read.py). It applies to files opened after it."""
+        if not self._init_answered:
+            return
+        kb = 0 if self.prefetcher.ranking.ranged else READ_AHEAD_KB
+        if kb != self._read_ahead_kb:
+            _set_read_ahead(self.config.mountpoint, kb)
+            self._read_ahead_kb = kb
+
+    def _load_order(self, path: Path):
+        return load_order(path, self.source_manifest.get_for_order, self._file_sizes)
+
+    def _file_sizes(self, manifest, indices) -> np.ndarray:
+        """The sizes of files of `manifest` now, for an order's byte-range items (the order
+        watcher's worker thread; one lstat per file that holds items)."""
+        sizes = np.empty(len(indices), np.int64)
+        for slot, index in enumerate(indices.tolist()):
+            relpath = manifest.path(index)
+            try:
+                sizes[slot] = self.source.lstat_sync(relpath).st_size
+            except OSError as exc:
+                raise errors.OrderError(f"{quote_path(relpath)}, which holds items: "
+                                        f"{exc.strerror}") from None
+        return sizes
     def snapshot(self) -> dict:
         """The JSON of `cachefs stats` (keys documented in man/cachefs-stats.1)."""
         watch = self.watcher.status()
@@ -310,7 +346,8 @@ class Mount:
             await threads.run_abandoning(os.stat, self.config.mountpoint)
         except OSError as exc:  # answered all the same
             log.debug("stat of the mount point: %s", exc)
-        _raise_read_ahead(self.config.mountpoint)
+        self._init_answered = True
+        self._set_read_ahead()
         if self.notifier is not None:
             self.notifier.send("READY=1", f"STATUS=serving {self.config.source} at "
                                           f"{self.config.mountpoint}")
@@ -389,8 +426,8 @@ async def _terminate_on_signal(signals) -> None:
         return
 
 
-def _raise_read_ahead(mountpoint: Path) -> None:
-    """Best effort (root only): 1 MiB kernel read-ahead for the mount's backing device.
+def _set_read_ahead(mountpoint: Path, kb: int) -> None:
+    """Best effort (root only): the kernel read-ahead of the mount's backing device, KiB.
 
     Only once the kernel has our answer to FUSE_INIT (`Mount._serving`): processing it sets
     the read-ahead from the init parameters, over anything written before (the mount ran at
@@ -405,9 +442,9 @@ def _raise_read_ahead(mountpoint: Path) -> None:
             return
         device = devices[-1]
         with open(f"/sys/class/bdi/{device}/read_ahead_kb", "w") as f:
-            f.write(str(READ_AHEAD_KB))
+            f.write(str(kb))
     except OSError as exc:
-        log.debug("could not raise read-ahead: %s", exc)
+        log.debug("could not set the read-ahead: %s", exc)
 
 
 def run(config: MountConfig) -> int:

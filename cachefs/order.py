@@ -17,6 +17,9 @@ use this module):
                 Lustre OST index, an object-store shard, `index mod N`), one per manifest
                 item, 0..MAX_TARGET_ID, at most MAX_TARGETS distinct values. Without it the
                 target of a file is the device it lives on (cachefs/targets.py)
+    item_file, item_offset, item_length   1-D int arrays of one length, optional, together:
+                byte ranges of files (samples inside large files, cachefs.order_items);
+                `current` and `next` then index these items instead of the files
 
 Where a file is published: a publication without a rank goes to the order file itself
 (``order.npz``); rank R publishes to its own file next to it, ``order.rank<R>.npz``
@@ -61,12 +64,14 @@ import numpy as np
 from cachefs.errors import OrderError
 from cachefs.manifest import Manifest, check_relpaths, check_unique_paths, quote_path
 from cachefs.placement import MAX_TARGETS, Placement
+from cachefs.order_items import ITEM_KEYS, Items, check_item_files, check_items, \
+    check_within_files
 
 ORDER_VERSION = 1
 
 
 _KNOWN_KEYS = frozenset({"version", "epoch", "current", "next", "files", "rank", "world_size",
-                         "targets"})
+                         "targets", *ITEM_KEYS})
 _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip with members / an empty zip
 NPY_MAGIC = b"\x93NUMPY"  # a single .npy array (read_index_file reads those)
 # The largest world_size: a rank file's name carries at most nine digits (rank_of_file_name).
@@ -104,6 +109,9 @@ class Order:
     ``current[i * k + j]`` is item i of the slice of rank ``ranks[j]``, for the k ranks in
     increasing order, and `next` likewise; `files` are the identities of the merged files in
     the same order, and `rank`, `total_length` and `file` are those of the newest of them.
+
+    `items`: the byte-range items `current` and `next` index (cachefs.order_items), or None
+    when they index the manifest's files.
     """
 
     epoch: int
@@ -118,6 +126,19 @@ class Order:
     files: tuple[FileIdentity, ...] = ()
     # where each manifest item lives, from the `targets` key; None: by device (targets.py)
     targets: Placement | None = None
+    items: Items | None = None
+
+    @property
+    def item_count(self) -> int:
+        """How many items `current` and `next` index: the ranges, or the manifest's files."""
+        return len(self.items) if self.items is not None else len(self.manifest)
+
+    def same_items(self, other: Order) -> bool:
+        """Item numbers mean the same here and in `other`: both index files, or both the same
+        ranges (the manifests are compared apart)."""
+        if self.items is None or other.items is None:
+            return self.items is None and other.items is None
+        return self.items.same_ranges(other.items)
 
     def status(self) -> dict:
         return {
@@ -131,6 +152,7 @@ class Order:
             "file": self.file.to_json() if self.file is not None else None,
             "files": [identity.to_json() for identity in self.files],
             "targets": "order" if self.targets is not None else "device",
+            "items": len(self.items) if self.items is not None else None,
         }
 
 
@@ -209,8 +231,10 @@ def _as_index_array(key: str, values) -> np.ndarray:
     return array
 
 
-def check_indices(key: str, indices: np.ndarray, manifest_len: int | None) -> np.ndarray:
-    """Range and duplicate checks; returns the indices as int64."""
+def check_indices(key: str, indices: np.ndarray, manifest_len: int | None, *,
+                  of_items: bool = False) -> np.ndarray:
+    """Range and duplicate checks; returns the indices as int64. `of_items`: the indices are
+    of byte-range items (`manifest_len` is the item count), not of the manifest's files."""
     if len(indices) == 0:
         return indices.astype(np.int64)
     if indices.dtype.kind == "i" and indices.min() < 0:
@@ -220,8 +244,10 @@ def check_indices(key: str, indices: np.ndarray, manifest_len: int | None) -> np
     largest = int(indices.max())
     if manifest_len is not None and largest >= manifest_len:
         position = int(np.argmax(indices >= manifest_len))
+        table = (f"item table has {manifest_len} items" if of_items
+                 else f"manifest has {manifest_len} files")
         raise OrderError(f"{key}[{position}] = {indices[position]} is out of range: the "
-                         f"manifest has {manifest_len} files (valid indices 0..{manifest_len - 1})")
+                         f"{table} (valid indices 0..{manifest_len - 1})")
     if largest > np.iinfo(np.int64).max:
         raise OrderError(f"{key} holds an index beyond int64: {largest}")
     indices = indices.astype(np.int64, copy=False)
@@ -234,7 +260,7 @@ def check_indices(key: str, indices: np.ndarray, manifest_len: int | None) -> np
         value = int(repeated[0])
         first, second = np.flatnonzero(indices == value)[:2]
         raise OrderError(f"{key} has duplicate index {value} at positions {first} and {second}; "
-                         f"an epoch reads each file once")
+                         f"an epoch reads each {'item' if of_items else 'file'} once")
     return indices
 
 
@@ -276,11 +302,16 @@ class CheckedArrays:
     rank: int | None
     world_size: int | None
     targets: np.ndarray | None = None  # int32, one per manifest item
+    items: Items | None = None
 
 
 def check_arrays(epoch, current, next=None, files=None, rank=None, world_size=None,
-                 manifest_len=None, unique_paths_checked=False, targets=None) -> CheckedArrays:
-    """The arrays of an order, checked and normalised; OrderError naming the first problem."""
+                 manifest_len=None, unique_paths_checked=False, targets=None,
+                 items=None) -> CheckedArrays:
+    """The arrays of an order, checked and normalised; OrderError naming the first problem.
+
+    `items`: the byte-range items (`cachefs.order_items.ItemArrays`, or the three arrays in
+    that order), or None; with them the indices of `current` and `next` are item numbers."""
     epoch = _as_int_scalar("epoch", epoch)
     if epoch < 0:
         raise OrderError(f"epoch must be >= 0, got {epoch}")
@@ -305,16 +336,24 @@ def check_arrays(epoch, current, next=None, files=None, rank=None, world_size=No
         if not unique_paths_checked:
             check_unique_paths(files)
         manifest_len = len(files)
-    current = check_indices("current", _as_index_array("current", current), manifest_len)
+    index_bound = manifest_len
+    if items is not None and not isinstance(items, Items):
+        item_file, item_offset, item_length = items
+        items = check_items(item_file, item_offset, item_length, manifest_len)
+    if items is not None:
+        index_bound = len(items)
+    of_items = items is not None
+    current = check_indices("current", _as_index_array("current", current), index_bound,
+                            of_items=of_items)
     if next is not None:
         next = _as_index_array("next", next)
         if len(next) != len(current):
             raise OrderError(f"next has {len(next)} entries but current has {len(current)}; "
                              f"both epochs must have the same length")
-        next = check_indices("next", next, manifest_len)
+        next = check_indices("next", next, index_bound, of_items=of_items)
     if targets is not None:
         targets = check_targets(targets, manifest_len)
-    return CheckedArrays(epoch, current, next, files, rank, world_size, targets)
+    return CheckedArrays(epoch, current, next, files, rank, world_size, targets, items)
 
 
 def validate_arrays(epoch, current, next=None, files=None, rank=None, world_size=None,
@@ -396,12 +435,16 @@ def _read_npz(path: Path) -> tuple[dict[str, np.ndarray], FileIdentity]:
     return arrays, identity
 
 
-def load_order(path: Path, source_manifest: Manifest | Callable[[], Manifest]) -> Order:
+def load_order(path: Path, source_manifest: Manifest | Callable[[], Manifest],
+               file_sizes: Callable[[Manifest, np.ndarray], np.ndarray] | None = None
+               ) -> Order:
     """Load and validate an order file; OrderError (with `.file` set when known) if unusable.
 
     `source_manifest` is the source's manifest, or a callable that computes it: it is called
     only once the file itself is well-formed. With `files`, every path must exist in it; the
-    check is one vectorised lookup, never a stat per path.
+    check is one vectorised lookup, never a stat per path. `file_sizes(manifest, indices)`:
+    the sizes of those files of the manifest now; with it, every byte-range item must lie
+    inside its file (one stat per file that holds items, never one per item).
     """
     arrays, identity = _read_npz(Path(path))
     try:
@@ -410,20 +453,32 @@ def load_order(path: Path, source_manifest: Manifest | Callable[[], Manifest]) -
             raise OrderError(f"unknown version {version}; this cachefs reads version "
                              f"{ORDER_VERSION}")
         # Duplicate paths are found later, more cheaply, by the check against the source.
+        item_arrays = [arrays.get(key) for key in ITEM_KEYS]
         checked = check_arrays(arrays["epoch"], arrays["current"], arrays.get("next"),
                             arrays.get("files"), arrays.get("rank"), arrays.get("world_size"),
-                            unique_paths_checked=True, targets=arrays.get("targets"))
+                            unique_paths_checked=True, targets=arrays.get("targets"),
+                            items=item_arrays if any(a is not None for a in item_arrays)
+                            else None)
         source = source_manifest() if callable(source_manifest) else source_manifest
         if checked.files is None:
             manifest = source
-            for key, indices in (("current", checked.current), ("next", checked.next)):
-                if indices is not None:
-                    check_indices(key, indices, len(source))
+            if checked.items is not None:
+                check_item_files(checked.items.file, len(source))
+            else:
+                for key, indices in (("current", checked.current), ("next", checked.next)):
+                    if indices is not None:
+                        check_indices(key, indices, len(source))
             if checked.targets is not None:
                 check_targets(checked.targets, len(source))
         else:
             manifest = _manifest_within_source(checked.files, source)
         manifest.prepare()
+        if checked.items is not None:
+            if file_sizes is not None:
+                check_within_files(checked.items,
+                                   lambda indices: file_sizes(manifest, indices),
+                                   lambda index: quote_path(manifest.path(index)))
+            checked.items.prepare()
         # where the items live, worked out here in the loader's thread, not the daemon's
         targets = (Placement.of_targets(checked.targets) if checked.targets is not None
                    else None)
@@ -443,7 +498,7 @@ def load_order(path: Path, source_manifest: Manifest | Callable[[], Manifest]) -
                  rank=checked.rank, world_size=checked.world_size,
                  total_length=len(checked.current), file=identity,
                  ranks=(checked.rank,) if checked.rank is not None else None,
-                 files=(identity,), targets=targets)
+                 files=(identity,), targets=targets, items=checked.items)
 
 
 def _manifest_within_source(files: Manifest, source: Manifest) -> Manifest:
@@ -487,6 +542,8 @@ def write_checked(path: Path, checked: CheckedArrays) -> FileIdentity:
     if checked.rank is not None and checked.world_size is not None:
         arrays["rank"] = np.int64(checked.rank)
         arrays["world_size"] = np.int64(checked.world_size)
+    if checked.items is not None:
+        arrays.update(checked.items.arrays())
     descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
                                              suffix=".tmp")
     try:
@@ -508,9 +565,11 @@ def write_checked(path: Path, checked: CheckedArrays) -> FileIdentity:
 
 
 def write_order_file(path: Path, *, epoch, current, next=None, files=None, rank=None,
-                     world_size=None, targets=None) -> FileIdentity:
-    """Validate, then write atomically (temporary name, fsync, rename); nothing on failure."""
-    checked = check_arrays(epoch, current, next, files, rank, world_size, targets=targets)
+                     world_size=None, targets=None, items=None) -> FileIdentity:
+    """Validate, then write atomically (temporary name, fsync, rename); nothing on failure.
+    `items`: byte-range items (`check_arrays`)."""
+    checked = check_arrays(epoch, current, next, files, rank, world_size, targets=targets,
+                           items=items)
     return write_checked(Path(path), checked)
 
 

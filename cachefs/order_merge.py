@@ -13,9 +13,10 @@ force. The rules, and why:
 - If the newest is the plain file, its order alone is in force: a single publisher (or a
   cleanup, see man/cachefs-order.5) overrides every rank file.
 - If the newest is a rank file, the order in force merges the rank files that agree with it:
-  the same world size and manifest (the same object, or the same paths), a slice of the same
-  length, and its epoch e. A rank whose file is of epoch e-1 and has a `next` order counts with
-  that next order as its epoch-e slice (its following one unknown): the daemon itself moves to
+  the same world size and manifest (the same object, or the same paths), the same byte-range
+  items if any (cachefs.order_items), a slice of the same length, and its epoch e. A rank
+  whose file is of epoch e-1 and has a `next` order counts with that next order as its epoch-e
+  slice (its following one unknown): the daemon itself moves to
   the next epoch when the current one is consumed, and ranks publish a new epoch one after
   another, so the first rank to publish epoch e must not throw away the others' slices. Any
   other rank is left out (`Merge.left_out` says why) and read without read-ahead, until it
@@ -135,7 +136,7 @@ def merge(plain: Publication | None, by_rank: Mapping[int, Publication]) -> Merg
                    file=decider.file, ranks=tuple(member[0] for member in members),
                    files=tuple(member[3].file for member in members
                                if member[3].file is not None),
-                   targets=decider.targets)
+                   targets=decider.targets, items=decider.items)
     return Merge(merged, left_out)
 
 
@@ -149,6 +150,8 @@ def _epoch_slices(order: Order, decider: Order
                 f"{decider.world_size} (a file of another job?)")
     if not order.manifest.same_paths(decider.manifest):
         return f"its manifest differs from that of {newest}"
+    if not order.same_items(decider):
+        return f"its byte-range items differ from those of {newest}"
     if order.epoch == epoch:
         current, next_order = order.current, order.next
     elif order.epoch == epoch - 1 and order.next is not None:

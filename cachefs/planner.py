@@ -70,6 +70,9 @@ class Planner:
         self.consumed_count = 0
         self.cursor = 0
         self.front = 0  # one past the highest consumed position
+        # the read-ahead of an order of byte ranges (cachefs/range_prefetch.py), which walks
+        # one list, `window`, has handled every window position below this
+        self.scan = 0
         # after set_order: the items whose next use it changed, or None for every item
         self.reranked_items: np.ndarray | None = None
         self.pos_cur = np.empty(0, np.int64)
@@ -96,16 +99,17 @@ class Planner:
           publish one after another, and what the first ones read before the others
           published stays read. One position per consumed item is marked consumed again.
         Neither bumps `order_serial`: files open during the change keep consuming. Any other
-        order is a new plan, and so is any order over a manifest with other paths: item
-        numbers are indices into the manifest, and every per-item array (`pos_cur`,
-        `pos_next`) is sized to it.
+        order is a new plan, and so is any order over a manifest with other paths or other
+        byte-range items: item numbers are indices into the manifest (or the item table), and
+        every per-item array (`pos_cur`, `pos_next`) is sized to it.
         """
         same_epoch = (self.order is not None and order.epoch == self.epoch
                       and order.manifest.same_paths(self.order.manifest)
+                      and order.same_items(self.order)
                       and np.array_equal(order.current, self.current))
         joined = not same_epoch and self._rank_joined(order)
         self.order = order
-        manifest_len = len(order.manifest)
+        manifest_len = order.item_count  # byte-range items, or the manifest's files
         self.reranked_items = None
         if joined:
             consumed_items = self.current[self.consumed]
@@ -126,6 +130,7 @@ class Planner:
                                          np.setdiff1d(either_next, self.current))
         self.next = order.next
         self.pos_next = _positions(order.next, manifest_len)
+        self.scan = self.cursor
         return False
 
     def _rank_joined(self, order) -> bool:
@@ -141,7 +146,7 @@ class Planner:
                 or order.ranks is None or order.world_size != old.world_size
                 or not set(old.ranks) <= set(order.ranks)):
             return False
-        if not order.manifest.same_paths(old.manifest):
+        if not order.manifest.same_paths(old.manifest) or not order.same_items(old):
             return False
         old_k, new_k = len(old.ranks), len(order.ranks)
         if len(self.current) % old_k or len(order.current) % new_k:
@@ -171,6 +176,7 @@ class Planner:
                 self.consume(item)
         unconsumed = np.flatnonzero(~self.consumed)
         self.cursor = int(unconsumed[0]) if len(unconsumed) else len(self.current)
+        self.scan = self.cursor
 
     def _start(self, epoch: int, current: np.ndarray, next_: np.ndarray | None,
                manifest_len: int, new_epoch: bool = True) -> None:
@@ -181,7 +187,7 @@ class Planner:
         self.next = next_
         self.consumed = np.zeros(len(current), bool)
         self.consumed_count = 0
-        self.cursor = self.front = 0
+        self.cursor = self.front = self.scan = 0
         self.pos_cur = _positions(current, manifest_len)
         self.pos_next = _positions(next_, manifest_len)
         self._later_positions = _duplicates(current)
@@ -252,6 +258,15 @@ class Planner:
             return -1 if self.consumed[position] else int(self.current[position])
         item = self.item_at(position)
         return item if item >= 0 and self.pos_cur[item] < 0 else -1
+
+    def window(self) -> Iterator[tuple[int, int]]:
+        """(virtual position, item) of the window's positions from `scan` on that have an
+        item to read ahead (`due_item`), nearest first: the one list of the read-ahead of an
+        order of byte ranges (cachefs/range_prefetch.py)."""
+        for position in range(max(self.scan, self.cursor), self.window_end()):
+            item = self.due_item(position)
+            if item >= 0:
+                yield position, item
 
     def entries(self, positions: np.ndarray, start: int, end: int
                 ) -> Iterator[tuple[int, int, int]]:

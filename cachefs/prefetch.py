@@ -66,6 +66,7 @@ from cachefs.config import MISS_BATCH_ITEMS
 from cachefs.freshness import NEVER_S, Freshness, now_s
 from cachefs.placement import Placement
 from cachefs.planner import NEVER, Planner
+from cachefs.range_prefetch import RangePrefetcher
 from cachefs.ranking import Ranking
 from cachefs.source import Source, SourceIdentity
 from cachefs.stats import Stats
@@ -112,7 +113,8 @@ class Prefetcher:
     def __init__(self, planner: Planner, ranking: Ranking, tiered: TieredCache, ram: RamTier,
                  source: Source, stats: Stats, freshness: Freshness, targets: Targets, *,
                  block_bytes: int, source_threads: int, lookahead_items: int,
-                 miss_batch_items: int = MISS_BATCH_ITEMS, per_target: bool = True):
+                 miss_batch_items: int = MISS_BATCH_ITEMS, per_target: bool = True,
+                 ranges: RangePrefetcher | None = None):
         self.planner = planner
         self.ranking = ranking
         self.tiered = tiered
@@ -127,6 +129,9 @@ class Prefetcher:
         self.miss_batch_items = miss_batch_items
         # False: one list for the whole order, whatever the targets (the simulator's baseline)
         self.per_target = per_target
+        # the read-ahead of an order of byte-range items (cachefs/range_prefetch.py): this
+        # loop hands it the window while such an order is in force
+        self.ranges = ranges
         self.meta = ItemMeta(0)
         # items of the manifest in force being read ahead, and the target each counts in
         self._inflight_items: dict[int, Target] = {}
@@ -142,7 +147,7 @@ class Prefetcher:
     # -- events from the order watcher and the reader ---------------------------------------
 
     def set_order(self, order) -> None:
-        if self.ranking.use_manifest(order.manifest):
+        if self.ranking.use_manifest(order.manifest, order.items):
             # every item number changes meaning: fetches in flight finish on their own and
             # drop their results (_fetch_item), and the state per item starts over
             self._inflight_items = {}
@@ -150,24 +155,27 @@ class Prefetcher:
             self.stats.track_items(len(order.manifest))
         self.targets.use(order.manifest, self._placement(order), self.ranking.item_of)
         self._recount_inflight()
-        self.ranking.set_members(order.current, order.next)
-        if self.planner.set_order(order):
+        self.ranking.set_members(order.current, order.next, order.item_count)
+        started = self.planner.set_order(order)
+        if started:
             self.stats.start_epoch(order.epoch)
-        self.targets.rebuild(self.planner, self._held_items())
-        self._batched = set()
+        self._rebuild_targets()
         self._size_window()
-        if self.planner.reranked_items is None:
+        if self.planner.reranked_items is None or self.ranking.ranged:
             self.ranking.rerank_all()
         else:  # a new next epoch only: the few items whose next use changed
             for item in self.planner.reranked_items.tolist():
                 self.ranking.rerank(item, int(self.meta.size[item]))
+        if started and self.ranges is not None and self.ranking.ranged:
+            self.ranges.new_epoch()
         self.poke()
 
     def _size_window(self) -> None:
         """The window from the RAM budget and the mean file size seen so far: `--lookahead`, or
         `source_threads` items, at most a quarter of RAM; and the most the window may span when
         readers spread out, as a DataLoader's workers do (planner.max_span_items)."""
-        mean_size = self.meta.mean_size(-1)
+        mean_size = (self.ranges.mean_item_bytes() if self.ranges is not None
+                     and self.ranking.ranged else self.meta.mean_size(-1))
         if mean_size < 0:
             # No size known yet. Guessing one block per item let a data set of large files
             # (10 blocks each) start with a window of 25 items, ten times the RAM budget's
@@ -195,6 +203,13 @@ class Prefetcher:
             if now is not None:
                 self._inflight_items[item] = now
                 now.inflight_items += 1
+
+    def _rebuild_targets(self) -> None:
+        """Every target's list anew, and no miss batch pending. Not for an order of byte
+        ranges: its items are no files, and its read-ahead is cachefs/range_prefetch.py's."""
+        if not self.ranking.ranged:
+            self.targets.rebuild(self.planner, self._held_items())
+        self._batched = set()
 
     def _held_items(self) -> np.ndarray:
         """Items of the manifest in force whose first block RAM holds (in the daemon or the
@@ -254,14 +269,18 @@ class Prefetcher:
         self.ranking.consumed_at(now_s())
         self._batched.discard(item)
         completed = self.planner.consume(item)
-        self.ranking.rerank(item, int(self.meta.size[item]))
+        if self.ranges is not None and self.ranking.ranged:
+            self.ranges.rerank(item)
+        else:
+            self.ranking.rerank(item, int(self.meta.size[item]))
         if completed and self.planner.switch_to_next():
             assert self.planner.epoch is not None  # the switch set it
             self.stats.start_epoch(self.planner.epoch)
-            self.ranking.set_members(self.planner.current)
+            self.ranking.set_members(self.planner.current, item_count=len(self.planner.pos_cur))
             self.ranking.rerank_all()
-            self.targets.rebuild(self.planner, self._held_items())
-            self._batched = set()
+            self._rebuild_targets()
+            if self.ranges is not None and self.ranking.ranged:
+                self.ranges.new_epoch()
         self.poke()
 
     def demand_miss(self, item: int, manifest) -> None:
@@ -281,7 +300,7 @@ class Prefetcher:
         dozen files (2 of 160 in one epoch of 15; `--miss-batch 1` turns batches off)."""
         planner = self.planner
         if (self.miss_batch_items <= 1 or not planner.active or item < 0
-                or manifest is not self.ranking.manifest
+                or self.ranking.ranged or manifest is not self.ranking.manifest
                 or (manifest.path(item), 0) in self.ram):
             return
         position = planner.next_use(item)
@@ -317,8 +336,10 @@ class Prefetcher:
 
     def file_read(self, item: int, manifest, origin: int, stall_s: float) -> None:
         """A reader is done with `item` of `manifest` (its class and stall, as the stats count
-        them): counted in its target (cachefs/targets.py)."""
-        self.targets.file_read(item, manifest, origin, stall_s)
+        them): counted in its target (cachefs/targets.py; not with an order of byte ranges,
+        whose items are no files)."""
+        if not self.ranking.ranged:
+            self.targets.file_read(item, manifest, origin, stall_s)
 
     # -- the read-ahead loop ---------------------------------------------------------------
 
@@ -337,6 +358,11 @@ class Prefetcher:
         planner = self.planner
         manifest = self.ranking.manifest
         if not planner.active or manifest is None:
+            return
+        if self.ranking.ranged:
+            if self.ranges is not None:
+                self._size_window()
+                self.ranges.start_fetches(nursery, self.poke)
             return
         # The window depends on file sizes, and at set_order none may be known yet:
         # recompute it as sizes become known.
@@ -539,5 +565,7 @@ class Prefetcher:
             log.debug("read-ahead of %r failed: %s", key, exc)
 
     def status(self) -> dict:
+        if self.ranges is not None and self.ranking.ranged:
+            return self.ranges.status()
         return {"inflight": len(self._inflight_items), "errors": self.prefetch_errors,
                 "miss_batch_items": self.miss_batch_items}

@@ -9,8 +9,8 @@ rank's file is derived from it, `cachefs.order.rank_order_path`) and ``user.cach
 rejected, and why). `source_file_count` waits in the same way for the daemon's scan of the
 source, so that a trainer can make a permutation of the right length.
 
-`read_index_file` and `read_files_list` read what `cachefs publish --current/--next/--files`
-name (man/cachefs-publish.1).
+`read_index_file`, `read_files_list` and `read_items_file` read what `cachefs publish
+--current/--next/--files/--items` name (man/cachefs-publish.1).
 
 `cachefs.torch`, the CLI and trainers call this module (README, man/cachefs.1); the names
 `cachefs.order.publish` and `cachefs.order.source_file_count`, which earlier versions
@@ -30,6 +30,7 @@ from cachefs import ctrl
 from cachefs.errors import OrderError
 from cachefs.order import (NPY_MAGIC, check_arrays, check_indices, check_targets, rank_order_path,
                            write_checked)
+from cachefs.order_items import ITEM_KEYS, ItemArrays, check_item_files
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +95,63 @@ def read_files_list(path: Path) -> list[str]:
     return [os.fsdecode(name) for name in names]
 
 
+def read_items_file(path: Path) -> ItemArrays:
+    """Byte-range items from a ``.npz`` holding ``item_file``, ``item_offset`` and
+    ``item_length`` (as `cachefs.ranges.save_items` writes it, no pickles), or from a text
+    file with three integers per line: file index, offset, length. Blank lines are ignored;
+    a bad line raises OrderError naming the file and the line."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise OrderError(f"{path}: {err.strerror}") from None
+    if data[:4] == b"PK\x03\x04":
+        try:
+            with np.load(path, allow_pickle=False) as npz:
+                missing = [key for key in ITEM_KEYS if key not in npz.files]
+                if missing:
+                    raise OrderError(f"{path}: no {', '.join(missing)} in the archive")
+                return ItemArrays(*(npz[key] for key in ITEM_KEYS))
+        except ValueError as err:
+            raise OrderError(f"{path}: not a usable npz of items: {err}") from None
+    rows = []
+    for line_number, line in enumerate(data.split(b"\n"), 1):
+        fields = line.split()
+        if not fields:
+            continue
+        try:
+            if len(fields) != 3:
+                raise ValueError
+            rows.append([int(field) for field in fields])
+        except ValueError:
+            raise OrderError(f"{path}: line {line_number}: not three integers (file index, "
+                             f"offset, length): {line[:80].decode('utf-8', 'replace')!r}"
+                             ) from None
+    table = np.array(rows, dtype=np.int64).reshape(-1, 3)
+    return ItemArrays(table[:, 0], table[:, 1], table[:, 2])
+
+
+def read_inputs(files: Path | None, items: Path | None
+                ) -> tuple[list[str] | None, ItemArrays | None]:
+    """What `cachefs publish --files` and `--items` name, read (None where not given)."""
+    return (read_files_list(files) if files else None,
+            read_items_file(items) if items else None)
+
+
+def order_length(mount: Path, files: list[str] | None, items: ItemArrays | None) -> int:
+    """How many items an order of the mount indexes: its byte-range items, else the listed
+    files, else the source's regular files (waiting while the daemon scans it)."""
+    if items is not None:
+        return items.item_count
+    return len(files) if files is not None else source_file_count(mount)
+
+
 def publish(mount: Path, epoch: int, current, next=None, files=None, rank=None,
-            world_size=None, timeout_s: float = 10.0, targets=None) -> dict:
+            world_size=None, timeout_s: float = 10.0, targets=None, items=None) -> dict:
     """Publish an order to a mount and wait until the daemon takes it.
+
+    `items`: byte-range items (`cachefs.order_items.ItemArrays`: item_file, item_offset,
+    item_length, e.g. from `cachefs.ranges`); `current` and `next` then index them.
 
     Without a rank the order file itself is written; with one, the rank's own file next to it
     (`rank_order_path`), which the daemon merges with the files of the node's other ranks.
@@ -108,7 +163,8 @@ def publish(mount: Path, epoch: int, current, next=None, files=None, rank=None,
     storage target of each manifest item (man/cachefs-order.5), None to let the daemon go by
     the files' devices.
     """
-    checked = check_arrays(epoch, current, next, files, rank, world_size, targets=targets)
+    checked = check_arrays(epoch, current, next, files, rank, world_size, targets=targets,
+                           items=items)
     mount = Path(mount)
     order_path = Path(os.fsdecode(ctrl.read_attr(mount, ctrl.ORDER_FILE, OrderError)))
     if checked.rank is not None:  # (and world_size: check_arrays takes both or neither)
@@ -117,12 +173,14 @@ def publish(mount: Path, epoch: int, current, next=None, files=None, rank=None,
         # The daemon knows the source's size once it has scanned it: check the upper bound
         # now, so that a bad index fails before anything is written.
         known = (ctrl.read_stats(mount, OrderError).get("manifest") or {}).get("files")
-        if known is not None:
+        if known is not None and checked.items is not None:
+            check_item_files(checked.items.file, known)
+        elif known is not None:
             for key, indices in (("current", checked.current), ("next", checked.next)):
                 if indices is not None:
                     check_indices(key, indices, known)
-            if checked.targets is not None:
-                check_targets(checked.targets, known)
+        if known is not None and checked.targets is not None:
+            check_targets(checked.targets, known)
     identity = write_checked(order_path, checked).to_json()
     log.debug("wrote %s, waiting for the daemon of %s", order_path, mount)
     deadline = time.monotonic() + timeout_s

@@ -12,7 +12,12 @@ the tiers ask of a block, and nothing else reads the plan for them:
 - Item numbers. An item number is an index into one manifest and means nothing without it
   (prefetch.py's module docstring): this module holds the manifest in force, finds a file's
   item (`item_of`, with the files read ahead lately remembered so an open hashes no path),
-  and renumbers an item held across an await (`item_now`).
+  and renumbers an item held across an await (`item_now`). An order of byte-range items
+  (cachefs.order_items) numbers its items, not its files: then a file is no item (`item_of`
+  is -1, its blocks rank as blocks of no known future) and the RAM tier's range entries
+  (cachefs/range_cache.py) carry the item numbers, found again by their ranges whenever the
+  table changes (`use_manifest`). A range entry ranks by its item's next use alone, and is
+  never kept for the SSD tier's sake (the SSD tier holds blocks, not ranges).
 - `kernel_may_keep`: whether the kernel's pages of a file a reader is done with may be its
   only copy, from how soon it is read again at the rate files are consumed, and whether the
   kernel has lost pages it was trusted with (`note_kernel_loss`).
@@ -30,6 +35,7 @@ import numpy as np
 
 from cachefs.cache.ram import BlockKey, RamTier, block_count
 from cachefs.manifest import Manifest
+from cachefs.order_items import Items
 from cachefs.planner import NEVER, Planner
 from cachefs.recent import RecentMap
 from cachefs.source import SourceIdentity
@@ -55,6 +61,7 @@ class Ranking:
         self.ssd = ssd
         self.block_bytes = block_bytes
         self._manifest: Manifest | None = None
+        self._items: Items | None = None  # the order's byte-range items, if it has them
         self._member = np.zeros(0, bool)  # items in the current or next order
         # relpath -> manifest index of files read ahead lately: an open finds its item without
         # hashing the path (Manifest.index_of was about 5% of the daemon's busy main thread)
@@ -70,21 +77,45 @@ class Ranking:
     def manifest(self):
         return self._manifest
 
-    def use_manifest(self, manifest) -> bool:
-        """The manifest of a new order; True if it is another one than before, whose item
-        numbers mean other files: blocks in RAM learn their item numbers in it."""
-        if manifest is self._manifest:
-            return False
-        self._manifest = manifest
-        self._recent_items.clear()
-        for key, block in self.ram.blocks.items():
-            block.item = manifest.index_of(key[0])
-        return True
+    @property
+    def items(self) -> Items | None:
+        """The byte-range items of the order in force (None: its items are files)."""
+        return self._items
 
-    def set_members(self, current, next_=None) -> None:
-        """The items of the current order and of the next (None: none known)."""
+    @property
+    def ranged(self) -> bool:
+        """The plan's items are byte ranges of files (cachefs.order_items), not files."""
+        return self._items is not None
+
+    def use_manifest(self, manifest, items: Items | None = None) -> bool:
+        """The manifest and byte-range items (None: the items are the files) of a new order;
+        True if the manifest is another one than before, whose item numbers mean other files.
+        If either changed, blocks in RAM learn their item numbers under them."""
+        changed = manifest is not self._manifest
+        same_items = (items is self._items if items is None or self._items is None
+                      else items.same_ranges(self._items))
+        self._manifest, self._items = manifest, items
+        if changed or not same_items:
+            self._recent_items.clear()
+            for key, block in self.ram.blocks.items():
+                block.item = self._item_of_key(key)
+        return changed
+
+    def _item_of_key(self, key: BlockKey) -> int:
+        """The item number, in the order in force, of a RAM block or range entry."""
+        assert self._manifest is not None
+        relpath, where = key
+        if isinstance(where, tuple):  # a range entry: (offset, length) (range_cache.RangeKey)
+            if self._items is None:
+                return -1
+            return self._items.find(self._manifest.index_of(relpath), where[0], where[1])
+        return -1 if self._items is not None else self._manifest.index_of(relpath)
+
+    def set_members(self, current, next_=None, item_count: int | None = None) -> None:
+        """The items of the current order and of the next (None: none known), of the order's
+        `item_count` items (byte-range items, cachefs.order_items; None: the manifest's)."""
         assert self._manifest is not None  # an order is in force (use_manifest came first)
-        self._member = np.zeros(len(self._manifest), bool)
+        self._member = np.zeros(len(self._manifest) if item_count is None else item_count, bool)
         self._member[current] = True
         if next_ is not None:
             self._member[next_] = True
@@ -120,6 +151,8 @@ class Ranking:
         """`priority_of` for an item of the orders whose next use is `use`."""
         if use == NEVER:
             return None  # consumed and not read again in the known future
+        if self._items is not None:
+            return use  # a range entry: one per item, never on the SSD tier
         if use >= self.planner.length and self._on_ssd(item, block_index, identity):
             return None  # retained only for the next epoch, and the SSD tier has it
         return use + block_index * BLOCK_TIEBREAK
@@ -167,8 +200,9 @@ class Ranking:
     # -- item numbers ------------------------------------------------------------------------
 
     def item_of(self, relpath: bytes) -> int:
-        """The file's index in the manifest in force; -1 if it has none."""
-        if self._manifest is None:
+        """The file's index in the manifest in force; -1 if it has none, or if the order's
+        items are byte ranges (a file is then no item: cachefs/range_read.py reads its items)."""
+        if self._manifest is None or self.ranged:
             return -1
         item = self._recent_items.get(relpath)
         return item if item is not None else self._manifest.index_of(relpath)

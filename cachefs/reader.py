@@ -32,9 +32,13 @@ files), stays in the kernel only, and the daemon's copy goes; any other file's p
 dropped, so that the kernel holds nothing the RAM budget does not count and nothing it may lose
 before it is needed (a file of the order is pushed again when the window reaches it).
 
+A file whose samples are byte-range items of the order in force (cachefs.order_items) is read
+by item instead (cachefs/range_read.py): its READs go there, and its opens and closes count
+nothing, since the stats count items, not the file.
+
 Wiring (`build_read_path`, the one wiring of the mount and the simulator): planner, ranking,
-tiered cache, prefetcher, reader, each built after the objects it uses and given them at
-construction, so that no object is told of another after it is built. The reader's public
+tiered cache, range cache, prefetcher, reader, each built after the objects it uses and given
+them at construction, so that no object is told of another after it is built. The reader's public
 methods are all that fuse_ops touches of the read path.
 """
 
@@ -53,6 +57,9 @@ from cachefs.freshness import Freshness, now_s
 from cachefs.pagecache import KernelPages
 from cachefs.planner import Planner
 from cachefs.prefetch import Prefetcher
+from cachefs.range_cache import RangeCache
+from cachefs.range_prefetch import RangePrefetcher
+from cachefs.range_read import RangeReader
 from cachefs.ranking import Ranking
 from cachefs.source import SourceIdentity
 from cachefs.targets import Targets
@@ -103,7 +110,7 @@ class OpenFile:
 class Reader:
     def __init__(self, planner: Planner, ranking: Ranking, tiered: TieredCache,
                  prefetcher: Prefetcher, stats: stats_mod.Stats, *, block_bytes: int,
-                 sequential_blocks: int):
+                 sequential_blocks: int, ranges: RangeReader | None = None):
         self._planner = planner
         self._ranking = ranking
         self._tiered = tiered
@@ -112,6 +119,7 @@ class Reader:
         self.block_bytes = block_bytes
         self.sequential_blocks = sequential_blocks
         self.kernel_opens = 0  # opens of files the kernel held whole (no READ needed)
+        self._ranges = ranges  # files whose samples are byte ranges (module docstring)
 
     # -- what fuse_ops asks besides reads ---------------------------------------------------
 
@@ -207,6 +215,13 @@ class Reader:
 
     async def read(self, handle: OpenFile, offset: int, size: int) -> bytes:
         handle.read_called = True
+        if self._ranges is not None:
+            file_index = self._ranges.file_of(handle.relpath)
+            if file_index >= 0:
+                data = await self._ranges.read(handle.relpath, handle.identity, file_index,
+                                               offset, size)
+                handle.bytes_served += len(data)
+                return data
         block_bytes = self.block_bytes
         identity = handle.identity  # the version the kernel was given: the only one served
         end = min(offset + size, identity.size)
@@ -291,6 +306,8 @@ class Reader:
 
     def release(self, handle: OpenFile, last: bool = True) -> None:
         """The reader let go of `handle`; `last`: no other handle of the file is open."""
+        if self._ranges is not None and self._ranges.file_of(handle.relpath) >= 0:
+            return  # its items were counted as they were read (module docstring)
         if handle.kernel_whole:
             # the kernel served what no READ asked for: the whole file, as far as we can tell
             # (a reader that opens a file and reads nothing is counted as reading it)
@@ -336,7 +353,8 @@ def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, freshness
                     kernel: KernelPages | None = None,
                     kernel_inodes: KernelInodes | None = None,
                     on_source_changed: Callable[[bytes, SourceIdentity], None] | None = None,
-                    run_ssd: RunSync | None = None) -> ReadPath:
+                    run_ssd: RunSync | None = None,
+                    drop_file_pages: Callable[[bytes], None] | None = None) -> ReadPath:
     """Planner, ranking, tiered cache, prefetcher and reader, wired in that order (each is
     given the ones it uses when it is built); the one wiring used by the mount and the
     simulator, so that what the simulator tests is what the mount runs. `targets`: the storage
@@ -345,17 +363,26 @@ def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, freshness
     `miss_batch_items`, `per_target`: the read-ahead's (cachefs/prefetch.py). `kernel` and
     `kernel_inodes`: the kernel data plane (None: the daemon serves every READ).
     `on_source_changed(relpath, identity)`: a file changed at the source (its cached copies
-    are gone). `run_ssd`: the worker-thread hop of the SSD tier's calls (None: threads)."""
+    are gone). `run_ssd`: the worker-thread hop of the SSD tier's calls (None: threads).
+    `drop_file_pages(relpath)`: the kernel drops a file's pages (the range cache's drops;
+    None: nothing to drop)."""
     targets = targets if targets is not None else Targets()
     planner = Planner(lookahead_items or 1)
     ranking = Ranking(planner, ram, ssd, block_bytes=block_bytes)
     tiered = TieredCache(ram, source, stats, block_bytes, ranking, ssd=ssd, run_ssd=run_ssd,
                          kernel=kernel, kernel_inodes=kernel_inodes,
                          on_source_changed=on_source_changed)
+    range_cache = RangeCache(ram, source, stats, ranking, freshness, kernel=kernel,
+                             kernel_inodes=kernel_inodes, source_changed=tiered.source_changed,
+                             drop_file_pages=drop_file_pages or (lambda relpath: None))
     prefetcher = Prefetcher(planner, ranking, tiered, ram, source, stats, freshness, targets,
                             block_bytes=block_bytes, source_threads=source_threads,
                             lookahead_items=lookahead_items, miss_batch_items=miss_batch_items,
-                            per_target=per_target)
+                            per_target=per_target,
+                            ranges=RangePrefetcher(planner, ranking, range_cache,
+                                                   max_inflight=source_threads))
     reader = Reader(planner, ranking, tiered, prefetcher, stats, block_bytes=block_bytes,
-                    sequential_blocks=sequential_blocks)
+                    sequential_blocks=sequential_blocks,
+                    ranges=RangeReader(planner, ranking, range_cache, stats,
+                                       prefetcher.consumed))
     return ReadPath(planner, ranking, tiered, prefetcher, reader, targets)

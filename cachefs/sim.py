@@ -53,6 +53,10 @@ random delay of up to `open_jitter_s` between taking a position and opening it m
 workers read a little out of order, as DataLoader workers do. An epoch ends when every worker
 is done; its wall time is in virtual seconds.
 
+Samples inside large files (`ranges_per_file` > 0): the items are byte ranges of packed files
+read as a `numpy.memmap` reader reads them, with a fake kernel page cache of those files
+(cachefs/sim_ranges.py).
+
 Per epoch the result carries the mount's own counters (from `Stats`) and what only a simulator
 can see: the origin of every position (to check where RAM hits fall), the RAM blocks kept
 across the epoch boundary and how many of them the SSD also holds, and the largest
@@ -62,7 +66,6 @@ across the epoch boundary and how many of them the SSD also holds, and the large
 from __future__ import annotations
 
 import logging
-import types
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -71,22 +74,22 @@ import trio.testing
 
 from cachefs import stats as stats_mod
 from cachefs.cache.ram import RamTier
-from cachefs.cache.tiered import SSD_THREADS, block_length
 from cachefs.config import KIB, MIB, MISS_BATCH_ITEMS
 from cachefs.freshness import Freshness
 from cachefs.order import Manifest, Order, permutation
+from cachefs.order_items import Items
 from cachefs.pagecache import KernelPages, file_pages_dropper
-from cachefs.reader import build_read_path
-from cachefs.source import BlockData, RequestObserver, SourceIdentity
+from cachefs.reader import OpenFile, build_read_path
+from cachefs.sim_fakes import SimKernelInodes, SimSource, SimSsd, inline_ssd_calls, payload
+from cachefs.sim_ranges import SimPages, packed, read_range_item
 from cachefs.stats import Stats, refetch_window_blocks
 from cachefs.targets import Targets
-from cachefs.threads import RunSync
 
 log = logging.getLogger(__name__)
 
+
 ORIGIN_NAMES = {stats_mod.ORIGIN_RAM: "ram", stats_mod.ORIGIN_PREFETCHED: "prefetched",
                 stats_mod.ORIGIN_SSD: "ssd", stats_mod.ORIGIN_MISS: "miss"}
-MTIME_NS = 1_700_000_000 * 10**9  # every simulated file has this mtime; inode = item + 1
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,10 @@ class SimConfig:
     # the readers skip this many positions at the start of every epoch (a job resumed in
     # mid-epoch): those are never consumed, and the rest is read outside the window
     skip_items: int = 0
+    # > 0: the items are byte ranges, this many per packed file (module docstring)
+    ranges_per_file: int = 0
+    range_header_bytes: int = 128  # bytes of no item at the start of a packed file
+    shuffle: bool = True  # a new permutation each epoch; False: every epoch in item order
 
     def sizes(self) -> np.ndarray:
         if self.sizes_bytes is not None:
@@ -196,6 +203,7 @@ class SimResult:
     ssd_keys: frozenset  # (relpath, block_index) held by the SSD tier at the end
     data_errors: int  # reads whose bytes were not those of the file and block asked for
     targets: list[dict] = field(default_factory=list)  # `cachefs stats`'s targets at the end
+    source_requests: int = 0  # stats, opens and reads the source answered
 
     def table(self) -> str:
         rows = [e.row() for e in self.epochs]
@@ -208,162 +216,6 @@ class SimResult:
 
 
 # -- the fakes ---------------------------------------------------------------------------------
-
-
-def payload(relpath: bytes, block_index: int, length: int) -> bytes:
-    """The bytes of one simulated block: a header naming it, then zeros."""
-    head = b"%s#%d|" % (relpath, block_index)
-    return (head + bytes(max(0, length - len(head))))[:length]
-
-
-class SimSource:
-    """The slow directory, as `cachefs.source.Source` is used by the cache and prefetcher."""
-
-    def __init__(self, manifest: Manifest, sizes: np.ndarray, *, latency_s: float,
-                 parallelism: int, bandwidth_bytes_s: float = 0.0,
-                 target_latencies_s: tuple[float, ...] | None = None,
-                 target_parallelism: tuple[int, ...] | None = None,
-                 requests: RequestObserver | None = None):
-        self.limiter = trio.CapacityLimiter(parallelism)
-        self.latency_s = latency_s
-        self.bandwidth_bytes_s = bandwidth_bytes_s
-        self._sizes = sizes
-        self._index = {manifest.path(i): i for i in range(len(manifest))}
-        self.requests = 0
-        self._target_latencies_s = target_latencies_s or (latency_s,)
-        self._target_limiters = [trio.CapacityLimiter(slots)
-                                 for slots in target_parallelism or ()]
-        self._observer = requests
-
-    def identity(self, relpath: bytes) -> SourceIdentity:
-        item = self._item(relpath)
-        return SourceIdentity(int(self._sizes[item]), MTIME_NS, item + 1)
-
-    def _item(self, relpath: bytes) -> int:
-        try:
-            return self._index[relpath]
-        except KeyError:
-            raise FileNotFoundError(2, "No such file or directory", relpath) from None
-
-    async def _request(self, relpath: bytes, nbytes: int) -> None:
-        target = self._item(relpath) % len(self._target_latencies_s)
-        started = self._observer.request_started(relpath) if self._observer else None
-        async with self.limiter:
-            self.requests += 1
-            began_s = trio.current_time()  # in the thread, as the source times it
-            transfer_s = nbytes / self.bandwidth_bytes_s if self.bandwidth_bytes_s else 0.0
-            if self._target_limiters:
-                async with self._target_limiters[target]:
-                    await trio.sleep(self._target_latencies_s[target] + transfer_s)
-            else:
-                await trio.sleep(self._target_latencies_s[target] + transfer_s)
-            if self._observer is not None:
-                self._observer.request_finished(started, trio.current_time() - began_s, nbytes)
-
-    def identity_of(self, st) -> SourceIdentity:
-        return SourceIdentity(st.st_size, st.st_mtime_ns, st.st_ino)
-
-    async def lstat(self, relpath: bytes, *, background: bool = False):
-        identity = self.identity(relpath)
-        await self._request(relpath, 0)
-        return types.SimpleNamespace(st_size=identity.size, st_mtime_ns=identity.mtime_ns,
-                                     st_ino=identity.ino)
-
-    async def check_readable(self, relpath: bytes) -> SourceIdentity:
-        identity = self.identity(relpath)
-        await self._request(relpath, 0)
-        return identity
-
-    async def read_block(self, relpath: bytes, block_index: int, block_bytes: int, *,
-                         background: bool = False) -> BlockData:
-        identity = self.identity(relpath)
-        length = block_length(identity, block_index, block_bytes)
-        await self._request(relpath, length)
-        return BlockData(payload(relpath, block_index, length), identity)
-
-
-class SimKernelInodes:
-    """A kernel that has looked up every file of the data set (`KernelInodes`)."""
-
-    def __init__(self, manifest: Manifest):
-        self._inodes = {manifest.path(i): i + 2 for i in range(len(manifest))}
-
-    def inode_of(self, relpath: bytes) -> int | None:
-        return self._inodes.get(relpath)
-
-    def store_target(self, relpath: bytes, identity: SourceIdentity) -> int | None:
-        return self._inodes.get(relpath)
-
-
-class SimSsd:
-    """Cache-once block store in memory, with `cachefs.cache.ssd.SsdTier`'s methods."""
-
-    def __init__(self, budget_bytes: int):
-        self.budget_bytes = budget_bytes
-        self.entries: dict[tuple[bytes, int], tuple[SourceIdentity, bytes]] = {}
-        self.bytes = 0
-        self.reads = 0
-
-    def contains(self, key, identity: SourceIdentity) -> bool:
-        entry = self.entries.get(key)
-        return entry is not None and entry[0] == identity
-
-    def has_entry(self, key) -> bool:
-        return key in self.entries
-
-    def holds_other_version(self, key, identity: SourceIdentity) -> bool:
-        entry = self.entries.get(key)
-        return entry is not None and entry[0] != identity
-
-    def read(self, key, identity: SourceIdentity) -> bytes | None:
-        entry = self.entries.get(key)
-        if entry is not None and entry[0] != identity:
-            self.bytes -= len(self.entries.pop(key)[1])  # stale: dropped, as SsdTier does
-            return None
-        if entry is None:
-            return None
-        self.reads += 1
-        return entry[1]
-
-    def admit(self, key, identity: SourceIdentity, data: bytes) -> bool:
-        if key in self.entries or not self.has_room(len(data)):
-            return False  # cache-once: nothing is ever replaced
-        self.entries[key] = (identity, data)
-        self.bytes += len(data)
-        return True
-
-    def has_room(self, size_bytes: int) -> bool:
-        return self.bytes + size_bytes <= self.budget_bytes
-
-    def drop_file(self, relpath: bytes, keep: SourceIdentity | None = None) -> int:
-        keys = [key for key, (identity, _) in self.entries.items()
-                if key[0] == relpath and identity != keep]
-        for key in keys:
-            self.bytes -= len(self.entries.pop(key)[1])
-        return len(keys)
-
-    def stats(self) -> dict:
-        return {"bytes": self.bytes, "budget": self.budget_bytes, "entries": len(self.entries)}
-
-    def close(self) -> None:
-        pass
-
-
-def inline_ssd_calls(latency_s: float, threads: int = SSD_THREADS) -> RunSync:
-    """The tiered cache's worker-thread hop for a `SimSsd`: each call runs inline, holding
-    one of `threads` slots, after a virtual delay of `latency_s`.
-
-    The SimSsd does no blocking I/O, and under the MockClock a real thread lets virtual time
-    jump ahead while it runs, which would make SSD reads cost an arbitrary time.
-    """
-    limiter = trio.CapacityLimiter(threads)
-
-    async def run_sync(fn, *args):
-        async with limiter:
-            await trio.sleep(latency_s)
-            return fn(*args)
-
-    return run_sync
 
 
 class _ObservedRamTier(RamTier):
@@ -405,23 +257,46 @@ class Sim:
         self.config = config
         self.sizes = config.sizes()
         n = len(self.sizes)
-        # item i on target i mod T, as the device of its file (module docstring)
-        self.manifest = Manifest(
-            Manifest.from_paths([b"d%02d/item%07d.bin" % (i % 16, i) for i in range(n)]).paths,
-            devices=np.arange(n, dtype=np.int64) % config.target_count).prepare()
-        self.paths = [self.manifest.path(i) for i in range(n)]
+        self.items: Items | None = None
+        self.pages: SimPages | None = None
+        if config.ranges_per_file:
+            self.items, file_sizes = packed(self.sizes, config.ranges_per_file,
+                                            config.range_header_bytes)
+            self.manifest = Manifest.from_paths(
+                [b"packed%04d.bin" % i for i in range(len(file_sizes))]).prepare()
+        else:
+            file_sizes = self.sizes
+            # item i on target i mod T, as the device of its file (module docstring)
+            self.manifest = Manifest(
+                Manifest.from_paths([b"d%02d/item%07d.bin" % (i % 16, i)
+                                     for i in range(n)]).paths,
+                devices=np.arange(n, dtype=np.int64) % config.target_count).prepare()
+        self.paths = [self.manifest.path(i) for i in range(len(self.manifest))]
         self.stats = Stats(refetch_window_blocks(config.ram_bytes, config.block_bytes))
         self.targets = Targets()
-        self.source = SimSource(self.manifest, self.sizes, latency_s=config.latency_s,
+        self.source = SimSource(self.manifest, file_sizes, latency_s=config.latency_s,
                                 parallelism=config.parallelism,
                                 bandwidth_bytes_s=config.bandwidth_bytes_s,
                                 target_latencies_s=config.target_latencies_s,
                                 target_parallelism=config.target_parallelism,
-                                requests=self.targets)
+                                requests=self.targets, packed=self.items is not None)
         self.ssd = SimSsd(config.ssd_bytes) if config.ssd_bytes else None
-        self.kernel = (KernelPages(lambda inode, offset, data: None, lambda inode: None)
-                       if config.kernel_cache else None)
         kernel_inodes = SimKernelInodes(self.manifest)
+        drop_file_pages = None
+        if self.items is not None:
+            # a kernel that keeps the pages of packed files (module docstring); the daemon
+            # drops them whatever its data plane
+            pages = self.pages = SimPages({i + 2: int(size) for i, size in enumerate(file_sizes)})
+            self.kernel = KernelPages(pages.store, pages.invalidate) if config.kernel_cache \
+                else None
+
+            def drop_file_pages(relpath: bytes) -> None:
+                inode = kernel_inodes.inode_of(relpath)
+                if inode is not None:
+                    pages.invalidate(inode)
+        else:
+            self.kernel = (KernelPages(lambda inode, offset, data: None, lambda inode: None)
+                           if config.kernel_cache else None)
         self.ram = _ObservedRamTier(
             config.ram_bytes, block_bytes=config.block_bytes,
             drop_kernel_pages=file_pages_dropper(self.kernel, kernel_inodes.inode_of))
@@ -431,7 +306,7 @@ class Sim:
             lookahead_items=config.lookahead_items, sequential_blocks=config.sequential_blocks,
             miss_batch_items=config.miss_batch_items, per_target=config.per_target,
             kernel=self.kernel, kernel_inodes=kernel_inodes,
-            run_ssd=inline_ssd_calls(config.ssd_latency_s))
+            run_ssd=inline_ssd_calls(config.ssd_latency_s), drop_file_pages=drop_file_pages)
         self.planner = read_path.planner
         self.tiered = read_path.tiered
         self.prefetcher = read_path.prefetcher
@@ -439,12 +314,16 @@ class Sim:
         rng = np.random.default_rng(config.seed)
         self.jitter_s = rng.uniform(0, config.open_jitter_s, (config.epochs, n))
         self.data_errors = 0
+        self.handles: dict[int, OpenFile] = {}  # packed file -> its reader's handle
 
     def order(self, epoch: int) -> Order:
         n = len(self.sizes)
-        return Order(epoch=epoch, current=permutation(n, self.config.seed, epoch),
-                     next=permutation(n, self.config.seed, epoch + 1), manifest=self.manifest,
-                     rank=None, world_size=None, total_length=n, file=None)
+
+        def of(e: int) -> np.ndarray:
+            return permutation(n, self.config.seed, e) if self.config.shuffle \
+                else np.arange(n, dtype=np.int64)
+        return Order(epoch=epoch, current=of(epoch), next=of(epoch + 1), manifest=self.manifest,
+                     rank=None, world_size=None, total_length=n, file=None, items=self.items)
 
     async def main(self) -> list[EpochResult]:
         return await self.serving(self._epochs)
@@ -499,6 +378,10 @@ class Sim:
         item = int(order.current[position])
         if config.open_jitter_s:
             await trio.sleep(self.jitter_s[epoch - 1, position])
+        if self.items is not None:
+            await read_range_item(self, item, position, result)
+            await trio.sleep(config.consume_s)
+            return
         handle = await self._open(item, result)
         size = handle.identity.size
         # a file the kernel holds whole is read from its pages: no request reaches the daemon
@@ -560,7 +443,7 @@ def simulate(config: SimConfig) -> SimResult:
     return SimResult(config, epochs, sim.ram.max_used_bytes, sim.ram.budget_bytes,
                      sim.planner.lookahead_items, sim.ram.evictions,
                      sim.ssd.bytes if sim.ssd is not None else 0, ssd_keys, sim.data_errors,
-                     sim.targets.status())
+                     sim.targets.status(), sim.source.requests)
 
 
 def run_script(config: SimConfig, script):
@@ -601,9 +484,11 @@ def main(argv=None) -> None:
     @click.option("--block-kib", default=4096, show_default=True)
     @click.option("--metadata-ttl-s", default=60.0, show_default=True)
     @click.option("--seed", default=0, show_default=True)
+    @click.option("--ranges-per-file", default=0, show_default=True,
+                  help="Items are byte ranges of packed files, this many per file (0: files).")
     def command(items, item_kb, ram_fraction, ssd_fraction, epochs, latency_ms, parallelism,
                 bandwidth_mbs, consume_ms, jitter_ms, workers, batch_items, lookahead,
-                block_kib, metadata_ttl_s, seed):
+                block_kib, metadata_ttl_s, seed, ranges_per_file):
         """Simulate a training run over cachefs on virtual time and print per-epoch figures."""
         item_bytes = int(item_kb * 1000)
         data_bytes = items * item_bytes
@@ -614,7 +499,7 @@ def main(argv=None) -> None:
             bandwidth_bytes_s=bandwidth_mbs * 1e6, consume_s=consume_ms / 1e3,
             open_jitter_s=jitter_ms / 1e3, workers=workers, batch_items=batch_items,
             lookahead_items=lookahead,
-            metadata_ttl_s=metadata_ttl_s, seed=seed)
+            metadata_ttl_s=metadata_ttl_s, seed=seed, ranges_per_file=ranges_per_file)
         result = simulate(config)
         click.echo(result.table())
         click.echo(f"RAM budget {result.ram_budget_bytes / 1e6:.1f} MB, max used "

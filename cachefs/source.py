@@ -58,6 +58,7 @@ from typing import Any, NamedTuple, Protocol
 from cachefs import threads as threads_mod
 from cachefs.beneath import open_beneath, proc_path
 from cachefs.freshness import Freshness, now_s
+from cachefs.held_files import HeldFiles
 from cachefs.inodes import PackedStat
 from cachefs.mountinfo import filesystem_type
 from cachefs.recent import RecentMap
@@ -127,6 +128,8 @@ class Source:
         self.stats_reused = 0
         self.read_seconds = Histogram()  # block reads' latency (module docstring)
         self._observer = requests
+        # files kept open for range reads (samples inside large files)
+        self._held = HeldFiles(lambda relpath: self._open(relpath)[0])
 
     def identity_of(self, st: os.stat_result | PackedStat) -> SourceIdentity:
         if isinstance(st, PackedStat):
@@ -311,6 +314,45 @@ class Source:
                                      background=background)
         self.read_seconds.observe(block.read_s)
         # fstat of a file opened through no link: what lstat would say of a regular file
+        self._remember(relpath, block.stat, asked_s)
+        return block
+
+
+    def read_ranges_sync(self, relpath: bytes, ranges: list[tuple[int, int]],
+                         hold_s: float = 0.0) -> BlockData:
+        """The bytes of each (offset, length) of the file, cut at its end, one after the
+        other in `data`, with the identity of the same open file, as `read_block_sync`
+        reads a block. `hold_s` > 0: from a descriptor kept open that long for the file's
+        next range reads (cachefs/held_files.py), fstat'ed at each read."""
+        started_s = time.monotonic()
+
+        def read(fd: int, st: os.stat_result | None = None) -> tuple[bytes, os.stat_result]:
+            st = st if st is not None else os.fstat(fd)
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            return b"".join(_pread_full(fd, max(0, min(length, st.st_size - offset)), offset)
+                            for offset, length in ranges), st
+
+        if hold_s > 0:
+            data, st = self._held.use(relpath, hold_s, read)
+        else:
+            fd, opened = self._open(relpath)
+            try:
+                data, st = read(fd, opened)
+            finally:
+                os.close(fd)
+        return BlockData(data, self.identity_of(st), st, time.monotonic() - started_s)
+
+    async def read_ranges(self, relpath: bytes, ranges: list[tuple[int, int]], *,
+                          background: bool = False, hold_s: float = 0.0) -> BlockData:
+        """Byte ranges of one file in one worker-thread call: the byte-range items of an
+        order (cachefs/range_cache.py), or the edges of their pages; `hold_s`: see
+        `read_ranges_sync`."""
+        asked_s = now_s()
+        self.requests["block_read"] += 1
+        block = await self._run(self.read_ranges_sync, relpath, ranges, hold_s,
+                                background=background)
+        self.read_seconds.observe(block.read_s)
         self._remember(relpath, block.stat, asked_s)
         return block
 

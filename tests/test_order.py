@@ -210,7 +210,7 @@ def test_round_trip_with_files_and_rank(tmp_path, source_manifest):
     assert order.status() == {"epoch": 5, "length": 3, "total_length": 12, "rank": 1,
                               "world_size": 5, "ranks": [1], "has_next": True,
                               "file": identity.to_json(), "files": [identity.to_json()],
-                              "targets": "device"}
+                              "targets": "device", "items": None}
     with pytest.raises(ValueError):
         order.current[0] = 0  # the daemon's arrays are read-only
 

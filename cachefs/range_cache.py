@@ -1,0 +1,485 @@
+"""Byte-range items in the RAM tier and the kernel's pages: fetched by span, kept by item.
+
+An order of byte-range items (cachefs.order_items) names samples inside large files, and the
+policy is the one of whole files (docs/design.md §2) with an item for a file. Blocks do not fit
+it: a 100 KB row of a `.npy` straddles blocks shared with rows used at other times, so a block
+cache reads several times the bytes a sample needs and keeps bytes of samples it does not want,
+which costs the head of the next epoch most of the RAM that should hold it (docs/design.md §3,
+"Byte-range items"). So each item is a RAM-tier entry of its own:
+
+- Key ``(relpath, RangeKey(offset, length))``, the item's range; the entry's `item` is its
+  number in the order in force (found again by the range when the table changes,
+  cachefs/ranking.py) and its priority is the item's next use, nothing else. The SSD tier holds
+  no ranges.
+- Bytes: while the item is unconsumed the entry holds its *page extent*, the whole pages its
+  range touches (the bytes of its neighbours in its first and last page included), because the
+  kernel only takes whole pages (`push`). Once consumed, a retained entry (the next epoch's
+  head) is trimmed to the item's own bytes, so that what RAM holds across the boundary is
+  samples and nothing else; when the window reaches it again the few bytes of its edge pages
+  are read from the source (`complete`), off the reader's path.
+- Fetching: the read-ahead and the readers hand `fetch` a *span*, items whose extents touch,
+  read in one source read (adjacent ranges merged, up to `MAX_SPAN_BYTES`), then split into
+  entries; one fetch per item at a time (a dict of in-flight fetches by range key, which a
+  reader waits on instead of reading again). RAM is reserved per item before the read, by the
+  caller's priority, as blocks are (cachefs/cache/tiered.py).
+
+The kernel's pages (docs/design.md §4). A memmap reader reads with page faults: pages the kernel
+holds cost no request, so the window's items are stored into the page cache (`push`, from a
+worker thread: cachefs/pagecache.py) as they land, but for one page each, the item's *sentinel*
+(the last page wholly inside it). The reader's fault on it is the one READ the item costs, and
+that READ is how the daemon learns the item was read (cachefs/range_read.py). With the kernel's
+read-ahead off (the mount sets it to 0 while an order of ranges is in force, mount.py), a
+fault reads that page alone: no bytes of neighbouring items are fetched behind the reader's
+back, and a READ of a sentinel means that sample, not a neighbour. Pages stay in the kernel
+after their item was consumed; so that a sample read again is seen again, and the kernel holds
+no more than the window and a few recently read items beyond the RAM budget, a file's pages
+are dropped (`invalidate_inode`) every `DROP_EVERY_ITEMS` (128) consumed items and whenever a new
+epoch or plan starts; the window's items are then pushed again from RAM.
+
+Pure trio and the injected kernel calls: no pyfuse3 here.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import trio
+
+from cachefs import stats as stats_mod
+from cachefs.cache.ram import PAGE_BYTES, RamBlock, RamTier
+from cachefs.cache.tiered import KernelInodes
+from cachefs.freshness import REFRESH_AGE_FRACTION, Freshness, now_s
+from cachefs.order_items import Items
+from cachefs.pagecache import KernelPages
+from cachefs.ranking import Ranking
+from cachefs.recent import RecentMap
+from cachefs.source import Source, SourceIdentity
+from cachefs.stats import Stats
+
+log = logging.getLogger(__name__)
+
+MAX_SPAN_BYTES = 4 << 20  # one source read covers adjacent items up to this many bytes
+DROP_EVERY_ITEMS = 128  # consumed items of a file whose pages the kernel may still hold
+KEYS_REMEMBERED = 16384  # items whose RAM-tier key is remembered (`key_of`)
+
+
+class RangeKey(NamedTuple):
+    """Where a range entry's item lies in its file (the second half of its RAM-tier key)."""
+
+    offset: int
+    length: int
+
+
+def page_extent(offset: int, length: int, size_bytes: int | None = None) -> tuple[int, int]:
+    """The whole pages bytes [offset, offset + length) touch, cut at the file's end."""
+    lo = offset // PAGE_BYTES * PAGE_BYTES
+    hi = -(-(offset + length) // PAGE_BYTES) * PAGE_BYTES
+    return lo, hi if size_bytes is None else min(hi, size_bytes)
+
+
+def sentinel_page(offset: int, length: int) -> int:
+    """The page whose READ says the item was read: the last page wholly inside it, or, for an
+    item with no whole page, the page of its last byte (shared with a neighbour: a READ of it
+    then counts for both, docs/design.md §4)."""
+    last_whole = (offset + length) // PAGE_BYTES - 1
+    if last_whole * PAGE_BYTES >= offset:
+        return last_whole
+    return (offset + length - 1) // PAGE_BYTES
+
+
+@dataclass
+class Want:
+    """One item to fetch: its number, range, page extent and the RAM reserved for it."""
+
+    item: int
+    offset: int
+    length: int
+    reserved: int = 0  # bytes of RAM reserved (0: the bytes are not kept)
+
+    @property
+    def extent(self) -> tuple[int, int]:
+        return page_extent(self.offset, self.length)
+
+
+def spans(wants: list[Want]) -> list[list[Want]]:
+    """`wants` of one file (any order) as spans: by offset, extents that touch, at most
+    `MAX_SPAN_BYTES` each; each span is one source read."""
+    out: list[list[Want]] = []
+    for want in sorted(wants, key=lambda w: w.offset):
+        lo, hi = want.extent
+        if out:
+            span_lo, span_hi = out[-1][0].extent[0], out[-1][-1].extent[1]
+            if lo <= span_hi and hi - span_lo <= MAX_SPAN_BYTES:
+                out[-1].append(want)
+                continue
+        out.append([want])
+    return out
+
+
+class _Flight:
+    __slots__ = ("done", "data", "identity", "error")
+
+    def __init__(self):
+        self.done = trio.Event()
+        self.data: bytes | None = None  # the item's extent (cut at the file's end)
+        self.identity: SourceIdentity | None = None
+        self.error: OSError | None = None
+
+
+def item_bytes(block: RamBlock, offset: int, length: int) -> memoryview:
+    """The item's own bytes in its entry (which holds its extent, or, trimmed, just them)."""
+    assert block.data is not None  # range entries are never only in the kernel
+    start = 0 if len(block.data) == length else offset - offset // PAGE_BYTES * PAGE_BYTES
+    return memoryview(block.data)[start:start + length]
+
+
+class RangeCache:
+    """The range entries of the order in force, their fetches, and the kernel's pages of them."""
+
+    def __init__(self, ram: RamTier, source: Source, stats: Stats, ranking: Ranking,
+                 freshness: Freshness, *, kernel: KernelPages | None,
+                 kernel_inodes: KernelInodes | None,
+                 source_changed: Callable[[bytes, SourceIdentity], None],
+                 drop_file_pages: Callable[[bytes], None]):
+        self.ram = ram
+        self.source = source
+        self.stats = stats
+        self.ranking = ranking
+        self.freshness = freshness
+        self.kernel = kernel
+        self.kernel_inodes = kernel_inodes
+        self._source_changed = source_changed
+        self._drop_file_pages = drop_file_pages
+        self.inflight: dict[tuple, _Flight] = {}
+        # each file's identity as last read, and when (freshness.now_s); by relpath
+        self._identities: dict[bytes, tuple[SourceIdentity, float]] = {}
+        self.pushed: set[int] = set()  # items whose extent the kernel holds, since a drop
+        # trimmed items whose inside pages are stored, since a drop (`push`)
+        self._inside_pushed: set[int] = set()
+        # (relpath, page) of READs waiting for their answer (range_read.py), and how many
+        self._reading: collections.Counter[tuple[bytes, int]] = collections.Counter()
+        self._consumed_since_drop: dict[bytes, int] = {}  # per file
+        self.pushes = 0  # items stored into the kernel's pages
+        self.drops = 0  # files' pages dropped
+        self.caught_up = 0  # items taken as read with no READ of their sentinel (range_read)
+        self.reads = 0  # READs of files that hold items (range_read.py): one an item, ideally
+        # RAM-tier keys of the items used lately, for the table `_keys_of` (a READ, a push
+        # and a consumption each ask for them several times)
+        self._keys: RecentMap[int, tuple] = RecentMap(KEYS_REMEMBERED)
+        self._keys_of: Items | None = None
+
+    # -- the order in force ------------------------------------------------------------------
+
+    @property
+    def items(self) -> Items | None:
+        return self.ranking.items
+
+    def path_of(self, item: int) -> bytes:
+        items, manifest = self.ranking.items, self.ranking.manifest
+        assert items is not None and manifest is not None
+        return manifest.path(int(items.file[item]))
+
+    def key_of(self, item: int) -> tuple:
+        items = self.ranking.items
+        assert items is not None
+        if self._keys_of is not items:
+            self._keys, self._keys_of = RecentMap(KEYS_REMEMBERED), items
+        key = self._keys.get(item)
+        if key is None:
+            key = (self.path_of(item),
+                   RangeKey(int(items.offset[item]), int(items.length[item])))
+            self._keys.put(item, key)
+        return key
+
+    def want(self, item: int, reserved: int = 0) -> Want:
+        items = self.ranking.items
+        assert items is not None
+        return Want(item, int(items.offset[item]), int(items.length[item]), reserved)
+
+    def new_plan(self) -> None:
+        """A new epoch or plan: every file's pages are dropped, so that what is read again is
+        seen again, and the window is pushed anew."""
+        for relpath in list(self._consumed_since_drop):
+            self.drop_pages(relpath)
+
+    # -- identities ------------------------------------------------------------------------
+
+    def identity(self, relpath: bytes) -> SourceIdentity | None:
+        """The file's identity as last read, if the freshness rule does not call it due."""
+        known = self._identities.get(relpath)
+        if known is None or self.freshness.refresh_due(known[1]):
+            return None
+        return known[0]
+
+    def record_identity(self, relpath: bytes, identity: SourceIdentity) -> None:
+        known = self._identities.get(relpath)
+        self._identities[relpath] = (identity, now_s())
+        if known is not None and known[0] != identity:
+            log.info("source file changed: %r", relpath)
+            self._source_changed(relpath, identity)
+
+    async def refresh_identity(self, relpath: bytes) -> SourceIdentity:
+        """A fresh stat of the file (its entries are only good for the identity read)."""
+        st = await self.source.lstat(relpath, background=True)
+        identity = self.source.identity_of(st)
+        self.record_identity(relpath, identity)
+        return identity
+
+    # -- entries ---------------------------------------------------------------------------
+
+    def entry(self, key: tuple, identity: SourceIdentity | None) -> RamBlock | None:
+        """The item's entry if it holds this version of the file; one of another goes."""
+        block = self.ram.get(key)
+        if block is not None and identity is not None and block.identity != identity:
+            self.ram.drop(key)
+            return None
+        return block
+
+    def rerank(self, item: int) -> None:
+        """New priority for the item's entry (after its consumption, or a new order): dropped
+        if not to be kept, trimmed to its own bytes if kept for a later use."""
+        key = self.key_of(item)
+        block = self.ram.get(key)
+        if block is None:
+            return
+        priority = self.ranking.priority_of(item, 0, block.identity)
+        if priority is None:
+            self.ram.drop(key)
+            return
+        offset, length = key[1]
+        if block.data is not None and len(block.data) != length \
+                and priority >= self.ranking.planner.length:
+            # kept for the next epoch: its neighbours' bytes go (module docstring)
+            trimmed = RamBlock(bytes(item_bytes(block, offset, length)), block.identity,
+                               block.item, block.origin, served=block.served)
+            self._replace(key, trimmed, priority)
+        else:
+            self.ram.set_priority(key, priority)
+
+    def _replace(self, key: tuple, block: RamBlock, priority: float) -> bool:
+        """Put `block` in place of the key's entry; False (nothing kept) if it cannot fit."""
+        self.ram.drop(key)
+        block.priority = priority
+        charge = self.ram.charge_of(block.nbytes)
+        return self.ram.reserve(charge, priority) and self.ram.insert(key, block, charge)
+
+    async def flight_result(self, key: tuple) -> tuple[bytes, SourceIdentity] | None:
+        """Wait for the item's fetch in flight, if any: its extent and identity."""
+        flight = self.inflight.get(key)
+        if flight is None:
+            return None
+        await flight.done.wait()
+        if flight.error is not None:
+            raise OSError(flight.error.errno, flight.error.strerror, key[0])
+        if flight.data is None or flight.identity is None:
+            return None
+        return flight.data, flight.identity
+
+    # -- fetching --------------------------------------------------------------------------
+
+    async def fetch(self, relpath: bytes, span: list[Want], identity: SourceIdentity | None,
+                    *, demand: bool) -> tuple[SourceIdentity, dict[int, bytes]]:
+        """Read one span (`spans`) from the source and keep each item whose RAM was reserved
+        and still earns it. Returns the identity read and each item's extent. Items of
+        another plan than the one in force when it lands are not kept."""
+        items = self.ranking.items
+        # an item a reader or another fetch got to first (between the caller's look and now)
+        # is not read again: the caller finds it in RAM or in flight
+        taken = [want for want in span if self.key_of(want.item) in self.inflight
+                 or self.entry(self.key_of(want.item), identity) is not None]
+        for want in taken:
+            if want.reserved:
+                self.ram.unreserve(want.reserved)
+                want.reserved = 0
+        span = [want for want in span if want not in taken]
+        if not span:
+            return identity or self.source.identity_of(
+                await self.source.lstat(relpath, background=not demand)), {}
+        keys = [self.key_of(want.item) for want in span]
+        flights = []
+        for key in keys:
+            flight = self.inflight[key] = _Flight()
+            flights.append(flight)
+        lo, hi = span[0].extent[0], span[-1].extent[1]
+        try:
+            block = await self.read_source(relpath, [(lo, hi - lo)], demand=demand)
+            identity = block.identity
+            self.record_identity(relpath, identity)  # a change drops the file's copies
+            origin = stats_mod.ORIGIN_MISS if demand else stats_mod.ORIGIN_PREFETCHED
+            out: dict[int, bytes] = {}
+            for index, (want, key, flight) in enumerate(zip(span, keys, flights, strict=True)):
+                self.stats.source_fetched(-1, key, len(block.data) if index == 0 else 0)
+                if want.offset + want.length > identity.size:
+                    continue  # the file shrank: its reader gets ESTALE (range_read.py)
+                want_lo, want_hi = page_extent(want.offset, want.length, identity.size)
+                data = block.data[want_lo - lo:want_hi - lo]
+                out[want.item] = flight.data = data
+                flight.identity = identity
+                if want.reserved and self.ranking.items is items:
+                    self._keep(key, RamBlock(data, identity, want.item, origin), want)
+            return identity, out
+        except BaseException as exc:
+            error = exc if isinstance(exc, OSError) else OSError(5, "fetch interrupted")
+            for flight in flights:
+                flight.error = error
+            raise
+        finally:
+            for want in span:
+                if want.reserved:
+                    self.ram.unreserve(want.reserved)
+                    want.reserved = 0
+            for key, flight in zip(keys, flights, strict=True):
+                if self.inflight.get(key) is flight:
+                    del self.inflight[key]
+                flight.done.set()
+
+    async def read_source(self, relpath: bytes, ranges: list[tuple[int, int]], *,
+                          demand: bool):
+        """Ranges of one file from the source, through a descriptor kept open for its next
+        range reads as long as its identity is trusted without a re-check
+        (cachefs/held_files.py)."""
+        return await self.source.read_ranges(
+            relpath, ranges, background=not demand,
+            hold_s=self.freshness.ttl_s * REFRESH_AGE_FRACTION)
+
+    def _keep(self, key: tuple, block: RamBlock, want: Want) -> None:
+        priority = self.ranking.priority_of(want.item, 0, block.identity)
+        if priority is None:
+            return
+        block.priority = priority
+        reserved, want.reserved = want.reserved, 0
+        self.ram.insert(key, block, reserved)
+
+    def reserve(self, item: int, priority: float | None) -> int:
+        """RAM for the item's extent at `priority`; the bytes reserved (0: no room)."""
+        if priority is None:
+            return 0
+        lo, hi = page_extent(*self.key_of(item)[1])
+        charge = self.ram.charge_of(hi - lo)
+        return charge if self.ram.reserve(charge, priority) else 0
+
+    async def complete(self, item: int, identity: SourceIdentity) -> bool:
+        """Give a trimmed entry its extent again (its edge pages' neighbour bytes, read from
+        the source: a few KB), so that it can be pushed; False if it is gone or cannot grow."""
+        key = self.key_of(item)
+        offset, length = key[1]
+        lo, hi = page_extent(offset, length, identity.size)
+        left, right = (lo, offset - lo), (offset + length, hi - offset - length)
+        parts = await self.read_source(key[0], [left, right], demand=False)
+        if parts.identity != identity:
+            self.record_identity(key[0], parts.identity)
+            return False
+        block = self.entry(key, identity)
+        if block is None or block.data is None or len(block.data) != length:
+            return block is not None  # gone, or completed meanwhile
+        whole = parts.data[:left[1]] + block.data + parts.data[left[1]:]
+        grown = RamBlock(whole, identity, block.item, block.origin, served=block.served)
+        return self._replace(key, grown, block.priority)
+
+    # -- the kernel's pages ------------------------------------------------------------------
+
+    def push(self, item: int, block: RamBlock) -> bool:
+        """Store the item's extent into the kernel's pages but for the sentinel pages in it;
+        False if the kernel does not take it, or if the entry is trimmed: then only the whole
+        pages inside the item go now, and the rest once `complete` gave it its edges back
+        (a reader that gets there first then faults two pages, not every one)."""
+        items, manifest = self.ranking.items, self.ranking.manifest
+        if self.kernel is None or self.kernel_inodes is None or items is None \
+                or manifest is None or block.data is None:
+            return False
+        relpath, (offset, length) = self.key_of(item)
+        lo, hi = page_extent(offset, length, block.identity.size)
+        trimmed = len(block.data) != hi - lo
+        if trimmed and (len(block.data) != length or item in self._inside_pushed):
+            return False
+        inode = self.kernel_inodes.store_target(relpath, block.identity)
+        if inode is None:
+            return False
+        near = items.overlapping(int(items.file[item]), lo, hi)
+        skip = {sentinel_page(int(items.offset[i]), int(items.length[i])) for i in near.tolist()}
+        # and the pages a READ is being answered for: the kernel holds them locked until the
+        # answer, a store into them would wait for it, and the reader would overtake the
+        # store page by page (each a READ), where a store around them is done before it
+        skip.update(page for (path, page) in self._reading if path == relpath
+                    and lo <= page * PAGE_BYTES < hi)
+        data_lo = offset if trimmed else lo  # the file offset of block.data[0]
+        if trimmed:  # the whole pages inside the item
+            lo = -(-offset // PAGE_BYTES) * PAGE_BYTES
+            hi = max(lo, (offset + length) // PAGE_BYTES * PAGE_BYTES)
+        runs = []
+        start = lo
+        for page in sorted(skip):
+            page_lo = page * PAGE_BYTES
+            if page_lo + PAGE_BYTES <= lo or page_lo >= hi:
+                continue  # a neighbour's sentinel outside this extent
+            if page_lo > start:
+                runs.append((start, page_lo))
+            start = max(start, page_lo + PAGE_BYTES)
+        if start < hi:
+            runs.append((start, hi))
+        if not trimmed and item in self._inside_pushed:  # the inside went before: the edges
+            edges = ((lo, lo + PAGE_BYTES), (hi - PAGE_BYTES, hi))
+            runs = [(max(run_lo, edge_lo), min(run_hi, edge_hi)) for run_lo, run_hi in runs
+                    for edge_lo, edge_hi in edges if run_lo < edge_hi and edge_lo < run_hi]
+            self._inside_pushed.discard(item)
+        for run_lo, run_hi in runs:
+            self.kernel.store(inode, run_lo, block.data[run_lo - data_lo:run_hi - data_lo])
+        self._consumed_since_drop.setdefault(relpath, 0)
+        if trimmed:
+            self._inside_pushed.add(item)
+            return False
+        self.pushed.add(item)
+        self.pushes += 1
+        return True
+
+    def reading(self, relpath: bytes, lo: int, hi: int, add: bool) -> None:
+        """A READ of bytes [lo, hi) of the file waits for its answer (`add`), or has it."""
+        for page in range(lo // PAGE_BYTES, -(-hi // PAGE_BYTES)):
+            key = (relpath, page)
+            if add:
+                self._reading[key] += 1
+            elif self._reading[key] <= 1:
+                del self._reading[key]
+            else:
+                self._reading[key] -= 1
+
+    def note_consumed(self, relpath: bytes, item: int) -> None:
+        """An item of the file was consumed; every `DROP_EVERY_ITEMS` the file's pages go.
+        (Dropping each item's pages alone, with FUSE_NOTIFY_INVAL_INODE over its range, was
+        measured: two notifications an item cost the daemon a third more CPU, in the kernel
+        unmapping the reader's pages, than the drops every 128 items and the window pushed
+        again after each.)"""
+        self.pushed.discard(item)
+        self._inside_pushed.discard(item)
+        count = self._consumed_since_drop.get(relpath, 0) + 1
+        self._consumed_since_drop[relpath] = count
+        if count >= DROP_EVERY_ITEMS:
+            self.drop_pages(relpath)
+
+    def drop_pages(self, relpath: bytes) -> None:
+        """The kernel drops the file's pages; the window's items are pushed again."""
+        self._drop_file_pages(relpath)
+        self._consumed_since_drop[relpath] = 0
+        self.drops += 1
+        planner = self.ranking.planner
+        planner.scan = planner.cursor  # the window's items are walked, and pushed, again
+        items, manifest = self.ranking.items, self.ranking.manifest
+        if items is None or manifest is None:
+            self.pushed.clear()
+            self._inside_pushed.clear()
+            return
+        file_index = manifest.index_of(relpath)
+        for held in (self.pushed, self._inside_pushed):
+            if file_index >= 0 and held:
+                pushed = np.fromiter(held, np.int64, len(held))
+                held -= set(pushed[items.file[pushed] == file_index].tolist())
+
+    def status(self) -> dict:
+        return {"pushed_items": self.pushes, "page_drops": self.drops,
+                "caught_up": self.caught_up, "reads": self.reads}
+

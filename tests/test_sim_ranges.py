@@ -1,0 +1,144 @@
+"""The policy on byte-range items (samples inside packed files), checked with the simulator: the
+mount's own objects on virtual time, a memmap-like reader over the zero-request data plane with
+the kernel's read-ahead off (cachefs/sim.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+
+from cachefs import stats as stats_mod
+from cachefs.cache.ram import BLOCK_OVERHEAD_BYTES, PAGE_BYTES
+from cachefs.sim import SimConfig, run_script, simulate
+from cachefs.sim_ranges import range_content
+
+ITEM_BYTES = 100_000
+N = 1000
+RAM_BYTES = N * ITEM_BYTES // 4
+
+
+def classes_add_up(epoch) -> bool:
+    return epoch.hits_ram + epoch.hits_ssd + epoch.prefetched + epoch.misses == epoch.reads
+
+
+@pytest.fixture(scope="module")
+def packed():
+    """N rows of 100 KB in one file, RAM a quarter of it, a shuffled order each epoch."""
+    return simulate(SimConfig(items=N, item_bytes=ITEM_BYTES, ram_bytes=RAM_BYTES, epochs=3,
+                              latency_s=0.002, ranges_per_file=N))
+
+
+def test_every_item_is_read_once_per_epoch_with_the_right_bytes(packed):
+    assert packed.data_errors == 0
+    for epoch in packed.epochs:
+        assert epoch.reads == N and classes_add_up(epoch)
+        assert (epoch.origins >= 0).all()
+    assert packed.max_ram_used_bytes <= packed.ram_budget_bytes
+
+
+def test_the_next_epochs_head_is_kept_as_items(packed):
+    """C/N of the items are hits in epochs 2-3, at the head of the epoch (the retained entries
+    hold their own bytes: 100 KB and the bookkeeping each, no neighbours' bytes)."""
+    capacity_items = RAM_BYTES // (ITEM_BYTES + BLOCK_OVERHEAD_BYTES)
+    window = packed.lookahead_items
+    for epoch in packed.epochs[1:]:
+        assert epoch.hits_ram >= 0.24 * N
+        assert (epoch.origins[:capacity_items - window] == stats_mod.ORIGIN_RAM).all()
+        assert np.sum(epoch.ram_hit_positions >= capacity_items) <= window
+        assert epoch.boundary_ram_blocks >= capacity_items - window
+
+
+def test_read_ahead_reads_each_missing_item_once_and_hides_the_source(packed):
+    for epoch in packed.epochs:
+        assert epoch.refetched_blocks == 0
+        fetched = N - epoch.hits_ram
+        assert epoch.backend_reads == fetched  # one item per source read (shuffled order)
+        # each item's page extent: its bytes and at most two pages of its neighbours'
+        assert fetched * ITEM_BYTES <= epoch.backend_bytes <= fetched * (ITEM_BYTES
+                                                                        + 2 * PAGE_BYTES)
+        assert epoch.misses <= 2 and epoch.stall_s < 0.01  # only the very first item waits
+
+
+def test_adjacent_items_are_read_in_one_span():
+    """Items in file order (a sequential reader): the window's neighbours share source
+    reads of up to 4 MiB."""
+    result = simulate(SimConfig(items=400, item_bytes=ITEM_BYTES, ram_bytes=RAM_BYTES,
+                                epochs=1, latency_s=0.002, ranges_per_file=400,
+                                shuffle=False))
+    epoch = result.epochs[0]
+    assert result.data_errors == 0 and epoch.reads == 400
+    # one source request per span: far fewer than items
+    assert result.source_requests < 400 / 4
+
+
+def test_the_daemon_data_plane_counts_the_same():
+    """No pushes (--data-plane daemon): every page is a READ, items are still consumed by
+    their sentinel page and counted once, and the head still kept."""
+    result = simulate(SimConfig(items=300, item_bytes=ITEM_BYTES, ram_bytes=300 * ITEM_BYTES // 4,
+                                epochs=2, latency_s=0.002, ranges_per_file=300,
+                                kernel_cache=False))
+    assert result.data_errors == 0
+    for epoch in result.epochs:
+        assert epoch.reads == 300 and classes_add_up(epoch)
+    assert result.epochs[1].hits_ram >= 0.22 * 300
+
+
+def test_reads_spanning_cached_and_uncached_bytes_are_served_whole():
+    """READs at any offset and size over a packed file, some items in RAM, some in flight,
+    some not, and the header (no item): every byte is the file's."""
+    config = SimConfig(items=200, item_bytes=30_000, ram_bytes=200 * 30_000 // 5, epochs=1,
+                       latency_s=0.002, ranges_per_file=200)
+
+    async def script(sim):
+        sim.prefetcher.set_order(sim.order(1))
+        relpath = sim.paths[0]
+        handle = await sim.reader.open(2, relpath, -1, sim.source.identity(relpath))
+        size = handle.identity.size
+        rng = np.random.default_rng(1)
+        wrong = 0
+        async with trio.open_nursery() as nursery:
+            async def read(offset: int, length: int) -> None:
+                nonlocal wrong
+                data = await sim.reader.read(handle, offset, length)
+                wrong += data != range_content(0, offset, min(offset + length, size))
+            for _ in range(400):
+                offset = int(rng.integers(0, size))
+                length = int(rng.choice([1, 200, PAGE_BYTES, 3 * PAGE_BYTES + 9, 70_000]))
+                nursery.start_soon(read, offset, length)
+                await trio.sleep(0.0005)
+            nursery.start_soon(read, 0, 300)  # the header and the first item's start
+        return wrong, size
+
+    wrong, size = run_script(config, script)
+    assert wrong == 0
+    assert size == 128 + 200 * 30_000
+
+
+def test_an_item_whose_sentinel_is_never_read_does_not_hold_the_window():
+    """A kernel that kept an item's pages (its sentinel is never READ): the readers pass it by,
+    it is taken as read, and the read-ahead goes on."""
+    config = SimConfig(items=600, item_bytes=ITEM_BYTES, ram_bytes=600 * ITEM_BYTES // 4,
+                       epochs=1, latency_s=0.002, ranges_per_file=600)
+
+    async def script(sim):
+        order = sim.order(1)
+        stuck = int(order.current[10])
+        offset, length = int(sim.items.offset[stuck]), int(sim.items.length[stuck])
+        pages = range(offset // PAGE_BYTES, -(-(offset + length) // PAGE_BYTES))
+        real_invalidate = sim.pages.invalidate
+
+        def invalidate_but_keep(inode: int) -> None:
+            real_invalidate(inode)
+            for page in pages:  # the kernel keeps this item's pages, sentinel included
+                sim.pages.read_into(inode, page)
+        sim.pages.invalidate = invalidate_but_keep
+        invalidate_but_keep(2)
+        epochs = await sim._epochs()
+        record = next(r for r in sim.stats.epochs if r.epoch == 1)
+        return epochs[0], record.reads, sim.prefetcher.status()["ranges"]["caught_up"]
+
+    epoch, reads, caught_up = run_script(config, script)
+    assert len(epoch.completion) == 600
+    assert reads == 600 and caught_up == 1  # every item counted once, that one too
+    assert epoch.stalled_positions().size <= 2  # and the rest read ahead as usual
