@@ -64,8 +64,8 @@ import numpy as np
 from cachefs.errors import OrderError
 from cachefs.manifest import Manifest, check_relpaths, check_unique_paths, quote_path
 from cachefs.placement import MAX_TARGETS, Placement
-from cachefs.order_items import ITEM_KEYS, Items, check_item_files, check_items, \
-    check_within_files
+from cachefs.order_items import ITEM_KEYS, Items, as_int_array, check_item_files, \
+    check_items, check_within_files
 
 ORDER_VERSION = 1
 
@@ -218,19 +218,6 @@ def _as_int_scalar(key: str, value) -> int:
     return int(value)
 
 
-def _as_index_array(key: str, values) -> np.ndarray:
-    array = np.asarray(values)
-    if array.dtype.kind == "O":
-        raise OrderError(f"{key} holds Python objects; it must be an integer array")
-    if array.ndim != 1:
-        raise OrderError(f"{key} must be a 1-D integer array, got shape {array.shape}")
-    if array.dtype.kind not in "iu":
-        if len(array) == 0:  # np.asarray([]) is float64; an empty order has no bad index
-            return np.zeros(0, dtype=np.int64)
-        raise OrderError(f"{key} must be an integer array, got dtype {array.dtype}")
-    return array
-
-
 def check_indices(key: str, indices: np.ndarray, manifest_len: int | None, *,
                   of_items: bool = False) -> np.ndarray:
     """Range and duplicate checks; returns the indices as int64. `of_items`: the indices are
@@ -268,7 +255,7 @@ def check_targets(targets, manifest_len: int | None) -> np.ndarray:
     """The `targets` array checked (one small integer per manifest item, few distinct ones);
     returned as int32. Without `manifest_len` its length is not checked (the daemon checks it
     against the source)."""
-    targets = _as_index_array("targets", targets)
+    targets = as_int_array("targets", targets)
     if manifest_len is not None and len(targets) != manifest_len:
         raise OrderError(f"targets has {len(targets)} entries but the manifest has "
                          f"{manifest_len} files; give one target per manifest item")
@@ -343,10 +330,10 @@ def check_arrays(epoch, current, next=None, files=None, rank=None, world_size=No
     if items is not None:
         index_bound = len(items)
     of_items = items is not None
-    current = check_indices("current", _as_index_array("current", current), index_bound,
+    current = check_indices("current", as_int_array("current", current), index_bound,
                             of_items=of_items)
     if next is not None:
-        next = _as_index_array("next", next)
+        next = as_int_array("next", next)
         if len(next) != len(current):
             raise OrderError(f"next has {len(next)} entries but current has {len(current)}; "
                              f"both epochs must have the same length")

@@ -154,7 +154,9 @@ class Items:
         return -1
 
 
-def _as_int_array(key: str, values) -> np.ndarray:
+def as_int_array(key: str, values) -> np.ndarray:
+    """`values` as a 1-D int64 array (the order file's index arrays and item table), or
+    OrderError naming `key` and what is wrong."""
     array = np.asarray(values)
     if array.dtype.kind == "O":
         raise OrderError(f"{key} holds Python objects; it must be an integer array")
@@ -185,9 +187,9 @@ def check_items(item_file, item_offset, item_length, manifest_len: int | None = 
         missing = [key for key in ITEM_KEYS if key not in given]
         raise OrderError(f"{', '.join(given)} given without {', '.join(missing)}: an item "
                          f"table needs all of {', '.join(ITEM_KEYS)}")
-    file = _as_int_array("item_file", item_file)
-    offset = _as_int_array("item_offset", item_offset)
-    length = _as_int_array("item_length", item_length)
+    file = as_int_array("item_file", item_file)
+    offset = as_int_array("item_offset", item_offset)
+    length = as_int_array("item_length", item_length)
     if not len(file) == len(offset) == len(length):
         raise OrderError(f"item_file, item_offset and item_length must have one length, got "
                          f"{len(file)}, {len(offset)} and {len(length)}")
