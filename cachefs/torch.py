@@ -69,6 +69,7 @@ from torch.utils.data import Sampler, Subset
 
 from cachefs import order as order_mod
 from cachefs import publish as publishing
+from cachefs.order_items import ItemArrays
 
 log = logging.getLogger(__name__)
 
@@ -85,15 +86,26 @@ class CachefsSampler(Sampler[int]):
     and rank when it is initialised, else 1 and 0. `files`: the dataset's sample paths, when
     the dataset does not expose them. `timeout_s`: how long a publication waits for the daemon.
     `targets`: the storage target of each dataset index, published as the order file's
-    `targets` (None: the mount goes by the files' devices).
+    `targets` (None: the mount goes by the files' devices). `items`: for a dataset whose
+    samples are byte ranges inside large files (rows of a `.npy`, tar members, HDF5 rows), the
+    range of each dataset index (`cachefs.ranges`' tables, `ItemArrays`), published as the
+    order file's item table; `files` then names the files the ranges index (each item's
+    `file` is an index into it), not one path per sample.
     """
 
     def __init__(self, dataset_or_len, mount, *, shuffle: bool = True, seed: int = 0,
                  num_replicas: int | None = None, rank: int | None = None,
                  drop_last: bool = False, files: Sequence | None = None,
-                 timeout_s: float = DEFAULT_PUBLISH_TIMEOUT_S, targets: Sequence | None = None):
+                 timeout_s: float = DEFAULT_PUBLISH_TIMEOUT_S, targets: Sequence | None = None,
+                 items: ItemArrays | None = None):
         super().__init__()
         self.dataset_length = _length_of(dataset_or_len)
+        if items is not None and items.item_count != self.dataset_length:
+            raise ValueError(f"{items.item_count} byte-range items but the data set has "
+                             f"{self.dataset_length} samples: each index must name one item")
+        if items is not None and files is None and mount is not None:
+            raise ValueError("items index files: give files=, the files they lie in")
+        self.items = items
         self.num_replicas, self.rank = _replicas(num_replicas, rank)
         seed = operator.index(seed)
         if seed < 0:
@@ -110,7 +122,8 @@ class CachefsSampler(Sampler[int]):
         self.total_size = self.num_samples * self.num_replicas
         self.mount = Path(mount) if mount is not None else None
         # The published manifest (numpy 'S' array of paths relative to the mount), or None.
-        self.files = (_manifest_for(dataset_or_len, files, self.mount, self.dataset_length)
+        self.files = (_manifest_for(dataset_or_len, files, self.mount,
+                                    None if items is not None else self.dataset_length)
                       if self.mount is not None else None)
         # the storage target of each dataset index (man/cachefs-order.5), or None
         self.targets = np.asarray(targets) if targets is not None else None
@@ -160,7 +173,8 @@ class CachefsSampler(Sampler[int]):
                                     next=self.epoch_order(self.epoch + 1), files=self.files,
                                     rank=self.rank if distributed else None,
                                     world_size=self.num_replicas if distributed else None,
-                                    timeout_s=self.timeout_s, targets=self.targets)
+                                    timeout_s=self.timeout_s, targets=self.targets,
+                                    items=self.items)
         self._published_epoch = self.epoch
         log.info("published epoch %d to %s: rank %d of %d reads %d items; the mount's order "
                  "has %d, for ranks %s", self.epoch, self.mount, self.rank, self.num_replicas,
@@ -208,8 +222,10 @@ def _sample_paths(dataset) -> list | None:
     return None
 
 
-def _manifest_for(dataset_or_len, files, mount: Path, length: int) -> np.ndarray | None:
-    """The manifest to publish: the dataset's sample paths relative to the mount, or None."""
+def _manifest_for(dataset_or_len, files, mount: Path, length: int | None) -> np.ndarray | None:
+    """The manifest to publish: the dataset's sample paths relative to the mount, or None.
+    `length`: the samples each path must name one of (None: `files` are the files of
+    byte-range items, any number of them)."""
     origin = "files"
     if files is None:
         if isinstance(dataset_or_len, int):
@@ -220,7 +236,7 @@ def _manifest_for(dataset_or_len, files, mount: Path, length: int) -> np.ndarray
                       "manifest", mount)
             return None
         origin = "the dataset's samples"
-    if len(files) != length:
+    if length is not None and len(files) != length:
         raise ValueError(f"{len(files)} paths in {origin} but the data set has {length} "
                          f"samples: each index must name one path")
     # A dataset opens its relative paths from the working directory; `files=` names paths of

@@ -195,3 +195,43 @@ def test_an_hdf5_dataset_read_row_by_row_in_the_order(tmp_path, mounter):
         if epoch:
             assert record["hits_ram"] >= 0.15 * len(rows), record
     hdf.close()
+
+
+def test_a_dataloader_over_rows_with_the_cachefs_sampler(npy, mounter):
+    """A torch dataset whose samples are rows of one .npy: CachefsSampler publishes the rows'
+    item table with each epoch's order, and the mount counts rows, with the next epoch's head
+    in RAM."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader, Dataset
+
+    from cachefs.torch import CachefsSampler
+
+    mount = mounter(npy.parent, "--ram-cache", ROWS * ROW_BYTES // 4)
+    direct = np.load(npy)
+
+    class Rows(Dataset):
+        def __init__(self):
+            self.rows = None  # opened once the order is in force (the kernel's read-ahead off)
+
+        def __len__(self):
+            return ROWS
+
+        def __getitem__(self, index):
+            if self.rows is None:
+                self.rows = np.load(mount.mountpoint / "rows.npy", mmap_mode="r")
+            return index, torch.from_numpy(np.array(self.rows[index]))
+
+    sampler = CachefsSampler(Rows(), mount.mountpoint, items=row_items(npy), files=FILES)
+    with pytest.raises(ValueError, match="byte-range items"):
+        CachefsSampler(ROWS + 1, mount.mountpoint, items=row_items(npy), files=FILES)
+    dataset = Rows()
+    loader = DataLoader(dataset, batch_size=10, sampler=sampler)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for indices, rows in loader:
+            for index, row in zip(indices.tolist(), rows, strict=True):
+                assert np.array_equal(row.numpy(), direct[index]), (epoch, index)
+        record = epoch_record(mount, epoch, reads=ROWS)
+        assert record["reads"] == ROWS and record["bytes_served"] == ROWS * ROW_BYTES
+    assert record["hits_ram"] >= 0.2 * ROWS, record  # epoch 1: the retained head
+    assert mount.stats()["order"]["items"] == ROWS
