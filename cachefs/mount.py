@@ -237,6 +237,7 @@ class Mount:
                 raise errors.OrderError(f"{quote_path(relpath)}, which holds items: "
                                         f"{exc.strerror}") from None
         return sizes
+
     def snapshot(self) -> dict:
         """The JSON of `cachefs stats` (keys documented in man/cachefs-stats.1)."""
         watch = self.watcher.status()
@@ -335,7 +336,6 @@ class Mount:
                 if self.ssd is not None:
                     self.ssd.close()
                 log.info("unmounted %s", self.config.mountpoint)
-
 
     async def _serving(self) -> None:
         """What waits for the mount to serve: the kernel has our answer to FUSE_INIT once a

@@ -235,9 +235,7 @@ def check_indices(key: str, indices: np.ndarray, manifest_len: int | None, *,
                  else f"manifest has {manifest_len} files")
         raise OrderError(f"{key}[{position}] = {indices[position]} is out of range: the "
                          f"{table} (valid indices 0..{manifest_len - 1})")
-    if largest > np.iinfo(np.int64).max:
-        raise OrderError(f"{key} holds an index beyond int64: {largest}")
-    indices = indices.astype(np.int64, copy=False)
+    indices = indices.astype(np.int64, copy=False)  # (as_int_array refused beyond int64)
     if largest < max(4 * len(indices), 1 << 20):
         repeated = np.flatnonzero(np.bincount(indices) > 1)
     else:  # sparse large values (no manifest bound known yet): sort instead of a huge bincount

@@ -281,6 +281,18 @@ def read_epoch(mount: Mount, relpaths: list[str], epoch: int, seed: int = 0,
     return epoch_record(mount, epoch, reads=n)
 
 
+def wait_for(predicate, timeout_s=10.0):
+    """`predicate()`'s value once it is true (the daemon acts a moment after the test's
+    call); AssertionError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
 def epoch_record(mount: Mount, epoch: int, reads: int | None = None) -> dict:
     """The stats record of `epoch`; with `reads`, once that many releases were counted
     (the kernel sends RELEASE after close() has returned)."""

@@ -4,7 +4,6 @@ and a real mount that takes a good table and rejects a bad one, keeping the prev
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +14,7 @@ from cachefs.manifest import Manifest
 from cachefs.order import ORDER_VERSION, check_arrays, load_order, write_order_file
 from cachefs.order_items import MAX_ITEM_BYTES, ItemArrays, Items, check_items
 from cachefs.publish import publish, read_items_file
-from conftest import run_cachefs
+from conftest import run_cachefs, wait_for
 
 FILES = ["a.bin", "b.bin", "c.bin"]
 SIZES = {0: 1000, 1: 50, 2: 4096}
@@ -148,16 +147,6 @@ def test_items_files_read_as_npz_or_text(tmp_path):
 
 
 # -- a real mount --------------------------------------------------------------------------------
-
-def wait_for(predicate, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError("condition not reached")
-
 
 @pytest.fixture
 def packed(tmp_path) -> Path:

@@ -12,22 +12,12 @@ import pytest
 from cachefs import order
 from cachefs.errors import OrderError
 from cachefs.publish import publish
-from conftest import cachefs_cmd, flat_dataset_fixture, run_cachefs
+from conftest import cachefs_cmd, flat_dataset_fixture, run_cachefs, wait_for
 
 N_FILES = 60
 
 
 dataset = flat_dataset_fixture(N_FILES, 2000)
-
-
-def wait_for(predicate, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError("condition not reached")
 
 
 def test_publish_with_seed_is_accepted_and_reported(dataset, mounter):

@@ -18,7 +18,7 @@ from cachefs.order import permutation
 from cachefs.order_items import ItemArrays
 from cachefs.publish import publish
 from cachefs.range_cache import sentinel_page
-from conftest import epoch_record
+from conftest import epoch_record, wait_for
 
 ROWS = 200
 ROW_BYTES = 50_000  # 12.2 pages: rows start anywhere in a page
@@ -46,14 +46,6 @@ def row_items(path: Path) -> ItemArrays:
 
 def consumed(mount) -> int:
     return mount.stats()["order"]["consumed"]
-
-
-def wait_until(predicate, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("data_plane", ["auto", "daemon"])
@@ -111,10 +103,10 @@ def test_an_item_is_consumed_when_its_own_last_page_is_read(npy, mounter):
     # the next row in the order starts in the page where this one ends: read it first
     second = order[1]
     assert np.array_equal(rows[second], np.load(npy, mmap_mode="r")[second])
-    wait_until(lambda: consumed(mount) == 1)  # the second row, not the first
+    wait_for(lambda: consumed(mount) == 1)  # the second row, not the first
     assert mount.stats()["order"]["cursor"] == 0
     assert np.array_equal(rows[first], np.load(npy, mmap_mode="r")[first])
-    wait_until(lambda: consumed(mount) == 2)
+    wait_for(lambda: consumed(mount) == 2)
     assert mount.stats()["order"]["cursor"] == 2
     del rows, flat
 
