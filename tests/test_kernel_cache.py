@@ -21,7 +21,7 @@ import pytest
 from cachefs.cache.ram import page_bytes
 from cachefs.client import page_cache_bytes
 from cachefs.sim import SimConfig, simulate
-from conftest import flat_dataset_fixture, make_flat_dataset, read_epoch, write_file
+from conftest import flat_dataset_fixture, make_flat_dataset, read_epoch, wait_for, write_file
 
 N_FILES = 120
 FILE_BYTES = 50_000
@@ -54,18 +54,9 @@ def served_whole_or_reclaimed(status: dict) -> int:
     """Files the kernel served whole from its pages, plus blocks it had to ask for again
     because it reclaimed them (these VMs reclaim page cache proactively, even pages stored a
     moment ago: `kernel_reclaimed` in man/cachefs-stats.1): in the zero-request mode a file
-    the kernel held whole is one or the other."""
+    the kernel held whole is one or the other. Closes are reported just after they happen:
+    wait for the count."""
     return status["whole_file_opens"] + status["reclaimed_blocks"]
-
-
-def settled_served(mount, minimum: int, timeout_s: float = 10.0) -> int:
-    """`served_whole_or_reclaimed` once it reached `minimum` (closes are reported just after
-    they happen), or at the timeout."""
-    deadline = time.monotonic() + timeout_s
-    while (served := served_whole_or_reclaimed(kernel(mount))) < minimum \
-            and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return served
 
 
 PLANES = pytest.mark.parametrize("plane", ["no-open", "keep-cache"])
@@ -198,7 +189,7 @@ def test_numpy_memmap_of_a_file_the_kernel_holds(dataset, mounter):
         assert mapped.tobytes() == (src / relpath).read_bytes()
         del mapped
     # each counted once its close is reported
-    assert settled_served(mount, before + 10) >= before + 10
+    wait_for(lambda: served_whole_or_reclaimed(kernel(mount)) >= before + 10)
 
 
 def test_a_kernel_that_forgot_the_inodes_is_served_by_the_daemon(dataset, mounter):
@@ -262,7 +253,7 @@ def test_auto_runs_the_zero_request_mode_as_root_with_the_patched_pyfuse3(datase
     assert status["close_events"] >= 2 * N_FILES
     # all but a few of the second pass, or pages the kernel reclaimed (a READ now and then
     # for a file the kernel should hold, seen before reclaim was counted: its bytes are right)
-    assert settled_served(mount, N_FILES) >= N_FILES - 5
+    wait_for(lambda: served_whole_or_reclaimed(kernel(mount)) >= N_FILES - 5)
     assert "zero-request mode: files the kernel holds" in mount.log()
 
 
