@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -38,6 +39,7 @@ import numpy as np
 from cachefs.beneath import open_beneath
 from cachefs.errors import OrderError
 from cachefs.placement import Placement
+from cachefs.sorted_arrays import index_left
 
 log = logging.getLogger(__name__)
 
@@ -89,16 +91,29 @@ def _path_hashes(paths: np.ndarray) -> np.ndarray:
     return hashes
 
 
+_COLUMN_CONSTANTS: list[tuple[int, int]] = []
+
+
+def _column_constants(columns: int) -> list[tuple[int, int]]:
+    """(seed, mix of a zero word) of each of the first `columns` columns, computed once."""
+    while len(_COLUMN_CONSTANTS) < columns:
+        seed = ((len(_COLUMN_CONSTANTS) + 1) * _GOLDEN64) & _MASK64
+        _COLUMN_CONSTANTS.append((seed, _word_mix_of_zero(seed)))
+    return _COLUMN_CONSTANTS[:columns]
+
+
 def _path_hash_one(path: bytes) -> int:
-    """`_path_hashes` of one path with Python ints: no numpy call overhead on a hot path."""
+    """`_path_hashes` of one path with Python ints: no numpy call overhead on a hot path (it
+    runs for every file a reader opens outside the read-ahead, so the per-column constants
+    are computed once and the words unpacked in one call)."""
+    columns = max(1, -(-len(path) // 8))
+    words = struct.unpack(f"<{columns}Q", path.ljust(columns * 8, b"\0"))
     total = 0
-    for column in range(max(1, -(-len(path) // 8))):
-        word = int.from_bytes(path[column * 8:column * 8 + 8].ljust(8, b"\0"), "little")
-        seed = ((column + 1) * _GOLDEN64) & _MASK64
+    for word, (seed, zero_mix) in zip(words, _column_constants(columns), strict=True):
         mixed = ((word ^ seed) * _MIX_MUL1) & _MASK64
         mixed ^= mixed >> 29
-        mixed = (mixed * _MIX_MUL2) & _MASK64
-        total = (total + mixed - _word_mix_of_zero(seed)) & _MASK64
+        total += ((mixed * _MIX_MUL2) & _MASK64) - zero_mix
+    total &= _MASK64
     total ^= total >> 30
     total = (total * _MIX_MUL1) & _MASK64
     total ^= total >> 27
@@ -290,7 +305,7 @@ class Manifest:
             return -1  # an 'S' array cannot hold such a path
         wanted = np.uint64(_path_hash_one(relpath))
         sorted_hashes = table.sorted_hashes
-        slot = int(sorted_hashes.searchsorted(wanted))
+        slot = index_left(sorted_hashes, wanted)
         while slot < len(sorted_hashes) and sorted_hashes[slot] == wanted:
             index = int(table.by_hash[slot])
             if self.paths[index] == relpath:

@@ -68,6 +68,7 @@ from cachefs.placement import Placement
 from cachefs.planner import NEVER, Planner
 from cachefs.range_prefetch import RangePrefetcher
 from cachefs.ranking import Ranking
+from cachefs.sorted_arrays import index_left
 from cachefs.source import Source, SourceIdentity
 from cachefs.stats import Stats
 from cachefs.targets import Target, Targets
@@ -303,11 +304,15 @@ class Prefetcher:
                 or self.ranking.ranged or manifest is not self.ranking.manifest
                 or (manifest.path(item), 0) in self.ram):
             return
+        if len(self._batched) >= planner.max_span_items:
+            # batches are at their cap (below): a reader off the order misses on every file,
+            # and walking the list to find that costs it 15 us a file
+            return
         position = planner.next_use(item)
         target = self.targets.target_of(item)
         if position == NEVER or target is None or self._nursery is None:
             return
-        start = int(target.positions.searchsorted(int(position))) + 1
+        start = index_left(target.positions, int(position)) + 1
         wanted = self.miss_batch_items - 1
         started = 0
         # beyond the window's span if need be (that is where a reader outside it reads), but

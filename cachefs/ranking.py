@@ -63,8 +63,10 @@ class Ranking:
         self._manifest: Manifest | None = None
         self._items: Items | None = None  # the order's byte-range items, if it has them
         self._member = np.zeros(0, bool)  # items in the current or next order
-        # relpath -> manifest index of files read ahead lately: an open finds its item without
-        # hashing the path (Manifest.index_of was about 5% of the daemon's busy main thread)
+        # relpath -> manifest index of files read ahead or looked up lately: an open finds its
+        # item without hashing the path (Manifest.index_of was about 5% of the daemon's busy
+        # main thread), and a file read outside the read-ahead is hashed once, not at its
+        # READ, its close and its fetch each
         self._recent_items: RecentMap[bytes, int] = RecentMap(RECENT_ITEMS)
         # seconds between consumptions, smoothed (kernel_may_keep); None until two are seen
         self._s_per_item: float | None = None
@@ -205,7 +207,10 @@ class Ranking:
         if self._manifest is None or self.ranged:
             return -1
         item = self._recent_items.get(relpath)
-        return item if item is not None else self._manifest.index_of(relpath)
+        if item is None:
+            item = self._manifest.index_of(relpath)
+            self._recent_items.put(relpath, item)
+        return item
 
     def remember_item(self, relpath: bytes, item: int) -> None:
         """`relpath` is `item` of the manifest in force, and is read ahead: its open is near."""

@@ -63,6 +63,7 @@ import numpy as np
 from cachefs import stats as stats_mod
 from cachefs.placement import Placement
 from cachefs.planner import Planner
+from cachefs.sorted_arrays import index_left
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ class Target:
     @property
     def depth(self) -> int:
         """Entries of its list from its first unconsumed one to its window's end."""
-        return max(0, int(self.positions.searchsorted(self.window_end)) - self.first)
+        return max(0, index_left(self.positions, self.window_end) - self.first)
 
     def status(self) -> dict:
         mean_s, p99_s = self.latency.mean_s, self.latency.quantile_s(0.99)
@@ -270,7 +271,7 @@ class Targets:
                     target.tail_items)
         # the entry where `quota` files to read lie ahead of the first unconsumed one
         before = int(to_read[first - 1]) if first else 0
-        last = min(int(to_read.searchsorted(before + quota)), len(positions) - 1)
+        last = min(index_left(to_read, before + quota), len(positions) - 1)
         own_end = int(positions[last]) + 1 if last >= 0 else 0
         target.window_end = min(max(planner.window_end(), own_end), planner.span_end())
         return target.window_end

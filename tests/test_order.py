@@ -84,6 +84,29 @@ def test_manifest_keeps_order_and_finds_paths():
         manifest.path(4)
 
 
+def test_one_path_hashes_as_the_vectorised_hash_does():
+    """index_of hashes one path in Python, the table hashes all with numpy: they must agree
+    for every length (a word boundary, a zero byte inside a path) or lookups miss."""
+    from cachefs.manifest import _path_hash_one, _path_hashes
+
+    rng = np.random.default_rng(5)
+    paths = [bytes(rng.integers(1, 256, size=length, dtype=np.uint8))
+             for length in range(1, 70) for _ in range(3)]
+    paths += [b"a\0b", b"x" * 8, b"x" * 16, "dir/ü.jpg".encode()]
+    hashes = _path_hashes(np.array(paths, dtype="S"))
+    assert [_path_hash_one(path) for path in paths] == hashes.tolist()
+
+
+def test_index_left_finds_what_searchsorted_finds():
+    from cachefs.sorted_arrays import index_left
+
+    array = np.array([2, 2, 5, 9, 9, 9, 14], np.int64)
+    for value in range(-1, 17):
+        assert index_left(array, value) == int(array.searchsorted(value)), value
+        assert index_left(array, value, 3) == max(3, int(array.searchsorted(value))), value
+    assert index_left(np.zeros(0, np.int64), 4) == 0
+
+
 def test_manifest_from_unicode_and_bytes_arrays_agree():
     paths = ["x/1.png", "x/22.png", "y/333.png"]
     from_u = Manifest.from_paths(np.array(paths))

@@ -74,6 +74,7 @@ from cachefs.cache.ssd_format import (
     unpack_header, write_index,
 )
 from cachefs.errors import EXIT_CACHE_DIR, StartupError
+from cachefs.sorted_arrays import index_left
 from cachefs.source import SourceIdentity
 
 log = logging.getLogger(__name__)
@@ -500,7 +501,7 @@ class SsdTier:
         """The live row of `k`, None if absent, -1 if another key holds its low 64 bits."""
         row = self._added.get(k.lo)
         if row is None and self._base_n:
-            pos = int(np.searchsorted(self._base_keys, np.uint64(k.lo)))
+            pos = index_left(self._base_keys, np.uint64(k.lo))
             if pos < self._base_n and int(self._key_lo[pos]) == k.lo:
                 row = pos
         if row is None or not self._live[row]:
