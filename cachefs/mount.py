@@ -156,7 +156,9 @@ class Mount:
             self.ssd = SsdTier(cache.ssd_dir, cache.ssd_bytes, cache.block_bytes)
         self.inodes = InodeTable(os.lstat(self.source.root), self.source.identity_of)
         # the kernel data plane; its thread starts once the FUSE session exists (serve)
-        self.kernel = (KernelPages(pyfuse3.notify_store, pyfuse3.invalidate_inode)
+        mountpoint = os.fsencode(os.path.abspath(config.mountpoint))
+        self.kernel = (KernelPages(pyfuse3.notify_store, pyfuse3.invalidate_inode,
+                                   lambda relpath: os.lstat(os.path.join(mountpoint, relpath)))
                        if config.data_plane != "daemon" else None)
         self.data_plane = "daemon" if self.kernel is None else "keep-cache"  # until no-open
         self.close_watcher: CloseWatcher | None = None

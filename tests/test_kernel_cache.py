@@ -21,7 +21,8 @@ import pytest
 from cachefs.cache.ram import page_bytes
 from cachefs.client import page_cache_bytes
 from cachefs.sim import SimConfig, simulate
-from conftest import flat_dataset_fixture, make_flat_dataset, read_epoch, wait_for, write_file
+from conftest import (epoch_record, flat_dataset_fixture, make_flat_dataset, read_epoch, wait_for,
+                      write_file)
 
 N_FILES = 120
 FILE_BYTES = 50_000
@@ -103,6 +104,31 @@ def test_files_pushed_ahead_of_the_reader_are_stored_and_dropped_once_read(datas
     assert status["invalidations"] > 0  # consumed files the next epoch does not need soon
     assert status["whole_file_opens"] > 0
     assert mount.stats()["ram"]["bytes"] <= N_FILES * FILE_BYTES // 4
+
+
+@PLANES
+def test_files_no_reader_opened_yet_are_looked_up_and_stored_ahead(dataset, mounter, plane):
+    """The first epoch: the read-ahead has files the kernel never looked up (no listing, no
+    open), so a store would fail; the daemon has the kernel look each up (pagecache.py
+    `look_up`) and stores it, and the reader's pass is served from the kernel's pages."""
+    from cachefs import order
+    from cachefs.publish import publish
+
+    src, relpaths = dataset
+    mount = mounter(src, "--ram-cache", N_FILES * FILE_BYTES * 2, "--lookahead", N_FILES,
+                    "--data-plane", plane)
+    current = order.permutation(N_FILES, 0, 0)
+    publish(mount.mountpoint, 0, current, next=order.permutation(N_FILES, 0, 1))
+    status = settled(mount, "stores", N_FILES, timeout_s=30)
+    assert status["lookups"] == N_FILES and status["lookup_failures"] == 0, status
+    assert status["stores"] == N_FILES and status["store_failures"] == 0, status
+    for index in current:
+        relpath = relpaths[index]
+        assert (mount.mountpoint / relpath).read_bytes() == (src / relpath).read_bytes()
+    record = epoch_record(mount, 0, reads=N_FILES)
+    assert record["prefetched"] == N_FILES and record["misses"] == record["kernel_reclaimed"]
+    # every file served whole by the kernel, but for those whose pages it reclaimed at once
+    wait_for(lambda: served_whole_or_reclaimed(kernel(mount)) >= N_FILES)
 
 
 @PLANES

@@ -134,6 +134,7 @@ class TieredCache:
         self._admit_send, self._admit_recv = trio.open_memory_channel(ADMISSION_QUEUE_BLOCKS)
         self._nursery: trio.Nursery | None = None
         self.kernel = kernel
+        self._looking_up: set[bytes] = set()  # files `push` asked the kernel to look up
         self.kernel_inodes: KernelInodes = NoKernelInodes()
         if kernel is not None:
             assert kernel_inodes is not None, "a kernel data plane needs the kernel's inodes"
@@ -301,13 +302,25 @@ class TieredCache:
             blocks.append((key, block))
         return blocks
 
-    def push(self, relpath: bytes, identity: SourceIdentity, block_indices) -> None:
+    def push(self, relpath: bytes, identity: SourceIdentity, block_indices, *,
+             looked_up: bool = False) -> None:
         """Store blocks the daemon holds into the kernel's page cache, ahead of the reader.
-        Nothing if the kernel does not hold the inode with this identity."""
-        if self.kernel is None:
+        Nothing if the kernel does not hold the inode with this identity; if it has no inode
+        for the file at all (not looked up yet, or forgotten), it is asked to look the file up
+        and the push is tried once more after (pagecache.py `look_up`)."""
+        kernel = self.kernel
+        if kernel is None:
             return
         inode = self.kernel_inodes.store_target(relpath, identity)
         if inode is None:
+            if (not looked_up and kernel.can_look_up and relpath not in self._looking_up
+                    and self.kernel_inodes.inode_of(relpath) is None):
+                self._looking_up.add(relpath)
+
+                def push_again() -> None:
+                    self._looking_up.discard(relpath)
+                    self.push(relpath, identity, block_indices, looked_up=True)
+                kernel.look_up(relpath, push_again)
             return
         for block_index in block_indices:
             key = (relpath, block_index)
@@ -316,7 +329,7 @@ class TieredCache:
                     or block.identity != identity):
                 continue
             self.ram.add_kernel_copy(key, block)
-            self.kernel.store(inode, block_index * self.block_bytes, block.data)
+            kernel.store(inode, block_index * self.block_bytes, block.data)
 
     def hand_to_kernel(self, relpath: bytes, identity: SourceIdentity,
                        blocks_read: set[int]) -> bool:
