@@ -10,7 +10,8 @@ import numpy as np
 
 from cachefs import order
 from cachefs.publish import publish
-from conftest import epoch_record, flat_dataset_fixture, make_flat_dataset, read_epoch, write_file
+from conftest import (epoch_record, flat_dataset_fixture, make_flat_dataset, read_epoch, wait_for,
+                      write_file)
 
 N_FILES = 240
 FILE_BYTES = 30_000
@@ -148,3 +149,24 @@ def test_files_read_ahead_are_looked_up_and_read_without_asking_the_source_again
                                      lstat=before["requests"]["lstat"] + len(directories))
     assert after["stats_reused"] - before["stats_reused"] == N_FILES
     assert record["misses"] == 0 and record["stall_s"] == 0
+
+
+def test_files_listed_then_read_off_the_order_are_counted_as_their_items(dataset, mounter):
+    """A reader that lists the data set (READDIRPLUS: the kernel gets every inode at once),
+    then reads it in directory order (not the published order), consumes each file as its own
+    item: every file counted once, and the epoch completes, so the next order comes into
+    force. A file new since the manifest, listed first in its directory and never read, is no
+    item: had it shifted its neighbours' items, one of the order's would stay unconsumed."""
+    src, relpaths = dataset
+    mount = mounter(src, "--ram-cache", 2 * N_FILES * FILE_BYTES)
+    publish(mount.mountpoint, 0, order.permutation(N_FILES, 0, 0),
+            next=order.permutation(N_FILES, 0, 1))
+    write_file(src / "class3" / "new_first.bin", 100, seed=1)  # sorts before "sample_*"
+    listed = sorted(str(path.relative_to(mount.mountpoint))
+                    for path in mount.mountpoint.rglob("*") if path.is_file())
+    assert listed == sorted(relpaths + ["class3/new_first.bin"])
+    for relpath in relpaths:
+        assert (mount.mountpoint / relpath).read_bytes() == (src / relpath).read_bytes()
+    record = epoch_record(mount, 0, reads=N_FILES)
+    assert record["reads"] == N_FILES
+    wait_for(lambda: mount.stats()["order"]["epoch"] == 1)
