@@ -24,10 +24,11 @@ A store for an inode the kernel does not hold (never looked up, or forgotten) fa
 ENOENT; that costs nothing but the attempt: the reader's READs are then served by the daemon
 as before. Failures are counted, not raised. In the first epoch no file has been looked up
 when the read-ahead has it, so four in five of them were served by READs (DataLoader shape:
-795 stores for 4,065 files read ahead); `look_up` moves the LOOKUP the reader's open would send
-ahead of it, from this thread (never the trio thread, which answers it): the LOOKUP is not an
-extra request (the kernel keeps the entry for the entry timeout, 300 s, so the open sends
-none), and the READ is saved. The kernel calls are injected (`store_fn`,
+795 stores for 4,065 files read ahead); `look_up` moves the LOOKUP the reader's open would
+send ahead of it, from threads of their own (never the trio thread, which answers it; nor
+this one, whose stores would wait with it for the answer). That LOOKUP is no extra request
+(the kernel keeps the entry for the entry timeout, 300 s, so the open sends none), and the
+READ is saved. The kernel calls are injected (`store_fn`,
 `invalidate_fn`), so the simulator runs the same decisions with fakes that record them.
 
 Counters are plain ints written by the worker thread and read by the trio thread for stats
@@ -40,6 +41,7 @@ import errno
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 import trio
@@ -47,6 +49,7 @@ import trio
 log = logging.getLogger(__name__)
 
 _STOP = object()
+LOOKUP_THREADS = 4  # lookups in flight at once (each waits for the trio thread's answer)
 
 
 class KernelPages:
@@ -62,6 +65,10 @@ class KernelPages:
         self._lookup_fn = lookup_fn
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        # lookups run in threads of their own: each waits on the trio thread's answer, and
+        # stores queued behind it in the one FIFO would wait with it
+        self._lookup_jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lookup_threads: list[threading.Thread] = []
         self.queued = 0  # jobs handed to the thread (trio thread writes)
         self.done = 0  # jobs finished (worker thread writes)
         self.stores = 0
@@ -69,7 +76,7 @@ class KernelPages:
         self.store_failures = 0  # ENOENT (the kernel forgot the inode) and other errors
         self.invalidations = 0
         self.invalidate_failures = 0
-        self.lookups = 0  # files looked up for a store (look_up)
+        self.lookups = 0  # files looked up for a store (look_up; the trio thread writes)
         self.lookup_failures = 0
 
     # -- the thread ------------------------------------------------------------------------
@@ -78,11 +85,24 @@ class KernelPages:
         self._thread = threading.Thread(target=self._work, name="cachefs-pagecache",
                                         daemon=True)
         self._thread.start()
+        if self._lookup_fn is not None:
+            self._lookup_threads = [
+                threading.Thread(target=self._look_ups, name="cachefs-lookup", daemon=True)
+                for _ in range(LOOKUP_THREADS)]
+            for thread in self._lookup_threads:
+                thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Finish what is queued and end the thread (the mount is going down). A store can
         wait on a page whose READ nobody answers any more (pyfuse3.main has returned): after
         `timeout_s` the thread is left to the unmount, which ends that wait."""
+        deadline_s = time.monotonic() + timeout_s
+        for _ in self._lookup_threads:
+            self._lookup_jobs.put(_STOP)
+        for thread in self._lookup_threads:
+            # one still waiting for its answer is left to the unmount, as a store is
+            thread.join(max(0.0, deadline_s - time.monotonic()))
+        self._lookup_threads = []
         if self._thread is not None:
             self._jobs.put(_STOP)
             self._thread.join(timeout_s)
@@ -98,8 +118,6 @@ class KernelPages:
                     self._store(inode, offset, data)
                 elif kind == "invalidate":
                     self._invalidate(inode)
-                elif kind == "lookup":
-                    self._look_up(*data)
                 else:  # a drain marker: `data` wakes the waiting task
                     data()
             except Exception:  # noqa: BLE001 - the thread must keep serving the mount
@@ -129,18 +147,20 @@ class KernelPages:
             return
         self.invalidations += 1
 
-    def _look_up(self, relpath: bytes, done: Callable[[], None]) -> None:
-        assert self._lookup_fn is not None  # look_up queues this job only with one
-        try:
-            self._lookup_fn(relpath)
-            self.lookups += 1
-        except OSError as exc:  # gone from the source, or the mount going down
-            self.lookup_failures += 1
-            log.debug("lookup of %r for a store failed: %s", relpath, exc)
-        try:
-            done()
-        except trio.RunFinishedError:
-            pass  # the mount is down: nothing to store into
+    def _look_ups(self) -> None:
+        assert self._lookup_fn is not None  # these threads run only with one
+        while (job := self._lookup_jobs.get()) is not _STOP:
+            relpath, done = job
+            try:
+                self._lookup_fn(relpath)
+                looked_up = True
+            except OSError as exc:  # gone from the source, or the mount going down
+                looked_up = False
+                log.debug("lookup of %r for a store failed: %s", relpath, exc)
+            try:
+                done(looked_up)
+            except trio.RunFinishedError:
+                pass  # the mount is down: nothing to store into
 
     # -- the trio side ---------------------------------------------------------------------
 
@@ -164,16 +184,24 @@ class KernelPages:
 
     @property
     def can_look_up(self) -> bool:
-        """`look_up` works: a lookup function, and the thread to run it (inline, it would
-        wait on the trio thread that must answer it)."""
-        return self._lookup_fn is not None and self._thread is not None
+        """`look_up` works: a lookup function, and the threads to run it (started with the
+        mount: inline, a lookup would wait on the trio thread that must answer it)."""
+        return bool(self._lookup_threads)
 
     def look_up(self, relpath: bytes, then: Callable[[], None]) -> None:
         """Have the kernel look `relpath` up, then run `then()` on the trio thread (whether
         the lookup succeeded or not). Only when `can_look_up`."""
         assert self.can_look_up
         token = trio.lowlevel.current_trio_token()
-        self._put(("lookup", 0, 0, (relpath, lambda: token.run_sync_soon(then))))
+
+        def finished(looked_up: bool) -> None:  # on the trio thread: one writer of the counts
+            if looked_up:
+                self.lookups += 1
+            else:
+                self.lookup_failures += 1
+            then()
+        self._lookup_jobs.put((relpath, lambda looked_up: token.run_sync_soon(finished,
+                                                                              looked_up)))
 
     @property
     def pending(self) -> int:
