@@ -4,9 +4,10 @@ The daemon's trio thread looks up a file's manifest index (`Manifest.index_of`) 
 threads read files. `ndarray.searchsorted` releases the GIL for every call; a worker then takes
 it, and the searching thread waits to get it back (cachefs/sorted_arrays.py). This measures, in
 the same run, the CPU and wall time of one lookup of `index_of` as it is (its sorted search
-through `sorted_arrays.index_left`, which holds the GIL) and of the same lookup searching with
-`searchsorted`, with no worker and with `--threads` workers that do what a source thread does
-(a pread, a little Python). Passes alternate between the two; medians are reported.
+through `sorted_arrays.index_left`, which holds the GIL) and of the same `index_of` with
+`index_left` swapped for `searchsorted` during its passes, with no worker and with
+`--threads` workers that do what a source thread does (a pread, a little Python). Passes
+alternate between the two; medians are reported.
 
 Usage:
     python scripts/bench_lookup.py [--files 200000] [--lookups 20000] [--threads 4] [--passes 5]
@@ -15,6 +16,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import statistics
@@ -30,17 +32,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cachefs import manifest as manifest_mod  # noqa: E402
 
 
-def _searchsorted_index_of(manifest: manifest_mod.Manifest, relpath: bytes) -> int:
-    """`Manifest.index_of` with its sorted search done by `ndarray.searchsorted`."""
-    table = manifest._hash_table()
-    wanted = np.uint64(manifest_mod._path_hash_one(relpath))
-    slot = int(table.sorted_hashes.searchsorted(wanted))
-    while slot < len(table.sorted_hashes) and table.sorted_hashes[slot] == wanted:
-        index = int(table.by_hash[slot])
-        if manifest.paths[index] == relpath:
-            return index
-        slot += 1
-    return -1
+@contextlib.contextmanager
+def _searchsorted():
+    """`Manifest.index_of` searching with `ndarray.searchsorted`, as it did before
+    cachefs/sorted_arrays.py, while the block runs."""
+    held = manifest_mod.index_left
+
+    def index_left(array: np.ndarray, value, lo: int = 0) -> int:
+        return max(lo, int(array.searchsorted(value)))
+    manifest_mod.index_left = index_left
+    try:
+        yield
+    finally:
+        manifest_mod.index_left = held
 
 
 def _busy_worker(stop: threading.Event) -> None:
@@ -54,11 +58,11 @@ def _busy_worker(stop: threading.Event) -> None:
         os.close(fd)
 
 
-def _pass(lookup, queries: list[bytes]) -> tuple[float, float]:
+def _pass(manifest: manifest_mod.Manifest, queries: list[bytes]) -> tuple[float, float]:
     """(CPU us, wall us) per lookup, of this thread."""
     cpu_s, wall_s = time.thread_time(), time.perf_counter()
     for relpath in queries:
-        lookup(relpath)
+        manifest.index_of(relpath)
     count = len(queries)
     return ((time.thread_time() - cpu_s) / count * 1e6,
             (time.perf_counter() - wall_s) / count * 1e6)
@@ -75,10 +79,10 @@ def main(argv=None) -> int:
              for index in range(args.files)]
     manifest = manifest_mod.Manifest.from_paths(paths)
     queries = random.Random(1).choices(paths, k=args.lookups)
-    lookups = {"index_of (bisect)": manifest.index_of,
-               "searchsorted": lambda relpath: _searchsorted_index_of(manifest, relpath)}
-    assert all(manifest.index_of(path) == _searchsorted_index_of(manifest, path)
-               for path in queries[:100])
+    searches = {"index_of (bisect)": contextlib.nullcontext, "searchsorted": _searchsorted}
+    with _searchsorted():
+        found = [manifest.index_of(path) for path in queries[:100]]
+    assert found == [manifest.index_of(path) for path in queries[:100]]
     print(f"{args.lookups} lookups in a manifest of {args.files} paths, medians of "
           f"{args.passes} passes\n")
     print("| busy workers | lookup | CPU us | wall us |\n|---|---|---|---|")
@@ -88,11 +92,12 @@ def main(argv=None) -> int:
                    for _ in range(workers)]
         for thread in threads:
             thread.start()
-        figures: dict[str, list[tuple[float, float]]] = {name: [] for name in lookups}
+        figures: dict[str, list[tuple[float, float]]] = {name: [] for name in searches}
         try:
             for _ in range(args.passes):
-                for name, lookup in lookups.items():
-                    figures[name].append(_pass(lookup, queries))
+                for name, search in searches.items():
+                    with search():
+                        figures[name].append(_pass(manifest, queries))
         finally:
             stop.set()
             for thread in threads:
