@@ -46,7 +46,7 @@ from cachefs.order import load_order
 from cachefs.order_watch import OrderWatcher
 from cachefs import fanotify
 from cachefs.fanotify import CloseWatcher, open_close_events
-from cachefs.pagecache import KernelPages, file_pages_dropper
+from cachefs.pagecache import KernelPages, file_pages_dropper, list_entries
 from cachefs.reader import build_read_path
 from cachefs.revalidate import Revalidator
 from cachefs.sdnotify import Notifier
@@ -157,9 +157,12 @@ class Mount:
         self.inodes = InodeTable(os.lstat(self.source.root), self.source.identity_of)
         # the kernel data plane; its thread starts once the FUSE session exists (serve)
         mountpoint = os.fsencode(os.path.abspath(config.mountpoint))
-        self.kernel = (KernelPages(pyfuse3.notify_store, pyfuse3.invalidate_inode,
-                                   lambda relpath: os.lstat(os.path.join(mountpoint, relpath)))
-                       if config.data_plane != "daemon" else None)
+        self.kernel = (KernelPages(
+            pyfuse3.notify_store, pyfuse3.invalidate_inode,
+            lambda relpath: os.lstat(os.path.join(mountpoint, relpath)),
+            lambda dir_relpath, max_entries: list_entries(os.path.join(mountpoint, dir_relpath),
+                                                          max_entries))
+            if config.data_plane != "daemon" else None)
         self.data_plane = "daemon" if self.kernel is None else "keep-cache"  # until no-open
         self.close_watcher: CloseWatcher | None = None
         self.invalidation = KernelInvalidation(self.inodes, self.kernel)

@@ -28,8 +28,15 @@ when the read-ahead has it, so four in five of them were served by READs (DataLo
 send ahead of it, from threads of their own (never the trio thread, which answers it; nor
 this one, whose stores would wait with it for the answer). That LOOKUP is no extra request
 (the kernel keeps the entry for the entry timeout, 300 s, so the open sends none), and the
-READ is saved. The kernel calls are injected (`store_fn`,
-`invalidate_fn`), so the simulator runs the same decisions with fakes that record them.
+READ is saved. A lookup per file still cost the trio thread a LOOKUP request, and a wake-up
+for the answer, for nearly every file of the first epoch; so the first lookup of a file in a
+directory lists that directory through the mount once (at most `LISTED_MAX_ENTRIES` entries):
+its READDIRPLUS makes the kernel hold an inode for every entry at a fraction of a LOOKUP's
+cost each, and the stores of the directory's other files land with no lookup at all. The
+per-file lstat stays, after the listing: it costs nothing for a file the listing made known
+(the kernel answers it from its dentry), and it covers a file beyond the cap or one the kernel
+has forgotten since. The kernel calls are injected (`store_fn`, `invalidate_fn`,
+`lookup_fn`, `list_fn`), so the simulator runs the same decisions with fakes that record them.
 
 Counters are plain ints written by the worker thread and read by the trio thread for stats
 (a torn read of a Python int cannot happen under the GIL).
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import queue
 import threading
 import time
@@ -50,6 +58,10 @@ log = logging.getLogger(__name__)
 
 _STOP = object()
 LOOKUP_THREADS = 4  # lookups in flight at once (each waits for the trio thread's answer)
+# A directory listed for one file's store is read this far at most (module docstring): the
+# trio thread answers its READDIRPLUS entry by entry, and a directory of millions of files
+# would hold it for seconds to make known files the read-ahead may never reach.
+LISTED_MAX_ENTRIES = 10_000
 
 
 class KernelPages:
@@ -57,12 +69,17 @@ class KernelPages:
 
     def __init__(self, store_fn: Callable[[int, int, bytes], None],
                  invalidate_fn: Callable[[int], None],
-                 lookup_fn: Callable[[bytes], object] | None = None):
-        """`lookup_fn(relpath)`: an lstat of the file through the mount (none in the
-        simulator, whose kernel knows every file)."""
+                 lookup_fn: Callable[[bytes], object] | None = None,
+                 list_fn: Callable[[bytes, int], object] | None = None):
+        """`lookup_fn(relpath)`: an lstat of the file through the mount; `list_fn(dir_relpath,
+        max_entries)`: a listing of a directory through the mount, that far at most (none in
+        the simulator, whose kernel knows every file)."""
         self._store_fn = store_fn
         self._invalidate_fn = invalidate_fn
         self._lookup_fn = lookup_fn
+        self._list_fn = list_fn
+        # directories listed (or being listed) for stores; the lookup threads' own
+        self._listed_dirs: set[bytes] = set()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         # lookups run in threads of their own: each waits on the trio thread's answer, and
@@ -78,6 +95,7 @@ class KernelPages:
         self.invalidate_failures = 0
         self.lookups = 0  # files looked up for a store (look_up; the trio thread writes)
         self.lookup_failures = 0
+        self.listings = 0  # directories listed for stores (look_up; the trio thread writes)
 
     # -- the thread ------------------------------------------------------------------------
 
@@ -151,6 +169,7 @@ class KernelPages:
         assert self._lookup_fn is not None  # these threads run only with one
         while (job := self._lookup_jobs.get()) is not _STOP:
             relpath, done = job
+            listed = self._list_parent(relpath)
             try:
                 self._lookup_fn(relpath)
                 looked_up = True
@@ -158,9 +177,25 @@ class KernelPages:
                 looked_up = False
                 log.debug("lookup of %r for a store failed: %s", relpath, exc)
             try:
-                done(looked_up)
+                done(looked_up, listed)
             except trio.RunFinishedError:
                 pass  # the mount is down: nothing to store into
+
+    def _list_parent(self, relpath: bytes) -> bool:
+        """List `relpath`'s directory through the mount, the first time one of its files is
+        looked up (module docstring); True if this call listed it."""
+        directory = relpath.rpartition(b"/")[0]
+        if self._list_fn is None or directory in self._listed_dirs:
+            return False
+        # marked before the listing: another lookup thread does not list it a second time
+        # (set operations are atomic under the GIL; a rare double listing would cost only time)
+        self._listed_dirs.add(directory)
+        try:
+            self._list_fn(directory, LISTED_MAX_ENTRIES)
+        except OSError as exc:  # the per-file lookup that follows finds the file, or fails
+            log.debug("listing %r for stores failed: %s", directory, exc)
+            return False
+        return True
 
     # -- the trio side ---------------------------------------------------------------------
 
@@ -194,14 +229,16 @@ class KernelPages:
         assert self.can_look_up
         token = trio.lowlevel.current_trio_token()
 
-        def finished(looked_up: bool) -> None:  # on the trio thread: one writer of the counts
+        def finished(looked_up: bool, listed: bool) -> None:  # on the trio thread: one
+            # writer of the counts
+            self.listings += listed
             if looked_up:
                 self.lookups += 1
             else:
                 self.lookup_failures += 1
             then()
-        self._lookup_jobs.put((relpath, lambda looked_up: token.run_sync_soon(finished,
-                                                                              looked_up)))
+        self._lookup_jobs.put((relpath, lambda looked_up, listed: token.run_sync_soon(
+            finished, looked_up, listed)))
 
     @property
     def pending(self) -> int:
@@ -220,7 +257,17 @@ class KernelPages:
         return {"stores": self.stores, "stored_bytes": self.stored_bytes,
                 "store_failures": self.store_failures, "invalidations": self.invalidations,
                 "lookups": self.lookups, "lookup_failures": self.lookup_failures,
+                "listings": self.listings,
                 "pending": self.pending}
+
+
+def list_entries(path: bytes, max_entries: int) -> None:
+    """Read the first `max_entries` entries of the directory at `path` (`list_fn` of
+    KernelPages, through the mount: the kernel learns their inodes from the READDIRPLUS)."""
+    with os.scandir(path) as entries:
+        for count, _ in enumerate(entries, start=1):
+            if count >= max_entries:
+                break
 
 
 def file_pages_dropper(kernel: KernelPages | None,

@@ -110,7 +110,8 @@ def test_files_pushed_ahead_of_the_reader_are_stored_and_dropped_once_read(datas
 def test_files_no_reader_opened_yet_are_looked_up_and_stored_ahead(dataset, mounter, plane):
     """The first epoch: the read-ahead has files the kernel never looked up (no listing, no
     open), so a store would fail; the daemon has the kernel look each up (pagecache.py
-    `look_up`) and stores it, and the reader's pass is served from the kernel's pages."""
+    `look_up`: the first lookup in a directory lists it through the mount, once) and stores
+    it, and the reader's pass is served from the kernel's pages."""
     from cachefs import order
     from cachefs.publish import publish
 
@@ -120,7 +121,9 @@ def test_files_no_reader_opened_yet_are_looked_up_and_stored_ahead(dataset, moun
     current = order.permutation(N_FILES, 0, 0)
     publish(mount.mountpoint, 0, current, next=order.permutation(N_FILES, 0, 1))
     status = settled(mount, "stores", N_FILES, timeout_s=30)
-    assert status["lookups"] == N_FILES and status["lookup_failures"] == 0, status
+    directories = {relpath.rpartition("/")[0] for relpath in relpaths}
+    assert status["listings"] == len(directories), status
+    assert 0 < status["lookups"] <= N_FILES and status["lookup_failures"] == 0, status
     assert status["stores"] == N_FILES and status["store_failures"] == 0, status
     for index in current:
         relpath = relpaths[index]

@@ -54,7 +54,9 @@ def test_epochs_with_concurrent_readers(dataset, mounter):
                 + record["misses"]) == N_FILES
         assert record["refetched_blocks"] == 0, record
         if epoch == 0:
-            assert record["hits_ram"] == 0 and record["prefetched"] > N_FILES // 2
+            # readers served from pages stored ahead (their files made known by a listing, no
+            # lookup each) can outrun a window of a few files here: about half are read ahead
+            assert record["hits_ram"] == 0 and record["prefetched"] > N_FILES // 4, record
         else:
             # the retained head of the epoch; the window takes a few slots of the budget
             assert record["hits_ram"] >= 0.6 * ram_bytes / FILE_BYTES, record
@@ -123,7 +125,8 @@ def test_files_read_ahead_are_looked_up_and_read_without_asking_the_source_again
     """The read-ahead's own fstat answers the lookup of the file (the one the daemon asks of
     the kernel to store its pages, pagecache.py `look_up`, or else the reader's): a file read
     ahead costs the source one request in all, not a second one (a round trip per file on
-    network storage)."""
+    network storage). The listing `look_up` makes of each directory costs one listing of the
+    directory in all."""
     src, relpaths = dataset
     # RAM and the window hold the whole data set, so everything is read ahead before the first
     # lookup; a long metadata TTL keeps those stats fresh however slow the machine is
@@ -143,11 +146,13 @@ def test_files_read_ahead_are_looked_up_and_read_without_asking_the_source_again
     after = mount.stats()["source"]
     directories = {str(Path(relpath).parent) for relpath in relpaths}
     # each file read once; only the class directories, which nothing read ahead, were stat'ed
-    # for their lookups
+    # for their lookups, and each listed once
     assert after["requests"] == dict(before["requests"],
                                      block_read=before["requests"]["block_read"] + N_FILES,
-                                     lstat=before["requests"]["lstat"] + len(directories))
-    assert after["stats_reused"] - before["stats_reused"] == N_FILES
+                                     lstat=before["requests"]["lstat"] + len(directories),
+                                     listdir=before["requests"]["listdir"] + len(directories))
+    # (a file the listing made known is looked up by no one; the others' lookups were answered
+    # from the read's fstat: no lstat of a file above)
     assert record["misses"] == 0 and record["stall_s"] == 0
 
 
