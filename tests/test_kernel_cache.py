@@ -134,6 +134,59 @@ def test_files_no_reader_opened_yet_are_looked_up_and_stored_ahead(dataset, moun
     wait_for(lambda: served_whole_or_reclaimed(kernel(mount)) >= N_FILES)
 
 
+def test_lookups_list_each_directory_once_and_still_look_each_file_up():
+    """KernelPages.look_up with recording fakes (no FUSE): the first lookup in a directory
+    lists it once, with the cap; every file is still looked up (a listing can stop at the cap,
+    or fail); each `then` runs on the trio thread; the counters say what happened."""
+    import threading
+
+    import trio
+
+    from cachefs.pagecache import LISTED_MAX_ENTRIES, KernelPages
+
+    listed, looked_up, lock = [], [], threading.Lock()
+
+    def list_fn(directory: bytes, max_entries: int) -> None:
+        with lock:
+            listed.append((directory, max_entries))
+        if directory == b"broken":
+            raise PermissionError("no listing here")
+
+    def lookup_fn(relpath: bytes) -> None:
+        with lock:
+            looked_up.append(relpath)
+
+    relpaths = [b"a/1", b"a/2", b"a/3", b"b/1", b"b/2", b"top", b"broken/1", b"broken/2"]
+    pages = KernelPages(lambda inode, offset, data: None, lambda inode: None, lookup_fn,
+                        list_fn)
+
+    async def main() -> list[bytes]:
+        pages.start()
+        done, ran = trio.Event(), []
+        trio_thread = threading.get_ident()
+
+        def then(relpath: bytes) -> None:
+            assert threading.get_ident() == trio_thread
+            ran.append(relpath)
+            if len(ran) == len(relpaths):
+                done.set()
+        for relpath in relpaths:
+            pages.look_up(relpath, lambda relpath=relpath: then(relpath))
+        with trio.fail_after(10):
+            await done.wait()
+        return ran
+
+    try:
+        ran = trio.run(main)
+    finally:
+        pages.stop()
+    assert sorted(ran) == sorted(relpaths) and sorted(looked_up) == sorted(relpaths)
+    assert sorted(listed) == sorted((d, LISTED_MAX_ENTRIES) for d in [b"a", b"b", b"", b"broken"])
+    status = pages.status()
+    # the broken directory's listing failed: it counts as none
+    assert status["listings"] == 3 and status["lookups"] == len(relpaths), status
+
+
 @PLANES
 @pytest.mark.parametrize("publish", [True, False], ids=["order", "no-order"])
 def test_a_rewritten_source_file_is_never_served_stale(dataset, mounter, publish, plane):
