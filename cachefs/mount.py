@@ -47,6 +47,7 @@ from cachefs.order_watch import OrderWatcher
 from cachefs import fanotify
 from cachefs.fanotify import CloseWatcher, open_close_events
 from cachefs.pagecache import KernelPages, file_pages_dropper, list_entries
+from cachefs.sorted_arrays import index_left
 from cachefs.reader import build_read_path
 from cachefs.revalidate import Revalidator
 from cachefs.sdnotify import Notifier
@@ -121,6 +122,17 @@ class SourceManifest:
                          time.monotonic() - started)
             return self.manifest
 
+    def files_in(self, directory: bytes) -> int | None:
+        """How many files the scan found under `directory` (its subdirectories' included),
+        None before a scan: one search each way in the scan's sorted paths."""
+        manifest = self.manifest
+        if manifest is None:
+            return None
+        if not directory:
+            return len(manifest)
+        first = index_left(manifest.paths, directory + b"/")
+        return index_left(manifest.paths, directory + b"0", first) - first  # b"0": after b"/"
+
     def get_for_order(self) -> Manifest:
         """The manifest, for an order file that indexes it: a scan that fails rejects the
         order, with the reason (the order in force stays)."""
@@ -157,11 +169,19 @@ class Mount:
         self.inodes = InodeTable(os.lstat(self.source.root), self.source.identity_of)
         # the kernel data plane; its thread starts once the FUSE session exists (serve)
         mountpoint = os.fsencode(os.path.abspath(config.mountpoint))
+        self.source_manifest = SourceManifest(config.source)
+
+        def list_for_stores(dir_relpath: bytes, max_entries: int) -> bool:
+            # Only a directory the scan found small: a listing through the mount has the
+            # daemon list the source's directory whole, an lstat per entry (cachefs/dirs.py)
+            files = self.source_manifest.files_in(dir_relpath)
+            if files is None or files > max_entries:
+                return False
+            list_entries(os.path.join(mountpoint, dir_relpath), max_entries)
+            return True
         self.kernel = (KernelPages(
             pyfuse3.notify_store, pyfuse3.invalidate_inode,
-            lambda relpath: os.lstat(os.path.join(mountpoint, relpath)),
-            lambda dir_relpath, max_entries: list_entries(os.path.join(mountpoint, dir_relpath),
-                                                          max_entries))
+            lambda relpath: os.lstat(os.path.join(mountpoint, relpath)), list_for_stores)
             if config.data_plane != "daemon" else None)
         self.data_plane = "daemon" if self.kernel is None else "keep-cache"  # until no-open
         self.close_watcher: CloseWatcher | None = None
@@ -181,7 +201,6 @@ class Mount:
         self.tiered = read_path.tiered
         self.prefetcher = read_path.prefetcher
         self.reader = read_path.reader
-        self.source_manifest = SourceManifest(config.source)
         self.watcher = OrderWatcher(config.order_file, self._load_order,
                                     self._order_in_force, resume=config.resume_order)
         # the kernel's read-ahead for the mount: set once it has our answer to FUSE_INIT

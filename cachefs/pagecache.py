@@ -30,13 +30,14 @@ this one, whose stores would wait with it for the answer). That LOOKUP is no ext
 (the kernel keeps the entry for the entry timeout, 300 s, so the open sends none), and the
 READ is saved. A lookup per file still cost the trio thread a LOOKUP request, and a wake-up
 for the answer, for nearly every file of the first epoch; so the first lookup of a file in a
-directory lists that directory through the mount once (at most `LISTED_MAX_ENTRIES` entries):
-its READDIRPLUS makes the kernel hold an inode for every entry at a fraction of a LOOKUP's
-cost each, and the stores of the directory's other files land with no lookup at all. The
-per-file lstat stays, after the listing: it costs nothing for a file the listing made known
-(the kernel answers it from its dentry), and it covers a file beyond the cap or one the kernel
-has forgotten since. The kernel calls are injected (`store_fn`, `invalidate_fn`,
-`lookup_fn`, `list_fn`), so the simulator runs the same decisions with fakes that record them.
+directory lists that directory through the mount, once, if the source's scan found at most
+`LISTED_MAX_ENTRIES` files in it: its READDIRPLUS makes the kernel hold an inode for every
+entry at a fraction of a LOOKUP's cost each, and the stores of the directory's other files
+land with no lookup at all. The per-file lstat stays, after the listing: it costs nothing for
+a file the listing made known (the kernel answers it from its dentry), and it covers a file of
+a larger directory, one listed past the cap, or one the kernel has forgotten since. The kernel
+calls are injected (`store_fn`, `invalidate_fn`, `lookup_fn`, `list_fn`), so the simulator
+runs the same decisions with fakes that record them.
 
 Counters are plain ints written by the worker thread and read by the trio thread for stats
 (a torn read of a Python int cannot happen under the GIL).
@@ -58,9 +59,11 @@ log = logging.getLogger(__name__)
 
 _STOP = object()
 LOOKUP_THREADS = 4  # lookups in flight at once (each waits for the trio thread's answer)
-# A directory listed for one file's store is read this far at most (module docstring): the
-# trio thread answers its READDIRPLUS entry by entry, and a directory of millions of files
-# would hold it for seconds to make known files the read-ahead may never reach.
+# A directory is listed for one file's store only if the source's scan found at most this
+# many files in it, and read this far at most (module docstring): the daemon lists the
+# source's directory whole for it, an lstat per entry, and its trio thread answers the
+# READDIRPLUS entry by entry; a directory of millions of files would cost seconds and
+# hundreds of MB to make known files the read-ahead may never reach.
 LISTED_MAX_ENTRIES = 10_000
 
 
@@ -70,10 +73,11 @@ class KernelPages:
     def __init__(self, store_fn: Callable[[int, int, bytes], None],
                  invalidate_fn: Callable[[int], None],
                  lookup_fn: Callable[[bytes], object] | None = None,
-                 list_fn: Callable[[bytes, int], object] | None = None):
+                 list_fn: Callable[[bytes, int], bool] | None = None):
         """`lookup_fn(relpath)`: an lstat of the file through the mount; `list_fn(dir_relpath,
-        max_entries)`: a listing of a directory through the mount, that far at most (none in
-        the simulator, whose kernel knows every file)."""
+        max_entries)`: a listing of a directory through the mount, that far at most, True if
+        it listed it (it declines a directory it does not know to be that small); none in the
+        simulator, whose kernel knows every file."""
         self._store_fn = store_fn
         self._invalidate_fn = invalidate_fn
         self._lookup_fn = lookup_fn
@@ -191,11 +195,10 @@ class KernelPages:
         # (set operations are atomic under the GIL; a rare double listing would cost only time)
         self._listed_dirs.add(directory)
         try:
-            self._list_fn(directory, LISTED_MAX_ENTRIES)
+            return self._list_fn(directory, LISTED_MAX_ENTRIES)
         except OSError as exc:  # the per-file lookup that follows finds the file, or fails
             log.debug("listing %r for stores failed: %s", directory, exc)
             return False
-        return True
 
     # -- the trio side ---------------------------------------------------------------------
 

@@ -398,3 +398,22 @@ def test_startup_errors_have_documented_exit_codes(tree, tmp_path, mounter):
     assert done.returncode == 2 and "not a size" in done.stderr
     done = run_cachefs("umount", mnt)
     assert done.returncode == 1 and "not mounted" in done.stderr
+
+
+def test_the_source_scan_counts_the_files_under_a_directory(tmp_path):
+    """SourceManifest.files_in, which decides whether a directory is small enough to list for
+    the read-ahead's stores (pagecache.py): the files under it, its subdirectories' included,
+    and no others (a sibling whose name extends it, or sorts right after its slash); None
+    before the scan."""
+    from cachefs.mount import SourceManifest
+
+    for relpath in ["a/1", "a/2", "a/sub/3", "a.b/4", "a0/5", "ab/6", "top"]:
+        write_file(tmp_path / relpath, 1)
+    manifest = SourceManifest(tmp_path)
+    assert manifest.files_in(b"a") is None
+    manifest.get()
+    assert manifest.files_in(b"a") == 3
+    assert manifest.files_in(b"a/sub") == 1
+    assert manifest.files_in(b"ab") == 1 and manifest.files_in(b"a0") == 1
+    assert manifest.files_in(b"missing") == 0
+    assert manifest.files_in(b"") == 7
