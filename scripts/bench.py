@@ -229,16 +229,13 @@ class Run:
                     except OrderError as exc:
                         raise BenchError(f"{name}: publish failed: {exc}") from None
                 before = mount.totals()
-                cpu_before_s = benchlib.daemon_cpu_s(mount)
+                daemon_cpu = benchlib.DaemonCpu(mount)
                 result, cpu_ms = self._read_pass(ReadTask(
                     os.fsencode(mountpoint), self.orders[epoch], workers=args.readers,
                     read_bytes=args.read_kb * KIB, batch_files=args.batch_files))
                 delta = stats_delta(before, mount.settled_totals(before, result.files))
-                cpu_after_s = benchlib.daemon_cpu_s(mount)
-                if cpu_before_s is not None and cpu_after_s is not None and result.files:
-                    # what the daemon costs per file read, read-ahead and serving together
-                    delta["daemon_cpu_ms_per_file"] = round(
-                        (cpu_after_s - cpu_before_s) * 1e3 / result.files, 3)
+                # what the daemon costs per file read, read-ahead and serving together
+                delta.update(daemon_cpu.per_file_ms(result.files))
                 hits = delta["hits_ram"] + delta["hits_ssd"]
                 self._record(name, fraction, epoch, result, gap_s=round(gap_s, 3),
                              machine_cpu_ms_per_file=cpu_ms, stats=delta,
@@ -275,13 +272,14 @@ def markdown_report(run: Run) -> str:
                      stats["backend_bytes"] / 1e6 if stats else None,
                      stats.get("stall_s"), r.get("open_ms_per_file"),
                      r.get("read_ms_per_file"), r.get("machine_cpu_ms_per_file"),
-                     stats.get("daemon_cpu_ms_per_file"),
+                     stats.get("daemon_cpu_ms_per_file"), stats.get("trio_cpu_ms_per_file"),
                      f"{r['hit_rate']:.3f}" if r.get("hit_rate") is not None else None,
                      run.capacity_bound(r["cache_fraction"])])
     return benchlib.markdown_table(
         ["contender", "epoch", "time s", "files/s", "MB/s", "hits_ram", "hits_ssd",
          "prefetched", "misses", "backend MB", "stall s", "open ms/file", "read ms/file",
-         "machine CPU ms/file", "daemon CPU ms/file", "hit rate", "C/N"], rows)
+         "machine CPU ms/file", "daemon CPU ms/file", "trio thread CPU ms/file", "hit rate",
+         "C/N"], rows)
 
 
 def summary_table(run: Run) -> str:

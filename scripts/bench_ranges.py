@@ -267,12 +267,10 @@ def run_cachefs(args, reader: Reader, orders: list[np.ndarray], table) -> list[d
             if epoch == 0:
                 reader.open(mount.mountpoint / FILE_NAME)
             before = mount.totals()
-            cpu_before_s = benchlib.daemon_cpu_s(mount)
+            daemon_cpu = benchlib.DaemonCpu(mount)
             wall_s, nbytes, digest = reader.read(orders[epoch])
             delta = stats_delta(before, mount.settled_totals(before, len(orders[epoch])))
-            cpu_after_s = benchlib.daemon_cpu_s(mount)
-            if cpu_before_s is not None and cpu_after_s is not None:
-                delta["daemon_cpu_s"] = round(cpu_after_s - cpu_before_s, 3)
+            delta.update(daemon_cpu.per_file_ms(len(orders[epoch])))  # per row
             snapshot = mount.stats()
             records.append(record("cachefs", epoch, wall_s, nbytes, len(orders[epoch]), digest,
                                   gap_s=round(gap_s, 3), stats=delta, ram_bytes=ram_bytes,

@@ -184,14 +184,11 @@ class Run:
                 gap_s = self._evict() if epoch else 0.0
                 publish(mountpoint, epoch, self.orders[epoch], next=self.orders[epoch + 1])
                 before = mount.totals()
-                cpu_before_s = benchlib.daemon_cpu_s(mount)
+                daemon_cpu = benchlib.DaemonCpu(mount)
                 result, cpu_ms = self._pass(ReadTask(os.fsencode(mountpoint), self.orders[epoch],
                                                      workers=1))
                 delta = stats_delta(before, mount.settled_totals(before, result.files))
-                cpu_after_s = benchlib.daemon_cpu_s(mount)
-                if cpu_before_s is not None and cpu_after_s is not None:
-                    delta["daemon_cpu_ms_per_file"] = round(
-                        (cpu_after_s - cpu_before_s) * 1e3 / max(1, result.files), 3)
+                delta.update(daemon_cpu.per_file_ms(result.files))
                 self._record("cachefs", epoch, result, cpu_ms, gap_s=round(gap_s, 3),
                              stats=delta)
             shown = subprocess.run(cachefs_command("stats", "--json", mountpoint),
@@ -227,10 +224,11 @@ def report(run: Run, ratios: list[dict]) -> str:
         rows.append([r["contender"], r["epoch"], r["wall_s"], r["files_per_s"],
                      stats.get("hits_ram"), stats.get("prefetched"), stats.get("misses"),
                      stats.get("stall_s"), r["machine_cpu_ms_per_file"],
-                     stats.get("daemon_cpu_ms_per_file")])
+                     stats.get("daemon_cpu_ms_per_file"), stats.get("trio_cpu_ms_per_file")])
     epochs = benchlib.markdown_table(
         ["contender", "epoch", "time s", "files/s", "hits_ram", "prefetched", "misses",
-         "stall s", "machine CPU ms/file", "daemon CPU ms/file"], rows)
+         "stall s", "machine CPU ms/file", "daemon CPU ms/file", "trio thread CPU ms/file"],
+        rows)
     ratio_table = benchlib.markdown_table(
         ["epoch", "direct files/s (before, after)", "cachefs files/s", "cachefs / direct",
          "bar"],

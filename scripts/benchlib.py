@@ -369,18 +369,43 @@ def daemon_pid(mount: MountProcess) -> int:
         raise BenchError(f"no daemon pid for {mount.mountpoint}: {exc}") from None
 
 
-def daemon_cpu_s(mount: MountProcess) -> float | None:
-    """CPU seconds (user + system) the mount's daemon has used so far, from its pid file."""
-    try:
-        return process_cpu_s(daemon_pid(mount))
-    except (OSError, BenchError):
-        return None
-
-
-def process_cpu_s(pid: int) -> float:
-    """utime + stime of a process, in seconds (proc(5): fields 14 and 15 of /proc/PID/stat)."""
-    after_name = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def process_cpu_s(pid: int, tid: int | None = None) -> float:
+    """utime + stime of a process, or of its thread `tid`, in seconds (proc(5): fields 14 and
+    15 of /proc/PID/stat, /proc/PID/task/TID/stat)."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    after_name = Path(path).read_text().rsplit(")", 1)[1].split()
     return (int(after_name[11]) + int(after_name[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class DaemonCpu:
+    """The daemon's CPU over a stretch of a run, made at its start: all its threads, and its
+    trio thread alone (the main thread, which answers every request and does the read path's
+    bookkeeping; the rest is the source's worker threads, the page-store and lookup threads)."""
+
+    def __init__(self, mount: MountProcess):
+        try:
+            self._pid: int | None = daemon_pid(mount)
+            self._start_s = self._now_s()
+        except (OSError, BenchError):
+            self._pid = None
+
+    def _now_s(self) -> tuple[float, float]:
+        assert self._pid is not None
+        return process_cpu_s(self._pid), process_cpu_s(self._pid, self._pid)
+
+    def per_file_ms(self, files: int) -> dict:
+        """`daemon_cpu_ms_per_file` and `trio_cpu_ms_per_file` since the start; {} if the
+        daemon's CPU cannot be read."""
+        if self._pid is None or not files:
+            return {}
+        try:
+            end_s = self._now_s()
+        except OSError:
+            return {}
+        daemon_s, trio_s = (end - start for end, start in zip(end_s, self._start_s,
+                                                              strict=True))
+        return {"daemon_cpu_ms_per_file": round(daemon_s * 1e3 / files, 3),
+                "trio_cpu_ms_per_file": round(trio_s * 1e3 / files, 3)}
 
 
 def machine_busy_s() -> float:
