@@ -195,10 +195,15 @@ class KernelPages:
         # (set operations are atomic under the GIL; a rare double listing would cost only time)
         self._listed_dirs.add(directory)
         try:
-            return self._list_fn(directory, LISTED_MAX_ENTRIES)
+            listed = self._list_fn(directory, LISTED_MAX_ENTRIES)
         except OSError as exc:  # the per-file lookup that follows finds the file, or fails
             log.debug("listing %r for stores failed: %s", directory, exc)
             return False
+        if not listed:
+            # declined (too large, or the source not scanned yet): asked again at the next
+            # lookup there, which costs list_fn's check only
+            self._listed_dirs.discard(directory)
+        return listed
 
     # -- the trio side ---------------------------------------------------------------------
 
@@ -232,8 +237,8 @@ class KernelPages:
         assert self.can_look_up
         token = trio.lowlevel.current_trio_token()
 
-        def finished(looked_up: bool, listed: bool) -> None:  # on the trio thread: one
-            # writer of the counts
+        # on the trio thread: one writer of the counts
+        def finished(looked_up: bool, listed: bool) -> None:
             self.listings += listed
             if looked_up:
                 self.lookups += 1
