@@ -47,7 +47,6 @@ from cachefs.order_watch import OrderWatcher
 from cachefs import fanotify
 from cachefs.fanotify import CloseWatcher, open_close_events
 from cachefs.pagecache import KernelPages, file_pages_dropper, list_entries
-from cachefs.sorted_arrays import index_left
 from cachefs.reader import build_read_path
 from cachefs.revalidate import Revalidator
 from cachefs.sdnotify import Notifier
@@ -124,14 +123,16 @@ class SourceManifest:
 
     def files_in(self, directory: bytes) -> int | None:
         """How many files the scan found under `directory` (its subdirectories' included),
-        None before a scan: one search each way in the scan's sorted paths."""
+        None before a scan: one search each way in the scan's sorted paths. Asked from the
+        page cache's lookup threads, so numpy's search, which lets the trio thread run."""
         manifest = self.manifest
         if manifest is None:
             return None
         if not directory:
             return len(manifest)
-        first = index_left(manifest.paths, directory + b"/")
-        return index_left(manifest.paths, directory + b"0", first) - first  # b"0": after b"/"
+        # b"0" sorts right after b"/": the two bounds enclose every path under the directory
+        first, end = np.searchsorted(manifest.paths, [directory + b"/", directory + b"0"])
+        return int(end - first)
 
     def get_for_order(self) -> Manifest:
         """The manifest, for an order file that indexes it: a scan that fails rejects the
