@@ -115,7 +115,7 @@ class Prefetcher:
                  source: Source, stats: Stats, freshness: Freshness, targets: Targets, *,
                  block_bytes: int, source_threads: int, lookahead_items: int,
                  miss_batch_items: int = MISS_BATCH_ITEMS, per_target: bool = True,
-                 ranges: RangePrefetcher | None = None):
+                 retain_by_cost: bool = True, ranges: RangePrefetcher | None = None):
         self.planner = planner
         self.ranking = ranking
         self.tiered = tiered
@@ -130,6 +130,9 @@ class Prefetcher:
         self.miss_batch_items = miss_batch_items
         # False: one list for the whole order, whatever the targets (the simulator's baseline)
         self.per_target = per_target
+        # False: the next epoch's files are kept by position alone, whatever their targets'
+        # speeds (the simulator's baseline; `_price_retention`)
+        self.retain_by_cost = retain_by_cost
         # the read-ahead of an order of byte-range items (cachefs/range_prefetch.py): this
         # loop hands it the window while such an order is in force
         self.ranges = ranges
@@ -210,7 +213,18 @@ class Prefetcher:
         ranges: its items are no files, and its read-ahead is cachefs/range_prefetch.py's."""
         if not self.ranking.ranged:
             self.targets.rebuild(self.planner, self._held_items())
+            self._price_retention()
         self._batched = set()
+
+    def _price_retention(self) -> bool:
+        """Give the ranking the items' read costs from the targets' latencies as measured now
+        (cachefs/ranking.py `set_read_costs`; unless `retain_by_cost` is off). True if that
+        set costs where there were none."""
+        if not self.retain_by_cost:
+            return False
+        unpriced = self.ranking.read_costs is None
+        self.ranking.set_read_costs(self.targets.read_costs())
+        return unpriced and self.ranking.read_costs is not None
 
     def _held_items(self) -> np.ndarray:
         """Items of the manifest in force whose first block RAM holds (in the daemon or the
@@ -377,6 +391,8 @@ class Prefetcher:
         # baseline of one list, which sizes its window as the read-ahead before targets did)
         automatic = self.per_target and not self.configured_lookahead
         targets.size(self.max_inflight, now_s(), self.ranking.s_per_item if automatic else None)
+        if self.ranking.read_costs is None and self._price_retention():
+            self.ranking.rerank_all()  # the first epoch: costs are known once measured
         heads: list = []  # (position, target number, index, item, the list's entries)
         for number, target in enumerate(targets.all):
             targets.advance(target, planner)

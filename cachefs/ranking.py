@@ -8,7 +8,9 @@ the tiers ask of a block, and nothing else reads the plan for them:
   infinite (LRU among such blocks); one consumed and not read again in the known future, or
   kept only for the next epoch while the SSD tier holds it (the tiers stay disjoint), is not
   kept. The tiered cache ranks every block that lands with it, the prefetcher re-ranks RAM
-  on every consumption and new order (`rerank`, `rerank_all`).
+  on every consumption and new order (`rerank`, `rerank_all`). With storage targets of
+  different speeds, the next epoch's files rank by distance over read cost
+  (`set_read_costs`), so RAM keeps the files that are slowest to read again.
 - Item numbers. An item number is an index into one manifest and means nothing without it
   (prefetch.py's module docstring): this module holds the manifest in force, finds a file's
   item (`item_of`, with the files read ahead lately remembered so an open hashes no path),
@@ -72,6 +74,9 @@ class Ranking:
         self._s_per_item: float | None = None
         self._last_consumed_s: float | None = None
         self.kernel_losses = 0  # files of the order lost with the kernel's pages
+        # per item of the manifest in force, its read cost against the cheapest storage
+        # target's (cachefs/targets.py `read_costs`); None: all alike
+        self._read_costs: list[float] | None = None
 
     # -- the order in force ------------------------------------------------------------------
 
@@ -97,6 +102,8 @@ class Ranking:
         same_items = (items is self._items if items is None or self._items is None
                       else items.same_ranges(self._items))
         self._manifest, self._items = manifest, items
+        if changed:
+            self._read_costs = None  # numbered by the old manifest's items
         if changed or not same_items:
             self._recent_items.clear()
             for key, block in self.ram.blocks.items():
@@ -132,6 +139,20 @@ class Ranking:
                                 else self._s_per_item + RATE_WEIGHT * (gap_s - self._s_per_item))
         self._last_consumed_s = now_s
 
+    def set_read_costs(self, costs: list[float] | None) -> None:
+        """What reading each item again costs, against the cheapest storage target (None: the
+        same for all). The next epoch's files are then kept by their distance into it divided
+        by their cost: RAM holds what saves the most source time per slot-position it is
+        held (a file on a target 5x slower is kept 5x further into the next epoch), not
+        only its head. The current epoch's files rank by position alone: they are all read
+        anyway. Blocks ranked before keep their rank until re-ranked (the prefetcher sets
+        the costs when an epoch starts, where it re-ranks every block)."""
+        self._read_costs = costs
+
+    @property
+    def read_costs(self) -> list[float] | None:
+        return self._read_costs
+
     @property
     def s_per_item(self) -> float | None:
         """Seconds between consumptions, smoothed (None until two are seen): the readers'
@@ -155,8 +176,14 @@ class Ranking:
             return None  # consumed and not read again in the known future
         if self._items is not None:
             return use  # a range entry: one per item, never on the SSD tier
-        if use >= self.planner.length and self._on_ssd(item, block_index, identity):
-            return None  # retained only for the next epoch, and the SSD tier has it
+        length = self.planner.length
+        if use >= length:
+            if self._on_ssd(item, block_index, identity):
+                return None  # retained only for the next epoch, and the SSD tier has it
+            costs = self._read_costs
+            if costs is not None and item < len(costs):
+                # kept for the next epoch: by distance over read cost (`set_read_costs`)
+                use = length + (use - length) / costs[item]
         return use + block_index * BLOCK_TIEBREAK
 
     def _in_orders(self, item: int) -> bool:

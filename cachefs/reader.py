@@ -350,7 +350,7 @@ def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, freshness
                     *, block_bytes: int, source_threads: int, lookahead_items: int,
                     sequential_blocks: int, targets: Targets | None = None,
                     miss_batch_items: int = MISS_BATCH_ITEMS, per_target: bool = True,
-                    kernel: KernelPages | None = None,
+                    retain_by_cost: bool = True, kernel: KernelPages | None = None,
                     kernel_inodes: KernelInodes | None = None,
                     on_source_changed: Callable[[bytes, SourceIdentity], None] | None = None,
                     run_ssd: RunSync | None = None,
@@ -360,8 +360,9 @@ def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, freshness
     simulator, so that what the simulator tests is what the mount runs. `targets`: the storage
     targets' lists and counters (cachefs/targets.py; the source reports its requests to them,
     so it is built before the source; None: new ones, which no source reports to).
-    `miss_batch_items`, `per_target`: the read-ahead's (cachefs/prefetch.py). `kernel` and
-    `kernel_inodes`: the kernel data plane (None: the daemon serves every READ).
+    `miss_batch_items`, `per_target`, `retain_by_cost`: the read-ahead's
+    (cachefs/prefetch.py). `kernel` and `kernel_inodes`: the kernel data plane (None: the
+    daemon serves every READ).
     `on_source_changed(relpath, identity)`: a file changed at the source (its cached copies
     are gone). `run_ssd`: the worker-thread hop of the SSD tier's calls (None: threads).
     `drop_file_pages(relpath)`: the kernel drops a file's pages (the range cache's drops;
@@ -378,7 +379,7 @@ def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, freshness
     prefetcher = Prefetcher(planner, ranking, tiered, ram, source, stats, freshness, targets,
                             block_bytes=block_bytes, source_threads=source_threads,
                             lookahead_items=lookahead_items, miss_batch_items=miss_batch_items,
-                            per_target=per_target,
+                            per_target=per_target, retain_by_cost=retain_by_cost,
                             ranges=RangePrefetcher(planner, ranking, range_cache,
                                                    max_inflight=source_threads))
     reader = Reader(planner, ranking, tiered, prefetcher, stats, block_bytes=block_bytes,

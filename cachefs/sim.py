@@ -125,6 +125,9 @@ class SimConfig:
     target_latencies_s: tuple[float, ...] | None = None
     target_parallelism: tuple[int, ...] | None = None
     per_target: bool = True  # one read-ahead list per target (False: one for the order)
+    # the next epoch's files kept by distance over their target's read cost (False: by
+    # distance alone, the head of the next epoch whatever the targets; cachefs/ranking.py)
+    retain_by_cost: bool = True
     miss_batch_items: int = MISS_BATCH_ITEMS  # --miss-batch
     # the readers skip this many positions at the start of every epoch (a job resumed in
     # mid-epoch): those are never consumed, and the rest is read outside the window
@@ -305,6 +308,7 @@ class Sim:
             targets=self.targets, block_bytes=config.block_bytes, source_threads=config.parallelism,
             lookahead_items=config.lookahead_items, sequential_blocks=config.sequential_blocks,
             miss_batch_items=config.miss_batch_items, per_target=config.per_target,
+            retain_by_cost=config.retain_by_cost,
             kernel=self.kernel, kernel_inodes=kernel_inodes,
             run_ssd=inline_ssd_calls(config.ssd_latency_s), drop_file_pages=drop_file_pages)
         self.planner = read_path.planner

@@ -26,7 +26,8 @@ storage node), every target here has
   p99 latency of its requests, requests in flight now, misses and stall seconds of its files.
 
 Sizing (`Targets.size`, Little's law). The readers consume the order at some rate r; a target
-holding a share p of the items must deliver p*r files per second, and with a latency L per
+holding a share p of the files to read (of the current order's files, those RAM did not hold
+when the list was built) must deliver p*r files per second, and with a latency L per
 request that takes p*r*L requests in flight. Whatever r is, the threads are best split in
 proportion to p*L: every target then delivers its share at the same pace, and no target runs
 ahead while another holds the readers up. So `--source-threads` (S) are shared out in
@@ -36,6 +37,11 @@ another with as many items gets about 10x the slots, and a queue as much deeper.
 every target with items keeps at least a quarter of its share of S by item count (at least 1),
 so a target whose latency grows only because it is saturated (its requests queue on the
 server) cannot starve the others; and the total stays S.
+
+Read costs (`read_costs`). Once every target has COST_REQUESTS requests timed, each item's cost
+is its target's mean latency over the fastest target's: the ranking keeps the next epoch's
+files by distance over cost (cachefs/ranking.py `set_read_costs`), so RAM holds what is
+slowest to read again and the slow targets deliver fewer files the next epoch.
 
 A request is a call to the source (cachefs/source.py reports each one, `request_started` /
 `request_finished`): its latency is timed in the worker thread, so waiting for a free thread is
@@ -70,6 +76,7 @@ log = logging.getLogger(__name__)
 LATENCY_WEIGHT = 0.1  # of each new request's latency in a target's average
 FLOOR_FRACTION = 0.25  # of a target's share of the threads by item count, kept whatever its latency
 SIZE_INTERVAL_S = 0.1  # the slots are shared out again at most this often
+COST_REQUESTS = 20  # requests timed on every target before their read costs are compared
 # Latency histogram: 20 buckets per decade from 1 us to 1000 s (12 % wide), for the p99
 BUCKETS_PER_DECADE = 20
 MIN_LATENCY_S = 1e-6
@@ -116,7 +123,7 @@ class Target:
     first: int = 0
     scan: int = 0
     items: int = 0  # its items in the current order
-    share: float = 0.0  # items / the current order's length
+    share: float = 0.0  # of the current order's files to read (not held in RAM): rebuild
     inflight_items: int = 0  # read-ahead fetches of its items in flight (the prefetcher's)
     slots: int = 1
     tail_items: int = 0  # its files the readers consume in its p99 latency (sizing)
@@ -207,6 +214,25 @@ class Targets:
             self.all.append(target)
         self._sized_s = -math.inf
 
+    def read_costs(self) -> list[float] | None:
+        """Per item of the manifest in force, what reading it from its target costs against
+        the cheapest target: the target's mean request latency over the cheapest one's (1.0
+        on the fastest). None with fewer than two targets holding files of the current order,
+        or before each of those has COST_REQUESTS requests timed (a target with none of its
+        files counts 1.0 until timed). The ranking keeps the next epoch's files by it
+        (cachefs/ranking.py, `set_read_costs`)."""
+        if self.placement is None:
+            return None
+        timed = [t.latency_avg_s if t.latency_avg_s is not None and t.requests >= COST_REQUESTS
+                 else None for t in self.all]
+        holding = [latency for latency, t in zip(timed, self.all, strict=True) if t.items]
+        if len(holding) < 2 or None in holding:
+            return None
+        cheapest = max(min(x for x in timed if x is not None), MIN_LATENCY_S)
+        by_target = np.array([1.0 if latency is None else max(latency, cheapest) / cheapest
+                              for latency in timed])
+        return by_target[self.placement.ids].tolist()
+
     def target_of(self, item: int) -> Target | None:
         """The target of `item` of the manifest in force (None: no order, or no such item)."""
         placement = self.placement
@@ -219,7 +245,7 @@ class Targets:
     def rebuild(self, planner: Planner, held_items: np.ndarray) -> None:
         """Every target's list from the planner's orders (module docstring). `held_items`:
         the items RAM holds now (the head of an epoch kept from the last), which the lists'
-        queue depth does not count."""
+        queue depth and the targets' shares do not count."""
         if self.placement is None:
             return
         ids = self.placement.ids
@@ -240,14 +266,18 @@ class Targets:
             grouped = np.argsort(by_position, kind="stable")  # positions ascending per target
             bounds = np.cumsum(np.bincount(by_position, minlength=len(self.all)))[:-1]
             lists = np.split(grouped.astype(np.int64), bounds)
-        length = max(1, len(current))
-        for target, positions, items in zip(self.all, lists, counts_current.tolist(),
-                                            strict=True):
+        # a target's share: of the current order's files that RAM does not hold (they are
+        # what the targets must deliver), or of all its files if RAM holds every one
+        counts_to_read = np.bincount(parts[0][to_read[:len(current)]], minlength=len(self.all))
+        shares = (counts_to_read if counts_to_read.sum() else counts_current).tolist()
+        total = max(1, sum(shares))
+        for target, positions, items, share in zip(self.all, lists, counts_current.tolist(),
+                                                   shares, strict=True):
             target.positions = positions
             target.to_read = np.cumsum(to_read[positions], dtype=np.int64)
             target.first = target.scan = 0
             target.items = items
-            target.share = items / length
+            target.share = share / total
         self._sized_s = -math.inf
 
     def advance(self, target: Target, planner: Planner) -> None:

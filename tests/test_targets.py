@@ -25,7 +25,7 @@ from cachefs.placement import MAX_TARGETS, OTHER_DEVICES, Placement
 from cachefs.planner import Planner
 from cachefs.publish import publish
 from cachefs.sim import SimConfig, simulate
-from cachefs.targets import LatencyHistogram, Targets, allocate_slots
+from cachefs.targets import COST_REQUESTS, LatencyHistogram, Targets, allocate_slots
 from conftest import epoch_record, make_flat_dataset, run_cachefs
 
 TARGET_KEYS = {"target", "by", "items", "bytes", "requests", "mean_latency_s", "p99_latency_s",
@@ -150,6 +150,42 @@ def test_a_target_measured_slower_gets_more_slots():
 MANIFEST_2 = Manifest.from_paths([f"f{i}" for i in range(8)]).prepare()
 
 
+def _two_targets(held_items=()) -> Targets:
+    """MANIFEST_2's 8 files in order, even items on target 0, odd on 1; RAM holding
+    `held_items`."""
+    targets = Targets()
+    targets.use(MANIFEST_2, Placement.of_targets(np.arange(8) % 2), MANIFEST_2.index_of)
+    planner = Planner(32)
+    planner.set_order(order.Order(epoch=0, current=np.arange(8), next=None, manifest=MANIFEST_2,
+                                  rank=None, world_size=None, total_length=8, file=None))
+    targets.rebuild(planner, np.asarray(held_items, np.int64))
+    return targets
+
+
+def test_read_costs_are_latencies_over_the_fastest_once_every_target_is_timed():
+    targets = _two_targets()
+    assert targets.read_costs() is None  # nothing timed yet
+    for _ in range(COST_REQUESTS):
+        targets.request_finished(targets.request_started(b"f0"), 0.002, 1000)
+    assert targets.read_costs() is None  # target 1 not timed yet
+    for _ in range(COST_REQUESTS):
+        targets.request_finished(targets.request_started(b"f1"), 0.008, 1000)
+    assert targets.read_costs() == pytest.approx([1.0, 4.0] * 4)  # per item, by its target
+    single = Targets()
+    single.use(MANIFEST_2, Placement.single(8), MANIFEST_2.index_of)
+    for _ in range(COST_REQUESTS):
+        single.request_finished(single.request_started(b"f0"), 0.002, 1000)
+    assert single.read_costs() is None  # one target: no file costs more than another
+
+
+def test_a_targets_share_counts_the_files_it_must_deliver_not_those_ram_holds():
+    assert [t.share for t in _two_targets().all] == [0.5, 0.5]
+    # RAM holds three of target 1's four files: target 0 has 4 of the 5 files to read
+    assert [t.share for t in _two_targets(held_items=[1, 3, 5]).all] == [0.8, 0.2]
+    assert [t.share for t in _two_targets(held_items=range(8)).all] == [0.5, 0.5]  # all held
+
+
+
 def test_latency_histogram_p99_is_a_bucket_edge_above_it():
     histogram = LatencyHistogram()
     for _ in range(990):
@@ -185,6 +221,24 @@ def test_per_target_lists_beat_one_window_when_a_target_is_10x_slower():
     assert fast["items"] == slow["items"] == N_SIM // 2
     assert per_target.data_errors == 0
 
+
+def test_the_next_epochs_files_kept_are_the_slow_targets_and_later_epochs_read_less_of_it():
+    """A slow server that serves 8 requests at once (its latency grows with the queue, as a
+    saturated sshfs or NFS server's does) and a 4x faster one, the source the bottleneck:
+    keeping the next epoch's files by distance over read cost keeps mostly the slow server's,
+    so each later epoch reads fewer files from it and ends sooner; RAM hits stay C/N."""
+    config = dict(SIM, epochs=2, consume_s=0.00005, target_latencies_s=(0.004, 0.016),
+                  target_parallelism=(8, 8))
+    by_head = simulate(SimConfig(**config, retain_by_cost=False))
+    by_cost = simulate(SimConfig(**config))
+    head_2, cost_2 = by_head.epochs[1], by_cost.epochs[1]
+    assert cost_2.hits_ram == pytest.approx(head_2.hits_ram, rel=0.02)
+    assert cost_2.hits_ram >= 0.95 * SIM["ram_bytes"] / SIM["item_bytes"]
+    assert cost_2.refetched_blocks == 0 and by_cost.data_errors == 0
+    # every file is read once in epoch 1, then epoch 2's misses of RAM
+    slow_reads = [result.targets[1]["requests"] - N_SIM // 2 for result in (by_head, by_cost)]
+    assert slow_reads[1] < 0.9 * slow_reads[0], slow_reads  # 0.80-0.84 in five runs
+    assert cost_2.wall_s < 0.95 * head_2.wall_s, (head_2.row(), cost_2.row())
 
 @pytest.mark.parametrize("miss_batch", [1, 8])
 def test_a_miss_outside_the_window_reads_a_batch_of_its_target(miss_batch):
