@@ -221,7 +221,7 @@ class Targets:
         or before each of those has COST_REQUESTS requests timed (a target with none of its
         files counts 1.0 until timed). The ranking keeps the next epoch's files by it
         (cachefs/ranking.py, `set_read_costs`)."""
-        if self.placement is None:
+        if self.placement is None or len(self.all) < 2:
             return None
         timed = [t.latency_avg_s if t.latency_avg_s is not None and t.requests >= COST_REQUESTS
                  else None for t in self.all]
