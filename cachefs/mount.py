@@ -172,17 +172,15 @@ class Mount:
         mountpoint = os.fsencode(os.path.abspath(config.mountpoint))
         self.source_manifest = SourceManifest(config.source)
 
-        def list_for_stores(dir_relpath: bytes, max_entries: int) -> bool:
-            # Only a directory the scan found small: a listing through the mount has the
-            # daemon list the source's directory whole, an lstat per entry (cachefs/dirs.py)
-            files = self.source_manifest.files_in(dir_relpath)
-            if files is None or files > max_entries:
-                return False
-            list_entries(os.path.join(mountpoint, dir_relpath), max_entries)
-            return True
+        # a directory is listed for stores only if the scan found it small: a listing through
+        # the mount has the daemon list the source's directory whole, an lstat per entry
+        # (cachefs/dirs.py); KernelPages decides, with the scan's count
         self.kernel = (KernelPages(
             pyfuse3.notify_store, pyfuse3.invalidate_inode,
-            lambda relpath: os.lstat(os.path.join(mountpoint, relpath)), list_for_stores)
+            lambda relpath: os.lstat(os.path.join(mountpoint, relpath)),
+            lambda dir_relpath, max_entries: list_entries(
+                os.path.join(mountpoint, dir_relpath), max_entries),
+            self.source_manifest.files_in)
             if config.data_plane != "daemon" else None)
         self.data_plane = "daemon" if self.kernel is None else "keep-cache"  # until no-open
         self.close_watcher: CloseWatcher | None = None

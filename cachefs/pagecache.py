@@ -29,15 +29,25 @@ send ahead of it, from threads of their own (never the trio thread, which answer
 this one, whose stores would wait with it for the answer). That LOOKUP is no extra request
 (the kernel keeps the entry for the entry timeout, 300 s, so the open sends none), and the
 READ is saved. A lookup per file still cost the trio thread a LOOKUP request, and a wake-up
-for the answer, for nearly every file of the first epoch; so the first lookup of a file in a
-directory lists that directory through the mount, once, if the source's scan found at most
-`LISTED_MAX_ENTRIES` files in it: its READDIRPLUS makes the kernel hold an inode for every
-entry at a fraction of a LOOKUP's cost each, and the stores of the directory's other files
-land with no lookup at all. The per-file lstat stays, after the listing: it costs nothing for
-a file the listing made known (the kernel answers it from its dentry), and it covers a file of
-a larger directory, one listed past the cap, or one the kernel has forgotten since. The kernel
-calls are injected (`store_fn`, `invalidate_fn`, `lookup_fn`, `list_fn`), so the simulator
-runs the same decisions with fakes that record them.
+for the answer, for nearly every file of the first epoch; so a directory is listed through the
+mount, once, when its lookups for stores show that the read-ahead works through it: at the
+lookup that reaches one for every LOOKUPS_PER_LISTING of its files (the first, for a directory
+of up to that many), if the source's scan found at most `LISTED_MAX_ENTRIES` files in it
+(`files_in`). Its READDIRPLUS makes the kernel hold an inode for every entry at a fraction of a
+LOOKUP's cost each, and the stores of the directory's other files land with no lookup at all.
+Why not at the first lookup: a listing costs the daemon an lstat and an entry for every file of
+the directory, which an epoch in the order earns back, but a reader off the order does not: a
+validation pass in directory order under a published shuffled order has the read-ahead push a
+window of files spread over every directory of the data set, a few each, and listing all of
+them cost more than the pass's own reads (200 directories of 1,000 files for 2,048 files
+pushed: `scripts/bench_offorder.py`). Waiting for a 1/LOOKUPS_PER_LISTING share of lookups
+first costs an epoch in the order that share of its files looked up one by one, and bounds the
+listing to directories the read-ahead goes through. The per-file lstat stays, after the
+listing: it costs nothing for a file the listing made known (the kernel answers it from its
+dentry), and it covers a file of a larger directory, one listed past the cap, or one the
+kernel has forgotten since. The kernel calls are injected (`store_fn`, `invalidate_fn`,
+`lookup_fn`, `list_fn`, `files_in`), so the simulator runs the same decisions with fakes that
+record them.
 
 Counters are plain ints written by the worker thread and read by the trio thread for stats
 (a torn read of a Python int cannot happen under the GIL).
@@ -65,6 +75,9 @@ LOOKUP_THREADS = 4  # lookups in flight at once (each waits for the trio thread'
 # READDIRPLUS entry by entry; a directory of millions of files would cost seconds and
 # hundreds of MB to make known files the read-ahead may never reach.
 LISTED_MAX_ENTRIES = 10_000
+# ... and once the read-ahead has looked up one of its files for every this many (module
+# docstring): a directory of 1,000 files at its 32nd lookup, one of up to 32 at its first
+LOOKUPS_PER_LISTING = 32
 
 
 class KernelPages:
@@ -73,17 +86,22 @@ class KernelPages:
     def __init__(self, store_fn: Callable[[int, int, bytes], None],
                  invalidate_fn: Callable[[int], None],
                  lookup_fn: Callable[[bytes], object] | None = None,
-                 list_fn: Callable[[bytes, int], bool] | None = None):
+                 list_fn: Callable[[bytes, int], object] | None = None,
+                 files_in: Callable[[bytes], int | None] | None = None):
         """`lookup_fn(relpath)`: an lstat of the file through the mount; `list_fn(dir_relpath,
-        max_entries)`: a listing of a directory through the mount, that far at most, True if
-        it listed it (it declines a directory it does not know to be that small); none in the
-        simulator, whose kernel knows every file."""
+        max_entries)`: a listing of a directory through the mount, that far at most;
+        `files_in(dir_relpath)`: how many files the source's scan found in the directory, None
+        if it has not finished. No lookups or listings in the simulator, whose kernel knows
+        every file."""
         self._store_fn = store_fn
         self._invalidate_fn = invalidate_fn
         self._lookup_fn = lookup_fn
         self._list_fn = list_fn
-        # directories listed (or being listed) for stores; the lookup threads' own
+        self._files_in = files_in
+        # directories listed (or being listed) for stores, and lookups for stores in each
+        # directory not listed yet; the lookup threads' own
         self._listed_dirs: set[bytes] = set()
+        self._dir_lookups: dict[bytes, int] = {}
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         # lookups run in threads of their own: each waits on the trio thread's answer, and
@@ -186,24 +204,29 @@ class KernelPages:
                 pass  # the mount is down: nothing to store into
 
     def _list_parent(self, relpath: bytes) -> bool:
-        """List `relpath`'s directory through the mount, the first time one of its files is
-        looked up (module docstring); True if this call listed it."""
+        """List `relpath`'s directory through the mount once its lookups for stores reach
+        one per LOOKUPS_PER_LISTING of its files, if it has at most LISTED_MAX_ENTRIES
+        (module docstring); True if this call listed it."""
         directory = relpath.rpartition(b"/")[0]
-        if self._list_fn is None or directory in self._listed_dirs:
+        if self._list_fn is None or self._files_in is None or directory in self._listed_dirs:
+            return False
+        lookups = self._dir_lookups.get(directory, 0) + 1
+        self._dir_lookups[directory] = lookups
+        # None: the scan has not finished; asked again at the next lookup there
+        files = self._files_in(directory)
+        if files is None or files > LISTED_MAX_ENTRIES or lookups * LOOKUPS_PER_LISTING < files:
             return False
         # marked before the listing: another lookup thread does not list it a second time
-        # (set operations are atomic under the GIL; a rare double listing would cost only time)
+        # (set and dict operations are atomic under the GIL; a rare double listing would
+        # cost only time)
         self._listed_dirs.add(directory)
+        self._dir_lookups.pop(directory, None)
         try:
-            listed = self._list_fn(directory, LISTED_MAX_ENTRIES)
+            self._list_fn(directory, LISTED_MAX_ENTRIES)
         except OSError as exc:  # the per-file lookup that follows finds the file, or fails
             log.debug("listing %r for stores failed: %s", directory, exc)
             return False
-        if not listed:
-            # declined (too large, or the source not scanned yet): asked again at the next
-            # lookup there, which costs list_fn's check only
-            self._listed_dirs.discard(directory)
-        return listed
+        return True
 
     # -- the trio side ---------------------------------------------------------------------
 

@@ -134,35 +134,39 @@ def test_files_no_reader_opened_yet_are_looked_up_and_stored_ahead(dataset, moun
     wait_for(lambda: served_whole_or_reclaimed(kernel(mount)) >= N_FILES)
 
 
-def test_lookups_list_each_directory_once_and_still_look_each_file_up(monkeypatch):
-    """KernelPages.look_up with recording fakes (no FUSE): the first lookup in a directory
-    lists it once, with the cap; every file is still looked up (a listing can stop at the cap,
-    be declined, or fail); each `then` runs on the trio thread; the counters say what
-    happened."""
+def test_lookups_list_a_directory_once_the_read_ahead_goes_through_it(monkeypatch):
+    """KernelPages.look_up with recording fakes (no FUSE): a directory is listed once, with
+    the cap, at the lookup that reaches one per LOOKUPS_PER_LISTING of its files (the first
+    for a small one); one too large, or not scanned yet, is never listed; every file is still
+    looked up (a listing can stop at the cap, or fail); each `then` runs on the trio thread;
+    the counters say what happened."""
     import threading
 
     import trio
 
     from cachefs import pagecache
-    from cachefs.pagecache import LISTED_MAX_ENTRIES, KernelPages
+    from cachefs.pagecache import LISTED_MAX_ENTRIES, LOOKUPS_PER_LISTING, KernelPages
 
     monkeypatch.setattr(pagecache, "LOOKUP_THREADS", 1)  # the jobs in order: counts exact
     listed, looked_up, lock = [], [], threading.Lock()
+    files = {b"a": 3, b"big": 3 * LOOKUPS_PER_LISTING + 1, b"huge": LISTED_MAX_ENTRIES + 1,
+             b"unscanned": None, b"": 2, b"broken": 2}
 
-    def list_fn(directory: bytes, max_entries: int) -> bool:
+    def list_fn(directory: bytes, max_entries: int) -> None:
         with lock:
             listed.append((directory, max_entries))
         if directory == b"broken":
             raise PermissionError("no listing here")
-        return directory != b"b"  # declines b (too large, say)
 
     def lookup_fn(relpath: bytes) -> None:
         with lock:
             looked_up.append(relpath)
 
-    relpaths = [b"a/1", b"a/2", b"a/3", b"b/1", b"b/2", b"top", b"broken/1", b"broken/2"]
+    relpaths = ([b"a/1", b"a/2", b"a/3"] + [b"big/%d" % i for i in range(6)]
+                + [b"huge/%d" % i for i in range(3)] + [b"unscanned/1", b"top", b"broken/1",
+                                                        b"broken/2"])
     pages = KernelPages(lambda inode, offset, data: None, lambda inode: None, lookup_fn,
-                        list_fn)
+                        list_fn, files.get)
 
     async def main() -> list[bytes]:
         pages.start()
@@ -185,11 +189,11 @@ def test_lookups_list_each_directory_once_and_still_look_each_file_up(monkeypatc
     finally:
         pages.stop()
     assert sorted(ran) == sorted(relpaths) and sorted(looked_up) == sorted(relpaths)
-    # each directory once, with the cap; b, declined, is asked again at its next lookup
-    assert listed == [(d, LISTED_MAX_ENTRIES) for d in [b"a", b"b", b"b", b"", b"broken"]]
+    # a at its first lookup, big at its fourth (4 x 32 >= 97), the top directory, and the
+    # broken one (whose listing fails); never huge (over the cap) nor unscanned
+    assert listed == [(d, LISTED_MAX_ENTRIES) for d in [b"a", b"big", b"", b"broken"]]
     status = pages.status()
-    # the broken directory's listing failed, b's was declined: neither counts
-    assert status["listings"] == 2 and status["lookups"] == len(relpaths), status
+    assert status["listings"] == 3 and status["lookups"] == len(relpaths), status
 
 
 @PLANES
