@@ -263,11 +263,15 @@ class Prefetcher:
             return None
         return identity
 
-    def record_identity(self, relpath: bytes, identity: SourceIdentity) -> None:
+    def record_identity(self, relpath: bytes, identity: SourceIdentity,
+                        item: int | None = None) -> None:
         """A fresh identity of `relpath` learnt outside the read-ahead (a reader's open or
         read, a revalidation): recorded in its item of the manifest in force, found by path
-        now, so that one learnt across a manifest change lands in its own file's slot."""
-        item = self.ranking.item_of(relpath)
+        now, so that one learnt across a manifest change lands in its own file's slot.
+        `item`: that item, if the caller has it under the manifest in force (a RAM block's,
+        renumbered with every new manifest), which saves the search by path."""
+        if item is None:
+            item = self.ranking.item_of(relpath)
         if item >= 0:
             self.meta.record(item, identity)
 

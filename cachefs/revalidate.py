@@ -42,11 +42,12 @@ GONE = SourceIdentity(-1, 0, 0)  # the identity of a file the source no longer h
 
 class Revalidator:
     def __init__(self, source: Source, ram: RamTier, inodes, freshness: Freshness, *,
-                 record_identity: Callable[[bytes, SourceIdentity], None],
+                 record_identity: Callable[[bytes, SourceIdentity, int | None], None],
                  source_changed: Callable[[bytes, SourceIdentity], None]):
-        """`record_identity(relpath, identity)`: a fresh identity, for the read-ahead
-        (Prefetcher.record_identity); `source_changed(relpath, identity)`: the file changed,
-        its cached copies go (Reader.source_changed)."""
+        """`record_identity(relpath, identity, item)`: a fresh identity, for the read-ahead
+        (Prefetcher.record_identity; `item`: the file's, if known, else None);
+        `source_changed(relpath, identity)`: the file changed, its cached copies go
+        (Reader.source_changed)."""
         self.source = source
         self.ram = ram
         self.inodes = inodes
@@ -92,6 +93,7 @@ class Revalidator:
 
     def _apply(self, relpath: bytes, st, asked_s: float) -> None:
         """Record one fresh stat; a file that changed or went loses its cached copies."""
+        block = self.ram.get((relpath, 0))
         if isinstance(st, OSError):
             identity = GONE
         else:
@@ -104,8 +106,9 @@ class Revalidator:
                 # and the kernel learns the new version by its next lookup or stat
                 # (fuse_ops.KernelInvalidation)
                 self.inodes.update_stat(inode, st, asked_s)
-            self._record_identity(relpath, identity)
-        block = self.ram.get((relpath, 0))
+            # the block's item is the file's in the manifest in force: no search by path
+            # (the sweep checks every file RAM holds, often more than the recent-items memory)
+            self._record_identity(relpath, identity, None if block is None else block.item)
         if block is not None and block.identity != identity:
             log.info("source file changed: %r", relpath)
             self.changed += 1

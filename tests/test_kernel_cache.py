@@ -443,3 +443,32 @@ def test_a_mount_without_cap_sys_admin_falls_back_to_the_keep_cache_mode(tmp_pat
     assert report["stats"]["kernel"]["mode"] == "keep-cache"
     assert report["stats"]["kernel"]["whole_file_opens"] >= 20  # the second pass's
     assert "fanotify needs CAP_SYS_ADMIN" in report["log"]
+
+
+def test_a_revalidated_file_is_recorded_under_its_ram_blocks_item(tmp_path):
+    """The sweep hands the read-ahead each fresh identity with the item its RAM block
+    carries (renumbered with every manifest), so a held file is not searched by path; a file
+    RAM no longer holds is left to the search (None)."""
+    from cachefs import stats as stats_mod
+    from cachefs.cache.ram import RamBlock, RamTier
+    from cachefs.freshness import Freshness
+    from cachefs.inodes import InodeTable
+    from cachefs.revalidate import Revalidator
+    from cachefs.source import Source
+
+    (tmp_path / "held").write_bytes(b"x" * 10)
+    (tmp_path / "gone").write_bytes(b"y" * 20)
+    source = Source(tmp_path, threads=1)
+    ram = RamTier(1 << 20, block_bytes=1 << 20)
+    st = os.lstat(tmp_path / "held")
+    identity = source.identity_of(st)
+    assert ram.reserve(10, 0.0)
+    ram.insert((b"held", 0), RamBlock(b"x" * 10, identity, 7, stats_mod.ORIGIN_PREFETCHED), 10)
+    recorded = []
+    revalidator = Revalidator(source, ram, InodeTable(os.lstat(tmp_path)), Freshness(60.0),
+                              record_identity=lambda *args: recorded.append(args),
+                              source_changed=lambda relpath, identity: None)
+    revalidator._apply(b"held", st, 0.0)
+    revalidator._apply(b"gone", os.lstat(tmp_path / "gone"), 0.0)
+    assert recorded == [(b"held", identity, 7),
+                        (b"gone", source.identity_of(os.lstat(tmp_path / "gone")), None)]
