@@ -90,18 +90,20 @@ class KernelPages:
                  files_in: Callable[[bytes], int | None] | None = None):
         """`lookup_fn(relpath)`: an lstat of the file through the mount; `list_fn(dir_relpath,
         max_entries)`: a listing of a directory through the mount, that far at most;
-        `files_in(dir_relpath)`: how many files the source's scan found in the directory, None
-        if it has not finished. No lookups or listings in the simulator, whose kernel knows
-        every file."""
+        `files_in(dir_relpath)`: how many files the source's scan found under the directory
+        (its subdirectories' included: a directory whose files are mostly in subdirectories
+        is then looked up file by file), None if it has not finished. No lookups or listings
+        in the simulator, whose kernel knows every file."""
         self._store_fn = store_fn
         self._invalidate_fn = invalidate_fn
         self._lookup_fn = lookup_fn
         self._list_fn = list_fn
         self._files_in = files_in
         # directories listed (or being listed) for stores, and lookups for stores in each
-        # directory not listed yet; the lookup threads' own
+        # directory not listed yet; the lookup threads', under their lock
         self._listed_dirs: set[bytes] = set()
         self._dir_lookups: dict[bytes, int] = {}
+        self._listing_lock = threading.Lock()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         # lookups run in threads of their own: each waits on the trio thread's answer, and
@@ -208,19 +210,21 @@ class KernelPages:
         one per LOOKUPS_PER_LISTING of its files, if it has at most LISTED_MAX_ENTRIES
         (module docstring); True if this call listed it."""
         directory = relpath.rpartition(b"/")[0]
-        if self._list_fn is None or self._files_in is None or directory in self._listed_dirs:
+        if self._list_fn is None or self._files_in is None:
             return False
-        lookups = self._dir_lookups.get(directory, 0) + 1
-        self._dir_lookups[directory] = lookups
         # None: the scan has not finished; asked again at the next lookup there
         files = self._files_in(directory)
-        if files is None or files > LISTED_MAX_ENTRIES or lookups * LOOKUPS_PER_LISTING < files:
-            return False
-        # marked before the listing: another lookup thread does not list it a second time
-        # (set and dict operations are atomic under the GIL; a rare double listing would
-        # cost only time)
-        self._listed_dirs.add(directory)
-        self._dir_lookups.pop(directory, None)
+        with self._listing_lock:  # the count and the mark, one lookup thread at a time
+            if directory in self._listed_dirs:
+                return False
+            lookups = self._dir_lookups.get(directory, 0) + 1
+            if (files is None or files > LISTED_MAX_ENTRIES
+                    or lookups * LOOKUPS_PER_LISTING < files):
+                self._dir_lookups[directory] = lookups
+                return False
+            # marked before the listing: no other lookup thread lists it a second time
+            self._listed_dirs.add(directory)
+            self._dir_lookups.pop(directory, None)
         try:
             self._list_fn(directory, LISTED_MAX_ENTRIES)
         except OSError as exc:  # the per-file lookup that follows finds the file, or fails

@@ -41,7 +41,8 @@ manifest in force it either drops its work (a read-ahead fetch: the window of th
 is walked anew) or renumbers the item by its path (`item_now`: the tiered cache, a reader's
 handle). Per-item state (`ItemMeta`, the planner's arrays, the stats' bitmap) is replaced,
 sized to the new manifest, when it comes (`set_order`), and identities learnt outside a fetch
-are recorded by path (`record_identity`). So a late result for an item of an old manifest can
+are recorded by path, or by the item of the file's RAM block, which is renumbered with every
+manifest (`record_identity`). So a late result for an item of an old manifest can
 neither index the new arrays out of range nor land in the slot of another file.
 
 Window size: `--lookahead N` items past the furthest item read, or automatically

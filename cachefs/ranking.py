@@ -145,8 +145,10 @@ class Ranking:
         by their cost: RAM holds what saves the most source time per slot-position it is
         held (a file on a target 5x slower is kept 5x further into the next epoch), not
         only its head. The current epoch's files rank by position alone: they are all read
-        anyway. Blocks ranked before keep their rank until re-ranked (the prefetcher sets
-        the costs when an epoch starts, where it re-ranks every block)."""
+        anyway. Blocks ranked before keep their rank until re-ranked: the prefetcher sets the
+        costs as it rebuilds the targets' lists (a published order, before the blocks whose
+        next use it changes are re-ranked; an epoch switch, when no next epoch is known yet,
+        so no rank depends on them)."""
         self._read_costs = costs
 
     @property
@@ -270,9 +272,12 @@ class Ranking:
             return False
         if math.isinf(priority):
             return True
-        if self._s_per_item is None or self.kernel_losses:
+        if self._s_per_item is None or self.kernel_losses or item < 0:
             return False
-        return (priority - self.planner.cursor) * self._s_per_item <= KERNEL_KEEP_S
+        # the distance in files from the plan, not from `priority`: a next-epoch file's rank
+        # is its distance divided by its read cost (`set_read_costs`)
+        use = self.planner.next_use(item)
+        return use != NEVER and (use - self.planner.cursor) * self._s_per_item <= KERNEL_KEEP_S
 
     def note_kernel_loss(self) -> None:
         """The kernel lost pages of a file of the manifest that only it held: it forgot the

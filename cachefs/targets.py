@@ -34,12 +34,14 @@ ahead while another holds the readers up. So `--source-threads` (S) are shared o
 proportion to share x measured latency (an exponential average of its requests' latency;
 before any is measured, the mean of the others', or equal), so a target 10x slower than
 another with as many items gets about 10x the slots, and a queue as much deeper. Two guards:
-every target with items keeps at least a quarter of its share of S by item count (at least 1),
+every target with items keeps at least a quarter of its share of S by its files to read (at
+least 1),
 so a target whose latency grows only because it is saturated (its requests queue on the
 server) cannot starve the others; and the total stays S.
 
-Read costs (`read_costs`). Once every target has COST_REQUESTS requests timed, each item's cost
-is its target's mean latency over the fastest target's: the ranking keeps the next epoch's
+Read costs (`read_costs`). Once every target with files of the current order has
+COST_REQUESTS requests timed, each item's cost is its target's average latency (the sizing's)
+over the fastest target's: the ranking keeps the next epoch's
 files by distance over cost (cachefs/ranking.py `set_read_costs`), so RAM holds what is
 slowest to read again and the slow targets deliver fewer files the next epoch.
 
@@ -74,7 +76,7 @@ from cachefs.sorted_arrays import index_left
 log = logging.getLogger(__name__)
 
 LATENCY_WEIGHT = 0.1  # of each new request's latency in a target's average
-FLOOR_FRACTION = 0.25  # of a target's share of the threads by item count, kept whatever its latency
+FLOOR_FRACTION = 0.25  # of a target's share of the threads by files to read, whatever its latency
 SIZE_INTERVAL_S = 0.1  # the slots are shared out again at most this often
 COST_REQUESTS = 20  # requests timed on every target before their read costs are compared
 # Latency histogram: 20 buckets per decade from 1 us to 1000 s (12 % wide), for the p99
@@ -217,9 +219,11 @@ class Targets:
     def read_costs(self) -> list[float] | None:
         """Per item of the manifest in force, what reading it from its target costs against
         the cheapest target: the target's mean request latency over the cheapest one's (1.0
-        on the fastest). None with fewer than two targets holding files of the current order,
-        or before each of those has COST_REQUESTS requests timed (a target with none of its
-        files counts 1.0 until timed). The ranking keeps the next epoch's files by it
+        on the fastest; the latency is the exponential average the sizing uses, over the
+        last few dozen requests, not `cachefs stats`' mean over all). None with fewer than two
+        targets holding files of the current order, or before each of those has COST_REQUESTS
+        requests timed (a target with none of the current order's files counts 1.0 until
+        timed). The ranking keeps the next epoch's files by it
         (cachefs/ranking.py, `set_read_costs`)."""
         if self.placement is None or len(self.all) < 2:
             return None
@@ -229,9 +233,10 @@ class Targets:
         if len(holding) < 2 or None in holding:
             return None
         cheapest = max(min(x for x in timed if x is not None), MIN_LATENCY_S)
-        by_target = np.array([1.0 if latency is None else max(latency, cheapest) / cheapest
-                              for latency in timed])
-        return by_target[self.placement.ids].tolist()
+        by_target = [1.0 if latency is None else max(latency, cheapest) / cheapest
+                     for latency in timed]
+        # one float object per target, shared by its items' entries (8 bytes an item)
+        return [by_target[number] for number in self.placement.ids.tolist()]
 
     def target_of(self, item: int) -> Target | None:
         """The target of `item` of the manifest in force (None: no order, or no such item)."""

@@ -382,3 +382,30 @@ def test_stats_json_and_table_list_the_targets(tmp_path, mounter):
     assert header in lines
     rows = lines[lines.index(header) + 1:]
     assert [row.split()[:3] for row in rows] == [["0", "order", "4"], ["1", "order", "4"]]
+
+
+def test_the_kernel_keeps_a_file_by_its_distance_not_by_its_cost_scaled_rank():
+    """A next-epoch file of a 4x slower target ranks as if 4x nearer (RAM keeps it longer),
+    but whether the kernel's pages may be its only copy goes by how far away it really is:
+    1,999 files at 12 ms a file is 24 s, past KERNEL_KEEP_S (20 s), though its rank says 15 s."""
+    from cachefs.cache.ram import RamTier
+    from cachefs.ranking import KERNEL_KEEP_S, Ranking
+
+    n = 1000
+    manifest = Manifest.from_paths([f"f{i:04d}" for i in range(n)]).prepare()
+    planner = Planner(32)
+    in_order = np.arange(n)
+    planner.set_order(order.Order(epoch=0, current=in_order, next=in_order, manifest=manifest,
+                                  rank=None, world_size=None, total_length=n, file=None))
+    ranking = Ranking(planner, RamTier(1 << 20, block_bytes=1 << 20), None, block_bytes=1 << 20)
+    ranking.use_manifest(manifest)
+    ranking.set_members(planner.current, planner.next, n)
+    ranking.set_read_costs([4.0] * n)
+    ranking.consumed_at(0.0)
+    ranking.consumed_at(0.012)  # the readers' pace: 12 ms a file
+    for item in (999, 10):
+        planner.consume(item)  # next used in the next epoch, at n + item
+    far, near = ranking.priority_of(999, 0, None), ranking.priority_of(10, 0, None)
+    assert far == pytest.approx(n + 999 / 4) and (far - planner.cursor) * 0.012 < KERNEL_KEEP_S
+    assert not ranking.kernel_may_keep(999, far)
+    assert ranking.kernel_may_keep(10, near)  # 1,010 files: 12 s
