@@ -210,7 +210,9 @@ class KernelPages:
         one per LOOKUPS_PER_LISTING of its files, if it has at most LISTED_MAX_ENTRIES
         (module docstring); True if this call listed it."""
         directory = relpath.rpartition(b"/")[0]
-        if self._list_fn is None or self._files_in is None:
+        # a listed directory's later lookups stop here, before the scan's count is searched
+        # (a set lookup is atomic under the GIL; the lock below checks it again)
+        if self._list_fn is None or self._files_in is None or directory in self._listed_dirs:
             return False
         # None: the scan has not finished; asked again at the next lookup there
         files = self._files_in(directory)
