@@ -35,15 +35,14 @@ proportion to share x measured latency (an exponential average of its requests' 
 before any is measured, the mean of the others', or equal), so a target 10x slower than
 another with as many items gets about 10x the slots, and a queue as much deeper. Two guards:
 every target with items keeps at least a quarter of its share of S by its files to read (at
-least 1),
-so a target whose latency grows only because it is saturated (its requests queue on the
-server) cannot starve the others; and the total stays S.
+least 1), so a target whose latency grows only because it is saturated (its requests queue on
+the server) cannot starve the others; and the total stays S.
 
 Read costs (`read_costs`). Once every target with files of the current order has
 COST_REQUESTS requests timed, each item's cost is its target's average latency (the sizing's)
-over the fastest target's: the ranking keeps the next epoch's
-files by distance over cost (cachefs/ranking.py `set_read_costs`), so RAM holds what is
-slowest to read again and the slow targets deliver fewer files the next epoch.
+over the fastest target's: the ranking keeps the next epoch's files by distance over cost
+(cachefs/ranking.py `set_read_costs`), so RAM holds what is slowest to read again and the slow
+targets deliver fewer files the next epoch.
 
 A request is a call to the source (cachefs/source.py reports each one, `request_started` /
 `request_finished`): its latency is timed in the worker thread, so waiting for a free thread is
@@ -218,13 +217,13 @@ class Targets:
 
     def read_costs(self) -> list[float] | None:
         """Per item of the manifest in force, what reading it from its target costs against
-        the cheapest target: the target's mean request latency over the cheapest one's (1.0
-        on the fastest; the latency is the exponential average the sizing uses, over the
-        last few dozen requests, not `cachefs stats`' mean over all). None with fewer than two
+        the cheapest target: the target's request latency over the cheapest one's (1.0 on
+        the fastest; the latency is the exponential average the sizing uses, over the last
+        few dozen requests, not `cachefs stats`' mean over all). None with fewer than two
         targets holding files of the current order, or before each of those has COST_REQUESTS
         requests timed (a target with none of the current order's files counts 1.0 until
-        timed). The ranking keeps the next epoch's files by it
-        (cachefs/ranking.py, `set_read_costs`)."""
+        timed). The ranking keeps the next epoch's files by it (cachefs/ranking.py,
+        `set_read_costs`)."""
         if self.placement is None or len(self.all) < 2:
             return None
         timed = [t.latency_avg_s if t.latency_avg_s is not None and t.requests >= COST_REQUESTS
