@@ -126,27 +126,6 @@ def test_slots_follow_share_times_latency_with_floors_and_add_up():
     assert allocate_slots(2, [1.0, 1.0, 1.0], [1, 1, 1]) == [1, 1, 1]  # more targets than slots
 
 
-def test_a_target_measured_slower_gets_more_slots():
-    targets = Targets()
-    targets.use(MANIFEST_2, Placement.of_targets(np.arange(8) % 2), MANIFEST_2.index_of)
-    planner = Planner(32)
-    planner.set_order(order.Order(epoch=0, current=np.arange(8), next=None, manifest=MANIFEST_2,
-                                  rank=None, world_size=None, total_length=8, file=None))
-    targets.rebuild(planner, np.empty(0, np.int64))
-    assert [t.positions.tolist() for t in targets.all] == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    for relpath, latency_s in ((b"f0", 0.001), (b"f1", 0.010)):  # on targets 0 and 1
-        for _ in range(20):
-            targets.request_finished(targets.request_started(relpath), latency_s, 1000)
-    targets.size(32, now_s=0.0, s_per_item=0.001)
-    fast, slow = targets.all
-    assert (fast.slots, slow.slots) == (4, 28)
-    # the queue covers its p99 latency at the readers' pace: half the files, 1 ms apart
-    assert slow.tail_items == math.ceil(0.5 * slow.latency.quantile_s(0.99) / 0.001) >= 5
-    assert fast.tail_items < slow.tail_items
-    assert slow.requests == 20 and slow.bytes == 20_000 and slow.in_flight == 0
-    assert slow.status()["mean_latency_s"] == pytest.approx(0.010)
-
-
 MANIFEST_2 = Manifest.from_paths([f"f{i}" for i in range(8)]).prepare()
 
 
@@ -160,6 +139,22 @@ def _two_targets(held_items=()) -> Targets:
                                   rank=None, world_size=None, total_length=8, file=None))
     targets.rebuild(planner, np.asarray(held_items, np.int64))
     return targets
+
+
+def test_a_target_measured_slower_gets_more_slots():
+    targets = _two_targets()
+    assert [t.positions.tolist() for t in targets.all] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    for relpath, latency_s in ((b"f0", 0.001), (b"f1", 0.010)):  # on targets 0 and 1
+        for _ in range(20):
+            targets.request_finished(targets.request_started(relpath), latency_s, 1000)
+    targets.size(32, now_s=0.0, s_per_item=0.001)
+    fast, slow = targets.all
+    assert (fast.slots, slow.slots) == (4, 28)
+    # the queue covers its p99 latency at the readers' pace: half the files, 1 ms apart
+    assert slow.tail_items == math.ceil(0.5 * slow.latency.quantile_s(0.99) / 0.001) >= 5
+    assert fast.tail_items < slow.tail_items
+    assert slow.requests == 20 and slow.bytes == 20_000 and slow.in_flight == 0
+    assert slow.status()["mean_latency_s"] == pytest.approx(0.010)
 
 
 def test_read_costs_are_latencies_over_the_fastest_once_every_target_is_timed():
