@@ -131,11 +131,18 @@ class _Flight:
         self.error: OSError | None = None
 
 
-def item_bytes(block: RamBlock, offset: int, length: int) -> memoryview:
-    """The item's own bytes in its entry (which holds its extent, or, trimmed, just them)."""
+def held_bytes(block: RamBlock, offset: int, length: int) -> tuple[int, memoryview]:
+    """(file offset, bytes) of what the item's entry holds: its page extent, its neighbours'
+    bytes in its edge pages included, or, trimmed, its own bytes."""
     assert block.data is not None  # range entries are never only in the kernel
     start = 0 if len(block.data) == length else offset - offset // PAGE_BYTES * PAGE_BYTES
-    return memoryview(block.data)[start:start + length]
+    return offset - start, memoryview(block.data)
+
+
+def item_bytes(block: RamBlock, offset: int, length: int) -> memoryview:
+    """The item's own bytes in its entry (`held_bytes`)."""
+    data_lo, data = held_bytes(block, offset, length)
+    return data[offset - data_lo:offset - data_lo + length]
 
 
 class RangeCache:

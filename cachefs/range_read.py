@@ -3,9 +3,12 @@
 When the order in force has byte-range items (cachefs.order_items), a READ of a file that holds
 items is served here (the reader hands it over, cachefs/reader.py): the bytes of each item it
 overlaps come from the item's RAM entry, from its fetch in flight, or from a fetch of the span
-of the missing items (one source read, kept by their priorities, cachefs/range_cache.py); bytes
-that belong to no item (a `.npy` header, tar headers) are read from the source as they are
-asked for, not cached. A READ that spans cached and uncached bytes gets each from where it is.
+of the missing items (one source read, kept by their priorities, cachefs/range_cache.py). An
+entry holds the whole pages its item touches (but for a trimmed one, kept from the last epoch),
+so the bytes of a page the item shares with a neighbour not in RAM, or with bytes of no item,
+come from it too. Other bytes, of no item (a `.npy` header, tar headers) or of an item not
+held, are read from the source as they are asked for, not cached. A READ that spans cached and
+uncached bytes gets each from where it is.
 
 Consumption (docs/design.md §2, §4). The kernel tells the daemon nothing of a reader's page
 faults on pages it holds, and a `numpy.memmap` reader faults pages in with the kernel's
@@ -35,7 +38,7 @@ from cachefs.cache.ram import PAGE_BYTES
 from cachefs.freshness import now_s
 from cachefs.order_items import Items
 from cachefs.planner import Planner
-from cachefs.range_cache import RangeCache, item_bytes, sentinel_page, spans
+from cachefs.range_cache import RangeCache, held_bytes, page_extent, sentinel_page, spans
 from cachefs.ranking import Ranking
 from cachefs.source import SourceIdentity
 
@@ -102,19 +105,27 @@ class RangeReader:
             found = await self._item_bytes(relpath, identity, items, hits, offset, end)
         finally:
             self._cache.reading(relpath, offset, end, add=False)
+        # Each item found holds its own bytes and, unless trimmed, its neighbours' in its edge
+        # pages: a READ of a page it shares with an item not in RAM needs no source read.
         parts: list = []
         gaps: list[tuple[int, int]] = []
         position = offset  # bytes before it are in `parts` or `gaps`
-        for item in hits:
-            if item not in found:
-                continue  # read with the gaps around it
-            item_offset, item_length = int(items.offset[item]), int(items.length[item])
-            if position < item_offset:
-                gaps.append((position, item_offset - position))
+        for data_lo, data in sorted(found.values(), key=lambda held: held[0]):
+            data_hi = data_lo + len(data)
+            if data_hi <= position:
+                continue
+            if position < data_lo:
+                gap_end = min(data_lo, end)
+                gaps.append((position, gap_end - position))
                 parts.append(len(gaps) - 1)  # the gap's place, filled below
-            lo, hi = max(offset, item_offset), min(end, item_offset + item_length)
-            parts.append(found[item][lo - item_offset:hi - item_offset])
-            position = hi
+                position = gap_end
+                if position >= end:
+                    break
+            taken = min(data_hi, end)
+            parts.append(data[position - data_lo:taken - data_lo])
+            position = taken
+            if position >= end:
+                break
         if position < end:
             gaps.append((position, end - position))
             parts.append(len(gaps) - 1)
@@ -125,13 +136,15 @@ class RangeReader:
         return b"".join(parts)
 
     async def _item_bytes(self, relpath: bytes, identity: SourceIdentity, items: Items,
-                          hits: list[int], offset: int, end: int) -> dict[int, memoryview]:
-        """Each item's own bytes: from RAM, from a fetch in flight, or fetched now (a miss:
+                          hits: list[int], offset: int, end: int
+                          ) -> dict[int, tuple[int, memoryview]]:
+        """Each item's bytes as its entry holds them (`held_bytes`: file offset, bytes): from
+        RAM, from a fetch in flight, or fetched now (a miss:
         the READ's wait is the first missing item's stall). A missing item the READ only
         touches the edge of (a page it shares with the item read) is left out, to be read
         with the gaps, unless it is due soon (in the read-ahead window): one sample is not
         fetched whole for a few of its bytes."""
-        found: dict[int, memoryview] = {}
+        found: dict[int, tuple[int, memoryview]] = {}
         missing = []
         window_end = self._planner.window_end()
         for item in hits:
@@ -140,7 +153,7 @@ class RangeReader:
             if block is not None and block.data is not None:
                 self._touch(item, stats_mod.ORIGIN_RAM if block.served else block.origin, 0.0)
                 self._ranking.ram.touch(key, block)
-                found[item] = item_bytes(block, *key[1])
+                found[item] = held_bytes(block, *key[1])
             elif (self._covers_sentinel(items, item, offset, end)
                   or self._planner.next_use(item) < window_end
                   or self._cache.key_of(item) in self._cache.inflight):
@@ -178,11 +191,11 @@ class RangeReader:
         return found
 
     async def _again(self, relpath: bytes, identity: SourceIdentity, key: tuple
-                     ) -> memoryview:
+                     ) -> tuple[int, memoryview]:
         """An item another fetch got to first: from RAM, or from that fetch."""
         block = self._cache.entry(key, identity)
         if block is not None and block.data is not None:
-            return item_bytes(block, *key[1])
+            return held_bytes(block, *key[1])
         result = await self._cache.flight_result(key)
         if result is None:  # the file is shorter now
             raise errors.StaleFileError(f"{relpath!r} changed in the source")
@@ -190,11 +203,9 @@ class RangeReader:
         return self._own(result[0], key)
 
     @staticmethod
-    def _own(extent: bytes, key: tuple) -> memoryview:
-        """The item's bytes in its extent as fetched (cut at the file's end)."""
-        offset, length = key[1]
-        start = offset - offset // PAGE_BYTES * PAGE_BYTES
-        return memoryview(extent)[start:start + length]
+    def _own(extent: bytes, key: tuple) -> tuple[int, memoryview]:
+        """(file offset, bytes) of the item's extent as fetched (cut at the file's end)."""
+        return page_extent(*key[1])[0], memoryview(extent)
 
     @staticmethod
     def _check_version(relpath: bytes, identity: SourceIdentity, read: SourceIdentity) -> None:
