@@ -115,6 +115,33 @@ def test_reads_spanning_cached_and_uncached_bytes_are_served_whole():
     assert size == 128 + 200 * 30_000
 
 
+def test_a_page_shared_with_an_item_not_held_is_served_from_the_entry_that_holds_it():
+    """An unconsumed item's entry holds its whole pages: a READ of its last page, which it
+    shares with a neighbour neither held nor due soon, reads nothing from the source."""
+    config = SimConfig(items=200, item_bytes=30_000, ram_bytes=200 * 30_000 // 5, epochs=1,
+                       latency_s=0.002, ranges_per_file=200)
+
+    async def script(sim):
+        order = sim.order(1)
+        sim.prefetcher.set_order(order)
+        relpath = sim.paths[0]
+        handle = await sim.reader.open(2, relpath, -1, sim.source.identity(relpath))
+        await trio.sleep(1)  # the window is read ahead
+        positions = np.argsort(order.current)
+        held = next(int(item) for item in order.current[:4]
+                    if positions[item + 1] > 40)  # its neighbour in the file is due late
+        offset, length = int(sim.items.offset[held]), int(sim.items.length[held])
+        page = (offset + length) // PAGE_BYTES  # shared with the neighbour
+        requests = sim.source.requests
+        data = await sim.reader.read(handle, page * PAGE_BYTES, PAGE_BYTES)
+        return (data == range_content(0, page * PAGE_BYTES, (page + 1) * PAGE_BYTES),
+                sim.source.requests - requests, (offset + length) % PAGE_BYTES)
+
+    right, source_reads, cut = run_script(config, script)
+    assert cut and right  # the page holds both items' bytes, served whole
+    assert source_reads == 0
+
+
 def test_an_item_whose_sentinel_is_never_read_does_not_hold_the_window():
     """A kernel that kept an item's pages (its sentinel is never READ): the readers pass it by,
     it is taken as read, and the read-ahead goes on."""
