@@ -15,13 +15,25 @@ head of the next epoch has the nearest next uses among consumed items, so it is 
 Positions are "virtual": 0..N-1 walk the current order, N..N+M-1 the next one. The window is the
 virtual range [cursor, max(cursor, front) + max(lookahead, front - cursor)), at most
 `max_span_items` long: the cursor is the lowest unconsumed position and the front the highest
-consumed one (plus one).
+position consumed lately near it (plus one; "Readers off the order" below).
 One reader in order keeps them together. A DataLoader's workers do not: each reads a batch of
 its own, so at any time they read positions spread over workers x batch size, and a window
 that followed only the cursor left all but the first worker reading without read-ahead (the
 simulator: 70 % misses with 8 workers of 64-file batches). Reaching past the front covers
 every worker; the span limit (set from the RAM budget) keeps a stray read far ahead from
 pulling in the rest of the epoch.
+
+Readers off the order. A reader that does not follow the order (a validation pass in
+directory order, another sampler) consumes positions all over the epoch: the front jumps to
+its end at once, and the window stretched to its whole span (2,048 files) for files that
+reader was not about to read, costing it the read-ahead's fetches, lookups and stores of
+them (`scripts/bench_offorder.py`). So the front counts only where the readers are: of the
+last `RECENT_CONSUMPTIONS` positions consumed, those within the span past the cursor, and only
+if they are at least half of them (`_near_front`); else the window is the lookahead past the
+cursor. A DataLoader's workers, and a reader in order, consume within the span: nothing
+changes for them. Whether the readers go through the order somewhere, together (`follows`:
+the recent positions lie within one span, say a job resumed mid-epoch), decides whether a
+miss reads a batch of the next items (cachefs/prefetch.py `demand_miss`).
 
 The read-ahead walks the window target by target (cachefs/targets.py): each storage target has
 a list of the virtual positions of its items, and `entries` yields those of a list that still
@@ -43,6 +55,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -54,6 +67,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NEVER = math.inf
+RECENT_CONSUMPTIONS = 32  # positions consumed last, which say where the readers are
 
 
 class Planner:
@@ -69,7 +83,10 @@ class Planner:
         self.consumed = np.empty(0, bool)
         self.consumed_count = 0
         self.cursor = 0
-        self.front = 0  # one past the highest consumed position
+        # the positions consumed last, and the front the window reaches past: one past the
+        # highest of them near the cursor (module docstring, "Readers off the order")
+        self._recent: deque[int] = deque(maxlen=RECENT_CONSUMPTIONS)
+        self._near_front = 0
         # the read-ahead of an order of byte ranges (cachefs/range_prefetch.py), which walks
         # one list, `window`, has handled every window position below this
         self.scan = 0
@@ -169,8 +186,6 @@ class Planner:
         self.consumed[positions] = True
         self.pos_cur[self.current[positions]] = -1
         self.consumed_count += len(positions)
-        if len(positions):
-            self.front = max(self.front, int(positions.max()) + 1)
         for item, count in zip(unique[~simple].tolist(), counts[~simple].tolist(), strict=True):
             for _ in range(count):
                 self.consume(item)
@@ -187,7 +202,8 @@ class Planner:
         self.next = next_
         self.consumed = np.zeros(len(current), bool)
         self.consumed_count = 0
-        self.cursor = self.front = self.scan = 0
+        self.cursor = self.scan = self._near_front = 0
+        self._recent.clear()
         self.pos_cur = _positions(current, manifest_len)
         self.pos_next = _positions(next_, manifest_len)
         self._later_positions = _duplicates(current)
@@ -234,9 +250,25 @@ class Planner:
     def window_end(self) -> int:
         # past the front by the lookahead, or by the readers' spread if wider: workers that
         # finish a round of batches jump a spread ahead, and find the next round read ahead
-        spread = self.front - self.cursor
-        reach = max(self.cursor, self.front) + max(self.lookahead_items, spread)
+        front = max(self.cursor, self._near_front)
+        reach = front + max(self.lookahead_items, front - self.cursor)
         return min(reach, self.span_end())
+
+    @property
+    def follows(self) -> bool:
+        """Whether the readers go through the order together (module docstring): the recent
+        consumptions lie within one span (or there are too few to tell)."""
+        recent = self._recent
+        return (len(recent) < RECENT_CONSUMPTIONS
+                or max(recent) - min(recent) < max(self.lookahead_items, self.max_span_items))
+
+    def _note_position(self, position: int) -> None:
+        """A consumption at `position`: where the readers are (module docstring)."""
+        self._recent.append(position)
+        limit = self.cursor + max(self.lookahead_items, self.max_span_items)
+        near = [recent for recent in self._recent if recent < limit]
+        # below the cursor: consumed before it moved, by readers at the cursor
+        self._near_front = max(near) + 1 if 2 * len(near) >= len(self._recent) else 0
 
     def span_end(self) -> int:
         """The virtual position below which anything may be read ahead: the window's span at
@@ -292,11 +324,11 @@ class Planner:
             return False  # not in the current order, or consumed already
         self.consumed[position] = True
         self.consumed_count += 1
-        self.front = max(self.front, position + 1)
         later = self._later_positions.get(item)
         self.pos_cur[item] = later.pop(0) if later else -1
         while self.cursor < len(self.current) and self.consumed[self.cursor]:
             self.cursor += 1
+        self._note_position(position)
         return self.consumed_count == len(self.current)
 
     def status(self) -> dict:

@@ -64,7 +64,8 @@ import trio
 from cachefs.cache.ram import RamTier, block_count
 from cachefs.cache.tiered import TieredCache
 from cachefs.config import MISS_BATCH_ITEMS
-from cachefs.freshness import NEVER_S, Freshness, now_s
+from cachefs.freshness import Freshness, now_s
+from cachefs.item_meta import ItemMeta
 from cachefs.placement import Placement
 from cachefs.planner import NEVER, Planner
 from cachefs.range_prefetch import RangePrefetcher
@@ -77,38 +78,6 @@ from cachefs.targets import Target, Targets
 log = logging.getLogger(__name__)
 
 MAX_SPAN_ITEMS = 2048  # the window's span at most: 8 DataLoader workers' batches of 256
-
-
-class ItemMeta:
-    """Source identity of every manifest item, as last seen; -1 where unknown."""
-
-    def __init__(self, manifest_len: int):
-        self.size = np.full(manifest_len, -1, np.int64)
-        self.mtime_ns = np.zeros(manifest_len, np.int64)
-        self.ino = np.zeros(manifest_len, np.int64)
-        self.seen_s = np.full(manifest_len, NEVER_S)  # freshness.now_s() when seen
-        # running totals of the known sizes, so that mean_size is O(1): the automatic window
-        # is recomputed as sizes become known (see Prefetcher._start_fetches)
-        self._known_count = 0
-        self._known_bytes = 0
-
-    def record(self, item: int, identity: SourceIdentity) -> None:
-        previous = int(self.size[item])
-        if previous < 0:
-            self._known_count += 1
-            previous = 0
-        self._known_bytes += identity.size - previous
-        self.size[item], self.mtime_ns[item], self.ino[item] = identity
-        self.seen_s[item] = now_s()
-
-    def identity(self, item: int) -> SourceIdentity | None:
-        """The item's identity as last seen, however long ago; None if never seen."""
-        if self.size[item] < 0:
-            return None
-        return SourceIdentity(int(self.size[item]), int(self.mtime_ns[item]), int(self.ino[item]))
-
-    def mean_size(self, default: int) -> int:
-        return self._known_bytes // self._known_count if self._known_count else default
 
 
 class Prefetcher:
@@ -143,6 +112,7 @@ class Prefetcher:
         # items read by miss batches of this epoch's plan and not consumed yet (demand_miss)
         self._batched: set[int] = set()
         self._wake = trio.Event()
+        self._room_wait = False  # the last walk stopped for want of RAM (`consumed`)
         self._nursery: trio.Nursery | None = None
         self.prefetch_errors = 0
 
@@ -284,24 +254,30 @@ class Prefetcher:
             self.tiered.source_changed(self.ranking.manifest.path(item), identity)
 
     def consumed(self, item: int) -> None:
-        if not self.planner.active or item < 0:
+        planner = self.planner
+        if not planner.active or item < 0:
             return
         self.ranking.consumed_at(now_s())
         self._batched.discard(item)
-        completed = self.planner.consume(item)
+        window = (planner.cursor, planner.window_end())
+        completed = planner.consume(item)
         if self.ranges is not None and self.ranking.ranged:
             self.ranges.rerank(item)
         else:
             self.ranking.rerank(item, int(self.meta.size[item]))
-        if completed and self.planner.switch_to_next():
-            assert self.planner.epoch is not None  # the switch set it
-            self.stats.start_epoch(self.planner.epoch)
-            self.ranking.set_members(self.planner.current, item_count=len(self.planner.pos_cur))
+        if completed and planner.switch_to_next():
+            assert planner.epoch is not None  # the switch set it
+            self.stats.start_epoch(planner.epoch)
+            self.ranking.set_members(planner.current, item_count=len(planner.pos_cur))
             self.ranking.rerank_all()
             self._rebuild_targets()
             if self.ranges is not None and self.ranking.ranged:
                 self.ranges.new_epoch()
-        self.poke()
+        # the walk can start something only if the window moved, or RAM may have room now
+        # (a reader off the order consumes with neither: a walk per file cost it 5%)
+        if (completed or self._room_wait or self.ranking.ranged
+                or window != (planner.cursor, planner.window_end())):
+            self.poke()
 
     def demand_miss(self, item: int, manifest) -> None:
         """A reader waits for `item` of `manifest`, which RAM does not hold (cachefs/reader.py
@@ -317,9 +293,11 @@ class Prefetcher:
         head, which the window then reads again near the epoch's end. So the files of
         batches not yet read are capped at the window's span, a quarter of the RAM budget;
         with that, the simulator finds no file read twice except with a RAM budget of a few
-        dozen files (2 of 160 in one epoch of 15; `--miss-batch 1` turns batches off)."""
+        dozen files (2 of 160 in one epoch of 15; `--miss-batch 1` turns batches off).
+        Readers that do not go through the order (`Planner.follows`: a validation pass in
+        directory order) read no batches: the next items of the order are not theirs."""
         planner = self.planner
-        if (self.miss_batch_items <= 1 or not planner.active or item < 0
+        if (self.miss_batch_items <= 1 or not planner.active or item < 0 or not planner.follows
                 or self.ranking.ranged or manifest is not self.ranking.manifest
                 or (manifest.path(item), 0) in self.ram):
             return
@@ -406,6 +384,7 @@ class Prefetcher:
                                           targets.window_end(target, planner, self.max_inflight))
                 self._push_head(heads, number, entries)
         kernel = self.tiered.kernel is not None
+        self._room_wait = False
         while heads:
             if len(self._inflight_items) >= self.max_inflight:
                 return
@@ -426,6 +405,7 @@ class Prefetcher:
             else:
                 if not self._room_for(self._need_bytes(item),
                                       self.ranking.priority_of(item, 0, None)):
+                    self._room_wait = True
                     return  # RAM holds only nearer uses: wait for a consumption
                 self._start_item(item, target, manifest, nursery)
             target.scan = index + 1

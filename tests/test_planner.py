@@ -139,6 +139,45 @@ def test_window_stops_at_the_end_of_the_known_orders():
     assert planner.item_at(1) == 1 and planner.item_at(2) == -1
 
 
+def spread_planner(lookahead=8, span=64, files=4096) -> Planner:
+    manifest = Manifest.from_paths([f"f{i:05d}" for i in range(files)])
+    planner = Planner(lookahead)
+    planner.max_span_items = span
+    assert planner.set_order(order(1, np.arange(files), manifest=manifest))
+    return planner
+
+
+def test_readers_spread_over_the_span_stretch_the_window_past_the_highest_read():
+    """A DataLoader's workers, each a batch ahead of the last: the window reaches past them."""
+    planner = spread_planner()
+    for batch_start in (0, 8, 16, 24):  # four workers, a batch of 8 each, two files read
+        planner.consume(batch_start)
+        planner.consume(batch_start + 1)
+    assert planner.cursor == 2 and planner.follows
+    assert planner.window_end() == 26 + 24  # the highest read (25) + 1, plus the spread
+
+
+def test_a_reader_off_the_order_does_not_stretch_the_window_nor_read_batches():
+    """A reader in another order (a validation pass) consumes all over the epoch: the window
+    stays the lookahead past the cursor, and misses read no batches."""
+    planner = spread_planner()
+    rng = np.random.default_rng(0)
+    for item in rng.permutation(4096)[:40]:
+        planner.consume(int(item))
+    assert planner.window_end() == planner.cursor + 8
+    assert not planner.follows
+
+
+def test_a_reader_resumed_mid_epoch_follows_the_order_far_from_the_cursor():
+    """Reads in order from the middle of the epoch: no stretch from the cursor, but the miss
+    batches that find the reader its next files stay on."""
+    planner = spread_planner()
+    for item in range(2000, 2040):
+        planner.consume(item)
+    assert planner.cursor == 0 and planner.window_end() == 8
+    assert planner.follows
+
+
 # -- epochs ------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,45 @@
+"""The source identity of every item of the manifest in force, as last seen: numpy arrays
+indexed by item (size, mtime_ns, inode and when each was seen, on cachefs/freshness.py's
+clock), no object per item. The prefetcher keeps one per manifest (cachefs/prefetch.py: a new
+manifest renumbers every file, so a new one replaces it) and trusts an identity as long as the
+freshness rule does; the running total of the known sizes sizes the automatic read-ahead
+window."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cachefs.freshness import NEVER_S, now_s
+from cachefs.source import SourceIdentity
+
+
+class ItemMeta:
+    """Source identity of every manifest item, as last seen; -1 where unknown."""
+
+    def __init__(self, manifest_len: int):
+        self.size = np.full(manifest_len, -1, np.int64)
+        self.mtime_ns = np.zeros(manifest_len, np.int64)
+        self.ino = np.zeros(manifest_len, np.int64)
+        self.seen_s = np.full(manifest_len, NEVER_S)  # freshness.now_s() when seen
+        # running totals of the known sizes, so that mean_size is O(1): the automatic window
+        # is recomputed as sizes become known (see Prefetcher._start_fetches)
+        self._known_count = 0
+        self._known_bytes = 0
+
+    def record(self, item: int, identity: SourceIdentity) -> None:
+        previous = int(self.size[item])
+        if previous < 0:
+            self._known_count += 1
+            previous = 0
+        self._known_bytes += identity.size - previous
+        self.size[item], self.mtime_ns[item], self.ino[item] = identity
+        self.seen_s[item] = now_s()
+
+    def identity(self, item: int) -> SourceIdentity | None:
+        """The item's identity as last seen, however long ago; None if never seen."""
+        if self.size[item] < 0:
+            return None
+        return SourceIdentity(int(self.size[item]), int(self.mtime_ns[item]), int(self.ino[item]))
+
+    def mean_size(self, default: int) -> int:
+        return self._known_bytes // self._known_count if self._known_count else default
