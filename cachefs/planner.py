@@ -28,12 +28,15 @@ directory order, another sampler) consumes positions all over the epoch: the fro
 its end at once, and the window stretched to its whole span (2,048 files) for files that
 reader was not about to read, costing it the read-ahead's fetches, lookups and stores of
 them (`scripts/bench_offorder.py`). So the front counts only where the readers are: of the
-last `RECENT_CONSUMPTIONS` positions consumed, those within the span past the cursor, and only
-if they are at least half of them (`_near_front`); else the window is the lookahead past the
-cursor. A DataLoader's workers, and a reader in order, consume within the span: nothing
-changes for them. Whether the readers go through the order somewhere, together (`follows`:
-the recent positions lie within one span, say a job resumed mid-epoch), decides whether a
-miss reads a batch of the next items (cachefs/prefetch.py `demand_miss`).
+last `RECENT_CONSUMPTIONS` positions consumed, those *near* the cursor, and only if they are
+at least half of them (`_near_front`); else the window is the lookahead past the cursor. Near
+is within `READERS_NEAR_ITEMS` (a DataLoader's workers: 8 of them a batch of 256 apart), the
+window's span, or an eighth of the rest of the epoch, whichever is most (`_near_items`): a
+DataLoader's workers and a reader in order consume near the cursor, and nothing changes for
+them, while a reader off the order consumes all over the rest of the epoch, an eighth of it
+near. Whether the readers go through the order somewhere, together (`follows`: the recent
+positions lie within that distance of each other, say a job resumed mid-epoch), decides
+whether a miss reads a batch of the next items (cachefs/prefetch.py `demand_miss`).
 
 The read-ahead walks the window target by target (cachefs/targets.py): each storage target has
 a list of the virtual positions of its items, and `entries` yields those of a list that still
@@ -68,6 +71,7 @@ log = logging.getLogger(__name__)
 
 NEVER = math.inf
 RECENT_CONSUMPTIONS = 32  # positions consumed last, which say where the readers are
+READERS_NEAR_ITEMS = 2048  # readers that follow the order read this near the cursor, at least
 
 
 class Planner:
@@ -257,15 +261,20 @@ class Planner:
     @property
     def follows(self) -> bool:
         """Whether the readers go through the order together (module docstring): the recent
-        consumptions lie within one span (or there are too few to tell)."""
+        consumptions lie near each other (or there are too few to tell)."""
         recent = self._recent
         return (len(recent) < RECENT_CONSUMPTIONS
-                or max(recent) - min(recent) < max(self.lookahead_items, self.max_span_items))
+                or max(recent) - min(recent) < self._near_items())
+
+    def _near_items(self) -> int:
+        """How far past the cursor readers that follow the order read (module docstring)."""
+        return max(READERS_NEAR_ITEMS, self.lookahead_items, self.max_span_items,
+                   (len(self.current) - self.cursor) // 8)
 
     def _note_position(self, position: int) -> None:
         """A consumption at `position`: where the readers are (module docstring)."""
         self._recent.append(position)
-        limit = self.cursor + max(self.lookahead_items, self.max_span_items)
+        limit = self.cursor + self._near_items()
         near = [recent for recent in self._recent if recent < limit]
         # below the cursor: consumed before it moved, by readers at the cursor
         self._near_front = max(near) + 1 if 2 * len(near) >= len(self._recent) else 0

@@ -139,7 +139,7 @@ def test_window_stops_at_the_end_of_the_known_orders():
     assert planner.item_at(1) == 1 and planner.item_at(2) == -1
 
 
-def spread_planner(lookahead=8, span=64, files=4096) -> Planner:
+def spread_planner(lookahead=8, span=64, files=40_000) -> Planner:
     manifest = Manifest.from_paths([f"f{i:05d}" for i in range(files)])
     planner = Planner(lookahead)
     planner.max_span_items = span
@@ -157,12 +157,23 @@ def test_readers_spread_over_the_span_stretch_the_window_past_the_highest_read()
     assert planner.window_end() == 26 + 24  # the highest read (25) + 1, plus the spread
 
 
+def test_workers_spread_wider_than_the_span_still_have_the_whole_span_read_ahead():
+    """Eight workers with batches of 32, where RAM allows a span of 64: the window is the
+    span, and misses read batches (the workers go through the order)."""
+    planner = spread_planner()
+    for worker in range(8):
+        for index in range(4):
+            planner.consume(32 * worker + index)
+    assert planner.cursor == 4
+    assert planner.window_end() == 4 + 64 and planner.follows
+
+
 def test_a_reader_off_the_order_does_not_stretch_the_window_nor_read_batches():
     """A reader in another order (a validation pass) consumes all over the epoch: the window
     stays the lookahead past the cursor, and misses read no batches."""
     planner = spread_planner()
     rng = np.random.default_rng(0)
-    for item in rng.permutation(4096)[:40]:
+    for item in rng.permutation(40_000)[:40]:
         planner.consume(int(item))
     assert planner.window_end() == planner.cursor + 8
     assert not planner.follows
@@ -172,7 +183,7 @@ def test_a_reader_resumed_mid_epoch_follows_the_order_far_from_the_cursor():
     """Reads in order from the middle of the epoch: no stretch from the cursor, but the miss
     batches that find the reader its next files stay on."""
     planner = spread_planner()
-    for item in range(2000, 2040):
+    for item in range(20_000, 20_040):
         planner.consume(item)
     assert planner.cursor == 0 and planner.window_end() == 8
     assert planner.follows
