@@ -30,11 +30,13 @@ reader was not about to read, costing it the read-ahead's fetches, lookups and s
 them (`scripts/bench_offorder.py`). So the front counts only where the readers are: of the
 last `RECENT_CONSUMPTIONS` positions consumed, those *near* the cursor, and only if they are
 at least half of them (`_near_front`); else the window is the lookahead past the cursor. Near
-is within `READERS_NEAR_ITEMS` (a DataLoader's workers: 8 of them a batch of 256 apart), the
-window's span, or an eighth of the rest of the epoch, whichever is most (`_near_items`): a
-DataLoader's workers and a reader in order consume near the cursor, and nothing changes for
-them, while a reader off the order consumes all over the rest of the epoch, an eighth of it
-near. Whether the readers go through the order somewhere, together (`follows`: the recent
+is within `READERS_SPREAD_ITEMS` per rank merged into the order (a DataLoader's workers: 8 of
+them a batch of 256 apart; ranks sharing a mount interleave their positions), the lookahead,
+or an eighth of the rest of the epoch, whichever is most (`_near_items`): a DataLoader's
+workers and a reader in order consume near the cursor, and nothing changes for them, while a
+reader off the order consumes all over the rest of the epoch, an eighth of it near. (So an
+epoch shorter than about twice that distance holds no reader off the order: everything is
+near.) Whether the readers go through the order somewhere, together (`follows`: the recent
 positions lie within that distance of each other, say a job resumed mid-epoch), decides
 whether a miss reads a batch of the next items (cachefs/prefetch.py `demand_miss`).
 
@@ -71,7 +73,9 @@ log = logging.getLogger(__name__)
 
 NEVER = math.inf
 RECENT_CONSUMPTIONS = 32  # positions consumed last, which say where the readers are
-READERS_NEAR_ITEMS = 2048  # readers that follow the order read this near the cursor, at least
+# readers that follow the order read this near the cursor at least, per rank: 8 DataLoader
+# workers' batches of 256 (also the read-ahead window's span at most, cachefs/prefetch.py)
+READERS_SPREAD_ITEMS = 2048
 
 
 class Planner:
@@ -196,6 +200,10 @@ class Planner:
         unconsumed = np.flatnonzero(~self.consumed)
         self.cursor = int(unconsumed[0]) if len(unconsumed) else len(self.current)
         self.scan = self.cursor
+        # replayed, not read now: the front is the highest position consumed near the cursor
+        self._recent.clear()
+        near = np.flatnonzero(self.consumed[self.cursor:self.cursor + self._near_items()])
+        self._near_front = self.cursor + int(near[-1]) + 1 if len(near) else 0
 
     def _start(self, epoch: int, current: np.ndarray, next_: np.ndarray | None,
                manifest_len: int, new_epoch: bool = True) -> None:
@@ -268,7 +276,8 @@ class Planner:
 
     def _near_items(self) -> int:
         """How far past the cursor readers that follow the order read (module docstring)."""
-        return max(READERS_NEAR_ITEMS, self.lookahead_items, self.max_span_items,
+        ranks = len(self.order.ranks) if self.order is not None and self.order.ranks else 1
+        return max(READERS_SPREAD_ITEMS * ranks, self.lookahead_items,
                    (len(self.current) - self.cursor) // 8)
 
     def _note_position(self, position: int) -> None:

@@ -9,9 +9,9 @@ the nearest uses within its budget, ranked by cachefs/ranking.py. This module co
   has fewer fetches in flight than its slots and fewer than `source_threads` are in flight in
   all, and (b) RAM has room for it or holds a block used later than it (Cao et al.'s rule:
   prefetch as soon as the block you would displace is needed after the one you fetch). When
-  nothing can start it sleeps until something changes: a consumption, a finished fetch, a new
-  order. With one target (files on one device, no `targets` in the order) its list is the
-  window over the whole order.
+  nothing can start it sleeps until something changes: a consumption that moves the window
+  (or frees RAM it waits for), a finished fetch, a new order. With one target (files on one
+  device, no `targets` in the order) its list is the window over the whole order.
 - `demand_miss(item)` is called by the reader when it must wait for a file of the order: the
   next `--miss-batch` - 1 files of that file's target list start at once (the seed "001"'s
   batched request on a miss).
@@ -45,12 +45,13 @@ are recorded by path, or by the item of the file's RAM block, which is renumbere
 manifest (`record_identity`). So a late result for an item of an old manifest can
 neither index the new arrays out of range nor land in the slot of another file.
 
-Window size: `--lookahead N` items past the furthest item read, or automatically
-`source_threads` items, at most a quarter of the RAM budget. A longer window hides no more
-latency once every source thread is busy, and each window slot taken is a slot of the next
-epoch's head not retained. Readers spread over many positions (a DataLoader's workers each
-read a batch) stretch the window from the cursor to past the furthest read, up to a quarter of
-the RAM budget in all (`planner.max_span_items`, see planner.py).
+Window size: `--lookahead N` items past the furthest item read near the cursor, or
+automatically `source_threads` items, at most a quarter of the RAM budget. A longer window
+hides no more latency once every source thread is busy, and each window slot taken is a slot
+of the next epoch's head not retained. Readers spread over many positions (a DataLoader's
+workers each read a batch) stretch the window from the cursor to past the furthest read, up to
+a quarter of the RAM budget in all (`planner.max_span_items`); a reader off the order does not
+(planner.py, "Readers off the order").
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ from cachefs.config import MISS_BATCH_ITEMS
 from cachefs.freshness import Freshness, now_s
 from cachefs.item_meta import ItemMeta
 from cachefs.placement import Placement
-from cachefs.planner import NEVER, Planner
+from cachefs.planner import NEVER, READERS_SPREAD_ITEMS, Planner
 from cachefs.range_prefetch import RangePrefetcher
 from cachefs.ranking import Ranking
 from cachefs.sorted_arrays import index_left
@@ -77,7 +78,6 @@ from cachefs.targets import Target, Targets
 
 log = logging.getLogger(__name__)
 
-MAX_SPAN_ITEMS = 2048  # the window's span at most: 8 DataLoader workers' batches of 256
 
 
 class Prefetcher:
@@ -161,12 +161,12 @@ class Prefetcher:
             ram_quarter_items = self.ram.budget_bytes // 4 // self.ram.charge_of(mean_size)
         self.planner.lookahead_items = (self.configured_lookahead
                                         or max(1, min(self.max_inflight, ram_quarter_items)))
-        # and at most MAX_SPAN_ITEMS: a reader that does not follow the order (a validation
+        # and at most READERS_SPREAD_ITEMS: a reader that does not follow the order (a validation
         # pass in directory order) consumes positions all over the epoch, and with small
         # files a quarter of RAM is most of the epoch: the read-ahead's completions then
         # crowded out that reader's own requests (50,000 one-byte files: 68 s, 23 s without
         # an order)
-        self.planner.max_span_items = min(ram_quarter_items, MAX_SPAN_ITEMS)
+        self.planner.max_span_items = min(ram_quarter_items, READERS_SPREAD_ITEMS)
 
     def _recount_inflight(self) -> None:
         """Each fetch in flight counts in the target its item is on under the placement in
@@ -274,8 +274,9 @@ class Prefetcher:
             if self.ranges is not None and self.ranking.ranged:
                 self.ranges.new_epoch()
         # the walk can start something only if the window moved, or RAM may have room now
-        # (a reader off the order consumes with neither: a walk per file cost it 5%)
-        if (completed or self._room_wait or self.ranking.ranged
+        # (a reader off the order consumes with neither: a walk per file cost it 5%); with
+        # several targets, each reaches its own share past its first unconsumed file
+        if (completed or self._room_wait or self.ranking.ranged or len(self.targets.all) > 1
                 or window != (planner.cursor, planner.window_end())):
             self.poke()
 

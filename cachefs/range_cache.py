@@ -131,7 +131,7 @@ class _Flight:
         self.error: OSError | None = None
 
 
-def held_bytes(block: RamBlock, offset: int, length: int) -> tuple[int, memoryview]:
+def entry_extent(block: RamBlock, offset: int, length: int) -> tuple[int, memoryview]:
     """(file offset, bytes) of what the item's entry holds: its page extent, its neighbours'
     bytes in its edge pages included, or, trimmed, its own bytes."""
     assert block.data is not None  # range entries are never only in the kernel
@@ -140,8 +140,8 @@ def held_bytes(block: RamBlock, offset: int, length: int) -> tuple[int, memoryvi
 
 
 def item_bytes(block: RamBlock, offset: int, length: int) -> memoryview:
-    """The item's own bytes in its entry (`held_bytes`)."""
-    data_lo, data = held_bytes(block, offset, length)
+    """The item's own bytes in its entry (`entry_extent`)."""
+    data_lo, data = entry_extent(block, offset, length)
     return data[offset - data_lo:offset - data_lo + length]
 
 

@@ -38,7 +38,7 @@ from cachefs.cache.ram import PAGE_BYTES
 from cachefs.freshness import now_s
 from cachefs.order_items import Items
 from cachefs.planner import Planner
-from cachefs.range_cache import RangeCache, held_bytes, page_extent, sentinel_page, spans
+from cachefs.range_cache import RangeCache, entry_extent, page_extent, sentinel_page, spans
 from cachefs.ranking import Ranking
 from cachefs.source import SourceIdentity
 
@@ -114,13 +114,10 @@ class RangeReader:
             data_hi = data_lo + len(data)
             if data_hi <= position:
                 continue
-            if position < data_lo:
-                gap_end = min(data_lo, end)
-                gaps.append((position, gap_end - position))
+            if position < data_lo:  # every entry found overlaps the READ: data_lo < end
+                gaps.append((position, data_lo - position))
                 parts.append(len(gaps) - 1)  # the gap's place, filled below
-                position = gap_end
-                if position >= end:
-                    break
+                position = data_lo
             taken = min(data_hi, end)
             parts.append(data[position - data_lo:taken - data_lo])
             position = taken
@@ -138,12 +135,12 @@ class RangeReader:
     async def _item_bytes(self, relpath: bytes, identity: SourceIdentity, items: Items,
                           hits: list[int], offset: int, end: int
                           ) -> dict[int, tuple[int, memoryview]]:
-        """Each item's bytes as its entry holds them (`held_bytes`: file offset, bytes): from
+        """Each item's bytes as its entry holds them (`entry_extent`: file offset, bytes): from
         RAM, from a fetch in flight, or fetched now (a miss:
         the READ's wait is the first missing item's stall). A missing item the READ only
-        touches the edge of (a page it shares with the item read) is left out, to be read
-        with the gaps, unless it is due soon (in the read-ahead window): one sample is not
-        fetched whole for a few of its bytes."""
+        touches the edge of (a page it shares with the item read) is left out, unless it is
+        due soon (in the read-ahead window): one sample is not fetched whole for a few of its
+        bytes, which come from the entry of the item read, or with the gaps."""
         found: dict[int, tuple[int, memoryview]] = {}
         missing = []
         window_end = self._planner.window_end()
@@ -153,7 +150,7 @@ class RangeReader:
             if block is not None and block.data is not None:
                 self._touch(item, stats_mod.ORIGIN_RAM if block.served else block.origin, 0.0)
                 self._ranking.ram.touch(key, block)
-                found[item] = held_bytes(block, *key[1])
+                found[item] = entry_extent(block, *key[1])
             elif (self._covers_sentinel(items, item, offset, end)
                   or self._planner.next_use(item) < window_end
                   or self._cache.key_of(item) in self._cache.inflight):
@@ -195,7 +192,7 @@ class RangeReader:
         """An item another fetch got to first: from RAM, or from that fetch."""
         block = self._cache.entry(key, identity)
         if block is not None and block.data is not None:
-            return held_bytes(block, *key[1])
+            return entry_extent(block, *key[1])
         result = await self._cache.flight_result(key)
         if result is None:  # the file is shorter now
             raise errors.StaleFileError(f"{relpath!r} changed in the source")

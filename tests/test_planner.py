@@ -5,6 +5,7 @@ No FUSE, no trio: these are the questions the prefetcher and the reader ask, ans
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import os
@@ -139,11 +140,14 @@ def test_window_stops_at_the_end_of_the_known_orders():
     assert planner.item_at(1) == 1 and planner.item_at(2) == -1
 
 
-def spread_planner(lookahead=8, span=64, files=40_000) -> Planner:
+def spread_planner(lookahead=8, span=64, files=40_000, ranks=None) -> Planner:
     manifest = Manifest.from_paths([f"f{i:05d}" for i in range(files)])
     planner = Planner(lookahead)
     planner.max_span_items = span
-    assert planner.set_order(order(1, np.arange(files), manifest=manifest))
+    published = order(1, np.arange(files), manifest=manifest)
+    if ranks is not None:
+        published = dataclasses.replace(published, ranks=ranks)
+    assert planner.set_order(published)
     return planner
 
 
@@ -158,14 +162,26 @@ def test_readers_spread_over_the_span_stretch_the_window_past_the_highest_read()
 
 
 def test_workers_spread_wider_than_the_span_still_have_the_whole_span_read_ahead():
-    """Eight workers with batches of 32, where RAM allows a span of 64: the window is the
-    span, and misses read batches (the workers go through the order)."""
-    planner = spread_planner()
+    """Eight workers with batches of 32, where RAM allows a span of 64, in an epoch of 1,000
+    files: the window is the span, and misses read batches (the workers go through the
+    order)."""
+    planner = spread_planner(files=1000)
     for worker in range(8):
         for index in range(4):
             planner.consume(32 * worker + index)
     assert planner.cursor == 4
     assert planner.window_end() == 4 + 64 and planner.follows
+
+
+def test_ranks_sharing_the_mount_spread_their_readers_and_still_follow_the_order():
+    """Eight ranks interleaved in one order, late in the epoch: their readers lie over 4,000
+    positions, more than one rank's 2,048, and still follow the order."""
+    planner = spread_planner(files=100_000, ranks=tuple(range(8)))
+    for item in range(95_000):
+        planner.consume(item)
+    for index in range(32):
+        planner.consume(95_000 + 137 * index)
+    assert planner.window_end() > planner.cursor + 8 and planner.follows
 
 
 def test_a_reader_off_the_order_does_not_stretch_the_window_nor_read_batches():
