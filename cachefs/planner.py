@@ -27,9 +27,10 @@ Readers off the order. A reader that does not follow the order (a validation pas
 directory order, another sampler) consumes positions all over the epoch: the front jumps to
 its end at once, and the window stretched to its whole span (2,048 files) for files that
 reader was not about to read, costing it the read-ahead's fetches, lookups and stores of
-them (`scripts/bench_offorder.py`). So the front counts only where the readers are: of the
-last `RECENT_CONSUMPTIONS` positions consumed, those *near* the cursor, and only if they are
-at least half of them (`_near_front`); else the window is the lookahead past the cursor. Near
+them (`scripts/bench_offorder.py`). So the front counts only where the readers are: it is
+the highest position consumed *near* the cursor, and only while at least half of the last
+`RECENT_CONSUMPTIONS` positions consumed were near (`window_end`); else the window is the
+lookahead past the cursor. Near
 is within `READERS_SPREAD_ITEMS` per rank merged into the order (a DataLoader's workers: 8 of
 them a batch of 256 apart; ranks sharing a mount interleave their positions), the lookahead,
 or an eighth of the rest of the epoch, whichever is most (`_near_items`): a DataLoader's
@@ -91,10 +92,14 @@ class Planner:
         self.consumed = np.empty(0, bool)
         self.consumed_count = 0
         self.cursor = 0
-        # the positions consumed last, and the front the window reaches past: one past the
-        # highest of them near the cursor (module docstring, "Readers off the order")
+        # the positions consumed last, whether each was near the cursor when consumed, how
+        # many were, and one past the highest position consumed near it in this epoch: the
+        # front, while the near ones are at least half (module docstring, "Readers off the
+        # order"); O(1) a consumption, which the zero-request mode accounts for 40k a second
         self._recent: deque[int] = deque(maxlen=RECENT_CONSUMPTIONS)
-        self._near_front = 0
+        self._recent_near: deque[bool] = deque(maxlen=RECENT_CONSUMPTIONS)
+        self._near_count = 0
+        self._near_max = 0
         # the read-ahead of an order of byte ranges (cachefs/range_prefetch.py), which walks
         # one list, `window`, has handled every window position below this
         self.scan = 0
@@ -201,9 +206,9 @@ class Planner:
         self.cursor = int(unconsumed[0]) if len(unconsumed) else len(self.current)
         self.scan = self.cursor
         # replayed, not read now: the front is the highest position consumed near the cursor
-        self._recent.clear()
+        self._forget_positions()
         near = np.flatnonzero(self.consumed[self.cursor:self.cursor + self._near_items()])
-        self._near_front = self.cursor + int(near[-1]) + 1 if len(near) else 0
+        self._near_max = self.cursor + int(near[-1]) + 1 if len(near) else 0
 
     def _start(self, epoch: int, current: np.ndarray, next_: np.ndarray | None,
                manifest_len: int, new_epoch: bool = True) -> None:
@@ -214,8 +219,8 @@ class Planner:
         self.next = next_
         self.consumed = np.zeros(len(current), bool)
         self.consumed_count = 0
-        self.cursor = self.scan = self._near_front = 0
-        self._recent.clear()
+        self.cursor = self.scan = 0
+        self._forget_positions()
         self.pos_cur = _positions(current, manifest_len)
         self.pos_next = _positions(next_, manifest_len)
         self._later_positions = _duplicates(current)
@@ -262,7 +267,8 @@ class Planner:
     def window_end(self) -> int:
         # past the front by the lookahead, or by the readers' spread if wider: workers that
         # finish a round of batches jump a spread ahead, and find the next round read ahead
-        front = max(self.cursor, self._near_front)
+        front = (max(self.cursor, self._near_max)
+                 if 2 * self._near_count >= len(self._recent_near) else self.cursor)
         reach = front + max(self.lookahead_items, front - self.cursor)
         return min(reach, self.span_end())
 
@@ -281,12 +287,22 @@ class Planner:
                    (len(self.current) - self.cursor) // 8)
 
     def _note_position(self, position: int) -> None:
-        """A consumption at `position`: where the readers are (module docstring)."""
+        """A consumption at `position`: where the readers are (module docstring). Near is
+        judged as it is consumed: the cursor only moves on, so one near stays near."""
+        # below the cursor counts as near: consumed before it moved, by readers at the cursor
+        near = position < self.cursor + self._near_items()
+        if len(self._recent_near) == RECENT_CONSUMPTIONS:
+            self._near_count -= self._recent_near[0]
         self._recent.append(position)
-        limit = self.cursor + self._near_items()
-        near = [recent for recent in self._recent if recent < limit]
-        # below the cursor: consumed before it moved, by readers at the cursor
-        self._near_front = max(near) + 1 if 2 * len(near) >= len(self._recent) else 0
+        self._recent_near.append(near)
+        self._near_count += near
+        if near and position >= self._near_max:
+            self._near_max = position + 1
+
+    def _forget_positions(self) -> None:
+        self._recent.clear()
+        self._recent_near.clear()
+        self._near_count = self._near_max = 0
 
     def span_end(self) -> int:
         """The virtual position below which anything may be read ahead: the window's span at
