@@ -259,3 +259,32 @@ def test_the_ssd_tiers_calls_run_through_the_hop_the_wiring_gives_with_trio_unto
     second, = [record for record in sim.stats.epochs if record.epoch == 2]
     assert second.hits_ssd > 0.8 * n  # read from the SSD tier through the simulator's hop
     assert sim.ssd.reads >= second.hits_ssd
+
+
+@pytest.mark.parametrize("off_order", [False, True])
+def test_a_miss_reads_a_batch_only_while_the_readers_follow_the_order(off_order):
+    """Readers that go through the order (here, from the middle of the epoch) have a miss
+    read the next files of the order with it; a reader off the order (consumptions all over
+    the epoch) has it read its own file only: the next files of the order are not its."""
+    n = 4000
+    config = SimConfig(items=n, item_bytes=ITEM_BYTES, ram_bytes=n * ITEM_BYTES, epochs=1,
+                       lookahead_items=4)
+
+    async def script(sim):
+        order = sim.order(1)
+        sim.prefetcher.set_order(order)
+        await trio.sleep(1)  # the window is read ahead
+        consumed = (np.random.default_rng(0).permutation(n)[:40] if off_order
+                    else np.arange(2000, 2040))
+        for position in consumed.tolist():
+            sim.prefetcher.consumed(int(order.current[position]))
+        await trio.sleep(1)
+        requests = sim.source.requests
+        sim.prefetcher.demand_miss(int(order.current[3000]), sim.prefetcher.ranking.manifest)
+        await trio.sleep(1)
+        return sim.source.requests - requests, sim.planner.follows
+
+    reads, follows = run_script(config, script)
+    assert follows is not off_order
+    assert reads == (0 if off_order else config.miss_batch_items - 1)
+
