@@ -135,8 +135,8 @@ def entry_extent(block: RamBlock, offset: int, length: int) -> tuple[int, memory
     """(file offset, bytes) of what the item's entry holds: its page extent, its neighbours'
     bytes in its edge pages included, or, trimmed, its own bytes."""
     assert block.data is not None  # range entries are never only in the kernel
-    start = 0 if len(block.data) == length else offset - offset // PAGE_BYTES * PAGE_BYTES
-    return offset - start, memoryview(block.data)
+    data_lo = offset if len(block.data) == length else page_extent(offset, length)[0]
+    return data_lo, memoryview(block.data)
 
 
 def item_bytes(block: RamBlock, offset: int, length: int) -> memoryview:
