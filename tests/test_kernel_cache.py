@@ -196,6 +196,58 @@ def test_lookups_list_a_directory_once_the_read_ahead_goes_through_it(monkeypatc
     assert status["listings"] == 3 and status["lookups"] == len(relpaths), status
 
 
+def test_a_store_waiting_on_a_page_holds_up_no_other_and_invalidations_keep_their_place():
+    """KernelPages with recording fakes (no FUSE): a store that waits (as on a page whose READ
+    the trio thread has not answered) does not hold up the stores queued after it; an
+    invalidation of its inode waits for it, and a store of that inode queued after the
+    invalidation lands after it; `drain` returns once everything queued before it ran."""
+    import threading
+
+    import trio
+
+    from cachefs.pagecache import KernelPages
+
+    events, lock = [], threading.Lock()
+    page_answered = threading.Event()  # the READ holding inode 1's page is answered
+
+    def store_fn(inode: int, offset: int, data: bytes) -> None:
+        if (inode, offset) == (1, 0):
+            assert page_answered.wait(10)
+        with lock:
+            events.append(("store", inode, offset))
+
+    def invalidate_fn(inode: int) -> None:
+        with lock:
+            events.append(("invalidate", inode, 0))
+
+    pages = KernelPages(store_fn, invalidate_fn)
+
+    async def main() -> None:
+        pages.start()
+        pages.store(1, 0, b"x" * 4096)  # waits until the page is answered
+        pages.store(2, 0, b"y" * 4096)
+        pages.invalidate(1)
+        pages.store(1, 4096, b"z" * 4096)
+        with trio.fail_after(10):
+            while ("store", 2, 0) not in events:  # not held up by inode 1's store
+                await trio.sleep(0.01)
+        assert events == [("store", 2, 0)], events  # inode 1's invalidation waits
+        page_answered.set()
+        with trio.fail_after(10):
+            await pages.drain()
+        # everything queued before the drain ran
+        assert events[1:] == [("store", 1, 0), ("invalidate", 1, 0), ("store", 1, 4096)], events
+
+    try:
+        trio.run(main)
+    finally:
+        pages.stop()
+    assert pages.pending == 0
+    status = pages.status()
+    assert (status["stores"], status["stored_bytes"], status["invalidations"]) == (
+        3, 3 * 4096, 1), status
+
+
 @PLANES
 @pytest.mark.parametrize("publish", [True, False], ids=["order", "no-order"])
 def test_a_rewritten_source_file_is_never_served_stale(dataset, mounter, publish, plane):
