@@ -424,16 +424,19 @@ class KernelInvalidation:
         elif self._nursery is not None:
             self._nursery.start_soon(self._invalidate, inode)
 
-    def drop_pages(self, relpath: bytes) -> None:
+    def drop_pages(self, relpath: bytes, keep: list[tuple[int, int]] | None = None) -> bool:
         """The kernel drops its pages of the file (cachefs/range_cache.py drops those of the
-        files whose samples are byte ranges, so that a sample read again is seen again)."""
+        files whose samples are byte ranges, so that a sample read again is seen again): all,
+        or all but the byte extents in `keep` where it can drop a range. True if those stay."""
         inode = self._inodes.inode_of(relpath)
         if inode is None:
-            return
+            return False
         if self._kernel is not None:
-            self._kernel.invalidate(inode)  # after any store queued before: one FIFO
-        elif self._nursery is not None:
+            self._kernel.invalidate(inode, keep)  # after any store queued before: one FIFO
+            return keep is not None and self._kernel.drops_ranges
+        if self._nursery is not None:
             self._nursery.start_soon(self._invalidate, inode)
+        return False
 
     async def _invalidate(self, inode: int) -> None:
         try:

@@ -180,7 +180,8 @@ class Mount:
             lambda relpath: os.lstat(os.path.join(mountpoint, relpath)),
             lambda dir_relpath, max_entries: list_entries(
                 os.path.join(mountpoint, dir_relpath), max_entries),
-            self.source_manifest.files_in)
+            self.source_manifest.files_in,
+            invalidate_range_fn=getattr(pyfuse3, "invalidate_inode_range", None))
             if config.data_plane != "daemon" else None)
         self.data_plane = "daemon" if self.kernel is None else "keep-cache"  # until no-open
         self.close_watcher: CloseWatcher | None = None

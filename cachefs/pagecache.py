@@ -7,8 +7,9 @@ man/cachefs-mount.1, "Kernel page cache"), and this module carries those decisio
 
 - `store(inode, offset, data)` queues `pyfuse3.notify_store`: the bytes become page-cache pages
   of the inode, so a reader whose open is answered with keep_cache reads them with no READ;
-- `invalidate(inode)` queues `pyfuse3.invalidate_inode`: the kernel drops the inode's pages
-  (and its cached attributes, which it then asks for again);
+- `invalidate(inode, keep)` queues `pyfuse3.invalidate_inode`: the kernel drops the inode's
+  pages (and its cached attributes, which it then asks for again); given byte extents to
+  `keep`, and `invalidate_inode_range` (scripts/patches/), only the ranges outside them;
 - `look_up(relpath, then)` has the kernel look a file up (an lstat through the mount), then
   runs `then` on the trio thread: a store needs an inode the kernel holds;
 - `drain()` waits until everything queued before it has run.
@@ -97,15 +98,19 @@ class KernelPages:
                  invalidate_fn: Callable[[int], None],
                  lookup_fn: Callable[[bytes], object] | None = None,
                  list_fn: Callable[[bytes, int], object] | None = None,
-                 files_in: Callable[[bytes], int | None] | None = None):
+                 files_in: Callable[[bytes], int | None] | None = None, *,
+                 invalidate_range_fn: Callable[[int, int, int], None] | None = None):
         """`lookup_fn(relpath)`: an lstat of the file through the mount; `list_fn(dir_relpath,
         max_entries)`: a listing of a directory through the mount, that far at most;
         `files_in(dir_relpath)`: how many files the source's scan found under the directory
         (its subdirectories' included: a directory whose files are mostly in subdirectories
         is then looked up file by file), None if it has not finished. No lookups or listings
-        in the simulator, whose kernel knows every file."""
+        in the simulator, whose kernel knows every file. `invalidate_range_fn(inode, offset,
+        length)`: drop that range of the inode's pages (length 0: to the end), if the kernel
+        interface has it."""
         self._store_fn = store_fn
         self._invalidate_fn = invalidate_fn
+        self._invalidate_range_fn = invalidate_range_fn
         self._lookup_fn = lookup_fn
         self._list_fn = list_fn
         self._files_in = files_in
@@ -193,7 +198,7 @@ class KernelPages:
                     self._store(inode, offset, data)
                 elif kind == "invalidate":
                     self._wait_for_stores(inode)
-                    self._invalidate(inode)
+                    self._invalidate(inode, data)
 
                 else:  # a drain marker: `data` wakes the waiting task
                     self._wait_for_stores(None)
@@ -240,9 +245,13 @@ class KernelPages:
             self.stores += 1
             self.stored_bytes += len(data)
 
-    def _invalidate(self, inode: int) -> None:
+    def _invalidate(self, inode: int, keep: list[tuple[int, int]] | None) -> None:
         try:
-            self._invalidate_fn(inode)
+            if keep is None or self._invalidate_range_fn is None:
+                self._invalidate_fn(inode)
+            else:
+                for offset, length in outside(keep):
+                    self._invalidate_range_fn(inode, offset, length)
         except OSError as exc:
             # ENOENT: the kernel holds no such inode, so it holds none of its pages either
             if exc.errno != errno.ENOENT:
@@ -313,8 +322,14 @@ class KernelPages:
     def store(self, inode: int, offset: int, data) -> None:
         self._put(("store", inode, offset, data))
 
-    def invalidate(self, inode: int) -> None:
-        self._put(("invalidate", inode, 0, None))
+    def invalidate(self, inode: int, keep: list[tuple[int, int]] | None = None) -> None:
+        """Drop the inode's pages: all of them, or, where the kernel can drop a range
+        (`drops_ranges`), all but those of the byte extents [lo, hi) in `keep` (sorted)."""
+        self._put(("invalidate", inode, 0, keep))
+
+    @property
+    def drops_ranges(self) -> bool:
+        return self._invalidate_range_fn is not None
 
     @property
     def can_look_up(self) -> bool:
@@ -358,6 +373,18 @@ class KernelPages:
                 "lookups": self.lookups, "lookup_failures": self.lookup_failures,
                 "listings": self.listings,
                 "pending": self.pending}
+
+
+def outside(extents: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(offset, length) of the bytes outside the sorted extents [lo, hi), the last one to the
+    file's end (length 0, as FUSE_NOTIFY_INVAL_INODE takes it)."""
+    ranges, position = [], 0
+    for lo, hi in extents:
+        if lo > position:
+            ranges.append((position, lo - position))
+        position = max(position, hi)
+    ranges.append((position, 0))
+    return ranges
 
 
 def list_entries(path: bytes, max_entries: int) -> None:

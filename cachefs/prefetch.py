@@ -159,8 +159,14 @@ class Prefetcher:
             ram_quarter_items = 1
         else:
             ram_quarter_items = self.ram.budget_bytes // 4 // self.ram.charge_of(mean_size)
-        self.planner.lookahead_items = (self.configured_lookahead
-                                        or max(1, min(self.max_inflight, ram_quarter_items)))
+        # as many items as the source threads read at once; an order of ranges reads more at
+        # once (cachefs/range_prefetch.py), as far as half the span: a sequential reader's
+        # spans are read past the window, and with no room left there they came one item
+        # each (403 source reads for 400 items in one file, 48 with the window at half)
+        automatic = min(self.max_inflight, ram_quarter_items)
+        if self.ranges is not None and self.ranking.ranged:
+            automatic = max(automatic, min(self.ranges.max_inflight, ram_quarter_items // 2))
+        self.planner.lookahead_items = self.configured_lookahead or max(1, automatic)
         # and at most READERS_SPREAD_ITEMS: a reader that does not follow the order (a validation
         # pass in directory order) consumes positions all over the epoch, and with small
         # files a quarter of RAM is most of the epoch: the read-ahead's completions then

@@ -16,9 +16,16 @@ item for a file. Each pass walks the window nearest first and, for each item:
 The missing items of a pass are grouped by file into spans of touching page extents
 (`range_cache.spans`) and each span is one source read: adjacent items in the order (a
 sequential reader, or a shuffle within a shard) cost one round trip. Fetches in flight are at
-most the prefetcher's `source_threads` reads. Past the window's end, the items that follow the
-last one wanted both in its file and in the order join its read (`_extend`), so that a reader
-going through a file in order is read ahead in requests of up to 4 MiB. When a span lands, its
+most `WINDOW_READS` times the source threads (the source runs as many at once as it has
+threads, the rest wait their turn, nearest first), and the window holds as many items
+(cachefs/prefetch.py): an item lands in the reader's pages a source read and a page store after
+it entered the window, and one memmap reader goes through a few items a millisecond. With the
+window at the source threads' number (32), the reader met the pages of 1,000-1,500 items an
+epoch still on their way, each a READ; at three times, 300-650 (5,000 rows of 100 KB over
+slowfs, with the drops that keep the window's pages, cachefs/range_cache.py). Past the
+window's end, the items that follow the last one wanted both in its file and in the order join
+its read (`_extend`), so that a reader going through a file in order is read ahead in requests
+of up to 4 MiB. When a span lands, its
 items are pushed to the kernel, but for their sentinel pages (cachefs/range_read.py counts the
 reads by those).
 
@@ -42,14 +49,16 @@ from cachefs.source import SourceIdentity
 
 log = logging.getLogger(__name__)
 
+WINDOW_READS = 3  # fetches in flight (and the window's items), in source threads (docstring)
+
 
 class RangePrefetcher:
     def __init__(self, planner: Planner, ranking: Ranking, cache: RangeCache, *,
-                 max_inflight: int):
+                 source_threads: int):
         self.planner = planner
         self.ranking = ranking
         self.cache = cache
-        self.max_inflight = max_inflight
+        self.max_inflight = source_threads * WINDOW_READS
         self._busy: set[int] = set()  # items being fetched or completed, of `_busy_items`
         self._tasks = 0  # fetches and completions running: source reads in flight
         self._busy_items: Items | None = None

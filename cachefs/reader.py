@@ -57,7 +57,7 @@ from cachefs.freshness import Freshness, now_s
 from cachefs.pagecache import KernelPages
 from cachefs.planner import Planner
 from cachefs.prefetch import Prefetcher
-from cachefs.range_cache import RangeCache
+from cachefs.range_cache import DropFilePages, RangeCache
 from cachefs.range_prefetch import RangePrefetcher
 from cachefs.range_read import RangeReader
 from cachefs.ranking import Ranking
@@ -354,7 +354,7 @@ def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, freshness
                     kernel_inodes: KernelInodes | None = None,
                     on_source_changed: Callable[[bytes, SourceIdentity], None] | None = None,
                     run_ssd: RunSync | None = None,
-                    drop_file_pages: Callable[[bytes], None] | None = None) -> ReadPath:
+                    drop_file_pages: DropFilePages | None = None) -> ReadPath:
     """Planner, ranking, tiered cache, prefetcher and reader, wired in that order (each is
     given the ones it uses when it is built); the one wiring used by the mount and the
     simulator, so that what the simulator tests is what the mount runs. `targets`: the storage
@@ -365,8 +365,8 @@ def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, freshness
     daemon serves every READ).
     `on_source_changed(relpath, identity)`: a file changed at the source (its cached copies
     are gone). `run_ssd`: the worker-thread hop of the SSD tier's calls (None: threads).
-    `drop_file_pages(relpath)`: the kernel drops a file's pages (the range cache's drops;
-    None: nothing to drop)."""
+    `drop_file_pages(relpath, keep)`: the kernel drops a file's pages (the range cache's drops,
+    cachefs/range_cache.py; None: nothing to drop)."""
     targets = targets if targets is not None else Targets()
     planner = Planner(lookahead_items or 1)
     ranking = Ranking(planner, ram, ssd, block_bytes=block_bytes)
@@ -375,13 +375,13 @@ def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, freshness
                          on_source_changed=on_source_changed)
     range_cache = RangeCache(ram, source, stats, ranking, freshness, kernel=kernel,
                              kernel_inodes=kernel_inodes, source_changed=tiered.source_changed,
-                             drop_file_pages=drop_file_pages or (lambda relpath: None))
+                             drop_file_pages=drop_file_pages or (lambda relpath, keep: False))
     prefetcher = Prefetcher(planner, ranking, tiered, ram, source, stats, freshness, targets,
                             block_bytes=block_bytes, source_threads=source_threads,
                             lookahead_items=lookahead_items, miss_batch_items=miss_batch_items,
                             per_target=per_target, retain_by_cost=retain_by_cost,
                             ranges=RangePrefetcher(planner, ranking, range_cache,
-                                                   max_inflight=source_threads))
+                                                   source_threads=source_threads))
     reader = Reader(planner, ranking, tiered, prefetcher, stats, block_bytes=block_bytes,
                     sequential_blocks=sequential_blocks,
                     ranges=RangeReader(planner, ranking, range_cache, stats,

@@ -293,10 +293,14 @@ class Sim:
             self.kernel = KernelPages(pages.store, pages.invalidate) if config.kernel_cache \
                 else None
 
-            def drop_file_pages(relpath: bytes) -> None:
+            # with the data plane, as with the patched pyfuse3: a range can be dropped
+            def drop_file_pages(relpath: bytes, keep: list[tuple[int, int]] | None) -> bool:
                 inode = kernel_inodes.inode_of(relpath)
-                if inode is not None:
-                    pages.invalidate(inode)
+                if inode is None:
+                    return False
+                ranged = keep is not None and config.kernel_cache
+                pages.invalidate(inode, keep if ranged else None)
+                return ranged
         else:
             self.kernel = (KernelPages(lambda inode, offset, data: None, lambda inode: None)
                            if config.kernel_cache else None)

@@ -71,8 +71,17 @@ class SimPages:
         self.pages.setdefault(inode, set()).update(range(first, last))
         self.stored_bytes += len(data)
 
-    def invalidate(self, inode: int) -> None:
-        self.pages.pop(inode, None)
+    def invalidate(self, inode: int, keep: list[tuple[int, int]] | None = None) -> None:
+        """All the inode's pages go, or all but those inside the byte extents in `keep` (as
+        `invalidate_inode_range` over the ranges outside them leaves it)."""
+        if keep is None:
+            self.pages.pop(inode, None)
+            return
+        held = self.pages.get(inode, set())
+        kept = set()
+        for lo, hi in keep:
+            kept.update(held.intersection(range(lo // PAGE_BYTES, -(-hi // PAGE_BYTES))))
+        self.pages[inode] = kept
 
     def holds(self, inode: int, page: int) -> bool:
         return page in self.pages.get(inode, ())

@@ -12,15 +12,18 @@ if ! command -v fusermount3 >/dev/null || ! pkg-config --exists fuse3 2>/dev/nul
 fi
 extras=${1:-}
 pip_install() { python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore "$@"; }
-# pyfuse3 built from its source distribution with scripts/patches/pyfuse3-read-inode-without-
-# open.patch: read() gets the inode when the kernel sends no handle, which the zero-request
-# data plane needs (the daemon checks for it at start and falls back without it).
-if ! python3 -c "import pyfuse3, sys; sys.exit(not getattr(pyfuse3, 'READ_FH_IS_INODE_WITHOUT_OPEN', 0))" 2>/dev/null; then
+# pyfuse3 built from its source distribution with the patches in scripts/patches/: read()
+# gets the inode when the kernel sends no handle, which the zero-request data plane needs, and
+# invalidate_inode_range() drops a range of a file's pages (the daemon checks for each at
+# start and falls back without it).
+if ! python3 -c "import pyfuse3, sys; sys.exit(not (getattr(pyfuse3, 'READ_FH_IS_INODE_WITHOUT_OPEN', 0) and hasattr(pyfuse3, 'invalidate_inode_range')))" 2>/dev/null; then
   work=$(mktemp -d)
   python3 -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
     -d "$work" "pyfuse3==$PYFUSE3_VERSION"
   tar xzf "$work/pyfuse3-$PYFUSE3_VERSION.tar.gz" -C "$work"
-  patch -s -d "$work/pyfuse3-$PYFUSE3_VERSION" -p1 < scripts/patches/pyfuse3-read-inode-without-open.patch
+  for fix in read-inode-without-open invalidate-inode-range; do
+    patch -s -d "$work/pyfuse3-$PYFUSE3_VERSION" -p1 < "scripts/patches/pyfuse3-$fix.patch"
+  done
   pip_install "$work/pyfuse3-$PYFUSE3_VERSION"
   rm -rf "$work"
 fi

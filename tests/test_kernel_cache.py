@@ -196,6 +196,27 @@ def test_lookups_list_a_directory_once_the_read_ahead_goes_through_it(monkeypatc
     assert status["listings"] == 3 and status["lookups"] == len(relpaths), status
 
 
+@pytest.mark.parametrize("ranged", [True, False], ids=["range-patch", "no-range-patch"])
+def test_an_invalidation_keeps_the_extents_asked_for_where_the_kernel_drops_ranges(ranged):
+    """KernelPages with recording fakes: given extents to keep, the ranges outside them are
+    dropped (the last one to the file's end, length 0); without `invalidate_inode_range` (an
+    unpatched pyfuse3) the whole file is, and `drops_ranges` says which."""
+    from cachefs.pagecache import KernelPages
+
+    calls = []
+    pages = KernelPages(lambda inode, offset, data: None, lambda inode: calls.append((inode,)),
+                        invalidate_range_fn=(lambda inode, offset, length: calls.append(
+                            (inode, offset, length))) if ranged else None)
+    assert pages.drops_ranges == ranged
+    pages.invalidate(7, [(4096, 12288), (8192, 16384), (40960, 45056)])
+    pages.invalidate(7)  # all of it
+    if ranged:  # overlapping extents merge; nothing before a first extent at 0
+        assert calls == [(7, 0, 4096), (7, 16384, 24576), (7, 45056, 0), (7,)]
+    else:
+        assert calls == [(7,), (7,)]
+    assert pages.status()["invalidations"] == 2
+
+
 def test_a_store_waiting_on_a_page_holds_up_no_other_and_invalidations_keep_their_place():
     """KernelPages with recording fakes (no FUSE): a store that waits (as on a page whose READ
     the trio thread has not answered) does not hold up the stores queued after it; an

@@ -60,6 +60,25 @@ def test_read_ahead_reads_each_missing_item_once_and_hides_the_source(packed):
         assert epoch.misses <= 2 and epoch.stall_s < 0.01  # only the very first item waits
 
 
+def test_the_drops_within_an_epoch_keep_the_window_so_each_item_is_stored_once():
+    """Every 128 consumed items the file's pages go but for the extents of the items pushed
+    and not yet read: no item of the window is stored into the kernel's pages a second time
+    (dropping the whole file stored about a quarter of the window's bytes again), and the
+    reader finds its items' pages (few READs beyond one per item)."""
+    config = SimConfig(items=N, item_bytes=ITEM_BYTES, ram_bytes=RAM_BYTES, epochs=1,
+                       latency_s=0.002, ranges_per_file=N)
+
+    async def script(sim):
+        epochs = await sim._epochs()
+        return epochs[0], sim.pages.stored_bytes, sim.prefetcher.status()["ranges"]
+
+    epoch, stored_bytes, ranges = run_script(config, script)
+    assert len(epoch.completion) == N and ranges["page_drops"] >= N // 128
+    # each item's extent once, but for its sentinel page: at most its bytes and two pages
+    assert stored_bytes <= N * (ITEM_BYTES + 2 * PAGE_BYTES)
+    assert ranges["reads"] <= 1.02 * N
+
+
 def test_adjacent_items_are_read_in_one_span():
     """Items in file order (a sequential reader): the window's neighbours share source
     reads of up to 4 MiB."""
@@ -155,8 +174,8 @@ def test_an_item_whose_sentinel_is_never_read_does_not_hold_the_window():
         pages = range(offset // PAGE_BYTES, -(-(offset + length) // PAGE_BYTES))
         real_invalidate = sim.pages.invalidate
 
-        def invalidate_but_keep(inode: int) -> None:
-            real_invalidate(inode)
+        def invalidate_but_keep(inode: int, keep=None) -> None:
+            real_invalidate(inode, keep)
             for page in pages:  # the kernel keeps this item's pages, sentinel included
                 sim.pages.read_into(inode, page)
         sim.pages.invalidate = invalidate_but_keep
