@@ -1,4 +1,4 @@
-"""The kernel's page cache as the mount's data plane: one worker thread stores and drops pages.
+"""The kernel's page cache as the mount's data plane: worker threads store and drop its pages.
 
 Why. Serving a cached file through the daemon costs a READ request per file on top of OPEN and
 RELEASE, 60-85 us of pyfuse3/trio CPU each. The kernel serves bytes it holds in its page cache
@@ -27,7 +27,9 @@ page the reader got to first waits until the trio thread has answered its READ, 
 store queued behind it waited too. With a memmap reader of byte-range items the stores fell
 31 jobs behind (median; 60 at p90): the reader then met unstored pages of items read ahead
 long before, each a READ, whose page lock held up the stores further (1,700-3,700 such READs
-an epoch of 5,000 items; stores took 242 us on average, 33 us at the median).
+an epoch of 5,000 items; stores took 242 us on average, 33 us at the median). A drop still
+waits for its inode's stores, and the jobs behind it with it: with one packed file, a store
+stuck on a page holds up the FIFO at the next drop (every 128 items, cachefs/range_cache.py).
 
 A store for an inode the kernel does not hold (never looked up, or forgotten) fails with
 ENOENT; that costs nothing but the attempt: the reader's READs are then served by the daemon
@@ -35,7 +37,7 @@ as before. Failures are counted, not raised. In the first epoch no file has been
 when the read-ahead has it, so four in five of them were served by READs (DataLoader shape:
 795 stores for 4,065 files read ahead); `look_up` moves the LOOKUP the reader's open would
 send ahead of it, from threads of their own (never the trio thread, which answers it; nor
-this one, whose stores would wait with it for the answer). That LOOKUP is no extra request
+the store threads, whose stores would wait with it for the answer). That LOOKUP is no extra request
 (the kernel keeps the entry for the entry timeout, 300 s, so the open sends none), and the
 READ is saved. A lookup per file still cost the trio thread a LOOKUP request, and a wake-up
 for the answer, for nearly every file of the first epoch; so a directory is listed through the
@@ -55,12 +57,12 @@ listing to directories the read-ahead goes through. The per-file lstat stays, af
 listing: it costs nothing for a file the listing made known (the kernel answers it from its
 dentry), and it covers a file of a larger directory, one listed past the cap, or one the
 kernel has forgotten since. The kernel calls are injected (`store_fn`, `invalidate_fn`,
-`lookup_fn`, `list_fn`, `files_in`), so the simulator runs the same decisions with fakes that
-record them.
+`invalidate_range_fn`, `lookup_fn`, `list_fn`, `files_in`), so the simulator runs the same
+decisions with fakes that record them.
 
-Counters are plain ints written by the worker threads, under one lock since several finish
-jobs, and read by the trio thread for stats (a torn read of a Python int cannot happen under
-the GIL).
+Counters are plain ints written by the worker threads (those that several threads write,
+under one lock) and read by the trio thread for stats (a torn read of a Python int cannot
+happen under the GIL).
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ LOOKUPS_PER_LISTING = 32
 
 
 class KernelPages:
-    """Stores into and drops from the kernel's page cache, in FIFO order, in one thread."""
+    """Stores into and drops from the kernel's page cache, in FIFO order: one thread takes
+    the jobs in order and hands the stores to `STORE_THREADS` threads (module docstring)."""
 
     def __init__(self, store_fn: Callable[[int, int, bytes], None],
                  invalidate_fn: Callable[[int], None],
@@ -127,6 +130,7 @@ class KernelPages:
         self._store_threads: list[threading.Thread] = []
         self._storing: dict[int, int] = {}
         self._finished = threading.Condition()
+        self._stopping = False  # the mount is going down: stores still queued are skipped
         # lookups run in threads of their own: each waits on the trio thread's answer, and
         # stores queued behind it in the one FIFO would wait with it
         self._lookup_jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -161,10 +165,12 @@ class KernelPages:
                 thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Finish what is queued and end the thread (the mount is going down). A store can
-        wait on a page whose READ nobody answers any more (pyfuse3.main has returned): after
-        `timeout_s` the thread is left to the unmount, which ends that wait."""
+        """End the threads (the mount is going down): the drops queued run, the stores still
+        queued are skipped (pages of a mount going away). A store can wait on a page whose
+        READ nobody answers any more (pyfuse3.main has returned): after `timeout_s` its
+        thread is left to the unmount, which ends that wait."""
         deadline_s = time.monotonic() + timeout_s
+        self._stopping = True
         for _ in self._lookup_threads:
             self._lookup_jobs.put(_STOP)
         for thread in self._lookup_threads:
@@ -181,6 +187,8 @@ class KernelPages:
             self._store_jobs.put(_STOP)
         for thread in self._store_threads:
             thread.join(max(0.0, deadline_s - time.monotonic()))
+            if thread.is_alive():
+                log.warning("page cache store thread still busy at unmount; leaving it")
         self._store_threads = []
 
     def _work(self) -> None:
@@ -213,7 +221,8 @@ class KernelPages:
         while (job := self._store_jobs.get()) is not _STOP:
             _, inode, offset, data = job
             try:
-                self._store(inode, offset, data)
+                if not self._stopping:
+                    self._store(inode, offset, data)
             except Exception:  # noqa: BLE001 - the thread must keep serving the mount
                 log.exception("page cache store(%d) failed", inode)
             finally:
@@ -250,8 +259,15 @@ class KernelPages:
             if keep is None or self._invalidate_range_fn is None:
                 self._invalidate_fn(inode)
             else:
-                for offset, length in outside(keep):
-                    self._invalidate_range_fn(inode, offset, length)
+                try:
+                    for offset, length in outside(keep):
+                        self._invalidate_range_fn(inode, offset, length)
+                except OSError as exc:
+                    if exc.errno == errno.ENOENT:
+                        raise
+                    # whatever of the ranges is left goes with the rest (the kept pages too)
+                    log.warning("invalidate_inode_range(%d) failed: %s", inode, exc)
+                    self._invalidate_fn(inode)
         except OSError as exc:
             # ENOENT: the kernel holds no such inode, so it holds none of its pages either
             if exc.errno != errno.ENOENT:

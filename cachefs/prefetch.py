@@ -147,7 +147,8 @@ class Prefetcher:
 
     def _size_window(self) -> None:
         """The window from the RAM budget and the mean file size seen so far: `--lookahead`, or
-        `source_threads` items, at most a quarter of RAM; and the most the window may span when
+        `source_threads` items, at most a quarter of RAM (an order of byte ranges: up to its
+        read-ahead's own number, within an eighth); and the most the window may span when
         readers spread out, as a DataLoader's workers do (planner.max_span_items)."""
         mean_size = (self.ranges.mean_item_bytes() if self.ranges is not None
                      and self.ranking.ranged else self.meta.mean_size(-1))

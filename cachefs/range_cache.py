@@ -178,9 +178,15 @@ class RangeCache:
         self.inflight: dict[tuple, _Flight] = {}
         # each file's identity as last read, and when (freshness.now_s); by relpath
         self._identities: dict[bytes, tuple[SourceIdentity, float]] = {}
-        self.pushed: set[int] = set()  # items whose extent the kernel holds, since a drop
-        # trimmed items whose inside pages are stored, since a drop (`push`)
+        # items whose extent the kernel holds (stored, or queued to be), since the file's
+        # pages went whole (`drop_pages`)
+        self.pushed: set[int] = set()
+        # trimmed items whose inside pages are stored, since then (`push`)
         self._inside_pushed: set[int] = set()
+        # the kernel's store failures at the last drop: a store that failed since (the kernel
+        # forgot the inode) left `pushed` naming pages it does not hold, and the next drop
+        # takes the whole file, so that the window is stored again
+        self._store_failures_at_drop = 0
         # (relpath, page) of READs waiting for their answer (range_read.py), and how many
         self._reading: collections.Counter[tuple[bytes, int]] = collections.Counter()
         self._consumed_since_drop: dict[bytes, int] = {}  # per file
@@ -473,7 +479,8 @@ class RangeCache:
         (Dropping each item's pages alone, with FUSE_NOTIFY_INVAL_INODE over its range, was
         measured: two notifications an item cost the daemon a third more CPU, in the kernel
         unmapping the reader's pages, than the drops every 128 items and the window pushed
-        again after each.)"""
+        again after each; the drops every 128 items now keep the window's pages, module
+        docstring.)"""
         self.pushed.discard(item)
         self._inside_pushed.discard(item)
         count = self._consumed_since_drop.get(relpath, 0) + 1
@@ -485,7 +492,10 @@ class RangeCache:
         """The kernel drops the file's pages: all of them, and the window's items are pushed
         again; or, `keep_pushed`, all but the extents of the items pushed and not yet read,
         where the kernel can drop a range (module docstring)."""
-        keep = self._pushed_extents(relpath) if keep_pushed else None
+        failures = self.kernel.store_failures if self.kernel is not None else 0
+        keep = (self._pushed_extents(relpath)
+                if keep_pushed and failures == self._store_failures_at_drop else None)
+        self._store_failures_at_drop = failures
         kept = self._drop_file_pages(relpath, keep)
         self._consumed_since_drop[relpath] = 0
         self.drops += 1

@@ -79,6 +79,37 @@ def test_the_drops_within_an_epoch_keep_the_window_so_each_item_is_stored_once()
     assert ranges["reads"] <= 1.02 * N
 
 
+def test_after_a_store_failed_the_next_drop_takes_the_whole_file():
+    """A store the kernel refused (it forgot the inode) leaves the pushed items naming pages it
+    does not hold: the next drop within the epoch takes all of the file's pages, so that the
+    window is stored again; the drops after it keep the window's pages again."""
+    config = SimConfig(items=600, item_bytes=ITEM_BYTES, ram_bytes=600 * ITEM_BYTES // 4,
+                       epochs=1, latency_s=0.002, ranges_per_file=600)
+    drops: list[bool] = []  # whether each drop within the epoch kept the window's pages
+
+    async def script(sim):
+        cache = sim.prefetcher.ranges.cache
+        drop, store = cache._drop_file_pages, sim.kernel._store_fn
+        failed = []
+
+        def refuse_one(inode: int, offset: int, data) -> None:
+            if not failed:
+                failed.append(offset)
+                raise FileNotFoundError(2, "the kernel forgot the inode")
+            store(inode, offset, data)
+
+        def recorded(relpath: bytes, keep):
+            drops.append(keep is not None)
+            return drop(relpath, keep)
+        sim.kernel._store_fn, cache._drop_file_pages = refuse_one, recorded
+        return await sim._epochs()
+
+    epochs = run_script(config, script)
+    assert len(epochs[0].completion) == 600
+    within = drops[:600 // 128]  # the drops every 128 items (the epoch's end drops all)
+    assert within[0] is False and all(within[1:]), drops
+
+
 def test_adjacent_items_are_read_in_one_span():
     """Items in file order (a sequential reader): the window's neighbours share source
     reads of up to 4 MiB."""
