@@ -290,17 +290,23 @@ class Sim:
             # a kernel that keeps the pages of packed files (module docstring); the daemon
             # drops them whatever its data plane
             pages = self.pages = SimPages({i + 2: int(size) for i, size in enumerate(file_sizes)})
-            self.kernel = KernelPages(pages.store, pages.invalidate) if config.kernel_cache \
-                else None
+            # the kernel calls, as the patched pyfuse3 has them (looked up at each call: a
+            # test may stand in for one)
+            self.kernel = KernelPages(
+                lambda inode, offset, data: pages.store(inode, offset, data),
+                lambda inode: pages.invalidate(inode),
+                invalidate_range_fn=lambda inode, offset, length: pages.invalidate_range(
+                    inode, offset, length)) if config.kernel_cache else None
 
-            # with the data plane, as with the patched pyfuse3: a range can be dropped
             def drop_file_pages(relpath: bytes, keep: list[tuple[int, int]] | None) -> bool:
                 inode = kernel_inodes.inode_of(relpath)
                 if inode is None:
                     return False
-                ranged = keep is not None and config.kernel_cache
-                pages.invalidate(inode, keep if ranged else None)
-                return ranged
+                if self.kernel is None:  # no data plane: the mount drops every page
+                    pages.invalidate(inode)
+                    return False
+                self.kernel.invalidate(inode, keep)  # in order after the stores queued
+                return keep is not None and self.kernel.drops_ranges
         else:
             self.kernel = (KernelPages(lambda inode, offset, data: None, lambda inode: None)
                            if config.kernel_cache else None)

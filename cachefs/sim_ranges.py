@@ -71,17 +71,16 @@ class SimPages:
         self.pages.setdefault(inode, set()).update(range(first, last))
         self.stored_bytes += len(data)
 
-    def invalidate(self, inode: int, keep: list[tuple[int, int]] | None = None) -> None:
-        """All the inode's pages go, or all but those inside the byte extents in `keep` (as
-        `invalidate_inode_range` over the ranges outside them leaves it)."""
-        if keep is None:
-            self.pages.pop(inode, None)
-            return
-        held = self.pages.get(inode, set())
-        kept = set()
-        for lo, hi in keep:
-            kept.update(held.intersection(range(lo // PAGE_BYTES, -(-hi // PAGE_BYTES))))
-        self.pages[inode] = kept
+    def invalidate(self, inode: int) -> None:
+        self.pages.pop(inode, None)
+
+    def invalidate_range(self, inode: int, offset: int, length: int) -> None:
+        """What `invalidate_inode_range` leaves: the pages the range touches go (length 0:
+        to the file's end)."""
+        first = offset // PAGE_BYTES
+        end = -(-(offset + length) // PAGE_BYTES) if length else None
+        self.pages[inode] = {page for page in self.pages.get(inode, ())
+                             if page < first or (end is not None and page >= end)}
 
     def holds(self, inode: int, page: int) -> bool:
         return page in self.pages.get(inode, ())

@@ -203,13 +203,21 @@ def test_an_item_whose_sentinel_is_never_read_does_not_hold_the_window():
         stuck = int(order.current[10])
         offset, length = int(sim.items.offset[stuck]), int(sim.items.length[stuck])
         pages = range(offset // PAGE_BYTES, -(-(offset + length) // PAGE_BYTES))
-        real_invalidate = sim.pages.invalidate
+        real_invalidate, real_invalidate_range = sim.pages.invalidate, sim.pages.invalidate_range
 
-        def invalidate_but_keep(inode: int, keep=None) -> None:
-            real_invalidate(inode, keep)
+        def keep_stuck(inode: int) -> None:
             for page in pages:  # the kernel keeps this item's pages, sentinel included
                 sim.pages.read_into(inode, page)
+
+        def invalidate_but_keep(inode: int) -> None:
+            real_invalidate(inode)
+            keep_stuck(inode)
+
+        def invalidate_range_but_keep(inode: int, offset: int, length: int) -> None:
+            real_invalidate_range(inode, offset, length)
+            keep_stuck(inode)
         sim.pages.invalidate = invalidate_but_keep
+        sim.pages.invalidate_range = invalidate_range_but_keep
         invalidate_but_keep(2)
         epochs = await sim._epochs()
         record = next(r for r in sim.stats.epochs if r.epoch == 1)
