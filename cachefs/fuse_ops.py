@@ -432,8 +432,8 @@ class KernelInvalidation:
         if inode is None:
             return False
         if self._kernel is not None:
-            self._kernel.invalidate(inode, keep)  # after any store queued before: one FIFO
-            return keep is not None and self._kernel.drops_ranges
+            # after any store queued before: one FIFO
+            return self._kernel.invalidate(inode, keep)
         if self._nursery is not None:
             self._nursery.start_soon(self._invalidate, inode)
         return False

@@ -207,7 +207,6 @@ class KernelPages:
                 elif kind == "invalidate":
                     self._wait_for_stores(inode)
                     self._invalidate(inode, data)
-
                 else:  # a drain marker: `data` wakes the waiting task
                     self._wait_for_stores(None)
                     data()
@@ -338,10 +337,12 @@ class KernelPages:
     def store(self, inode: int, offset: int, data) -> None:
         self._put(("store", inode, offset, data))
 
-    def invalidate(self, inode: int, keep: list[tuple[int, int]] | None = None) -> None:
+    def invalidate(self, inode: int, keep: list[tuple[int, int]] | None = None) -> bool:
         """Drop the inode's pages: all of them, or, where the kernel can drop a range
-        (`drops_ranges`), all but those of the byte extents [lo, hi) in `keep` (sorted)."""
+        (`drops_ranges`), all but those of the byte extents [lo, hi) in `keep` (sorted).
+        True if the pages of `keep` stay."""
         self._put(("invalidate", inode, 0, keep))
+        return keep is not None and self.drops_ranges
 
     @property
     def drops_ranges(self) -> bool:

@@ -305,8 +305,7 @@ class Sim:
                 if self.kernel is None:  # no data plane: the mount drops every page
                     pages.invalidate(inode)
                     return False
-                self.kernel.invalidate(inode, keep)  # in order after the stores queued
-                return keep is not None and self.kernel.drops_ranges
+                return self.kernel.invalidate(inode, keep)  # in order after the stores queued
         else:
             self.kernel = (KernelPages(lambda inode, offset, data: None, lambda inode: None)
                            if config.kernel_cache else None)

@@ -208,8 +208,8 @@ def test_an_invalidation_keeps_the_extents_asked_for_where_the_kernel_drops_rang
                         invalidate_range_fn=(lambda inode, offset, length: calls.append(
                             (inode, offset, length))) if ranged else None)
     assert pages.drops_ranges == ranged
-    pages.invalidate(7, [(4096, 12288), (8192, 16384), (40960, 45056)])
-    pages.invalidate(7)  # all of it
+    assert pages.invalidate(7, [(4096, 12288), (8192, 16384), (40960, 45056)]) == ranged
+    assert not pages.invalidate(7)  # all of it
     if ranged:  # overlapping extents merge; nothing before a first extent at 0
         assert calls == [(7, 0, 4096), (7, 16384, 24576), (7, 45056, 0), (7,)]
     else:
