@@ -66,7 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--files", type=int, default=10_000, help="small files")
     parser.add_argument("--file-kb", type=int, default=110, help="size of a small file, KB")
-    parser.add_argument("--big-mb", type=int, default=1024, help="size of the big file, MiB")
+    parser.add_argument("--big-mb", type=int, default=1024,
+                        help="size of the big file, MiB (0: no big-file case)")
     parser.add_argument("--passes", type=int, default=5, help="timed rounds per case")
     parser.add_argument("--readers", type=int, nargs="+", default=[4],
                         help="reader process counts for the small files")
@@ -131,8 +132,8 @@ class Cases:
         self.readers = args.readers
 
     def names(self) -> list[str]:
-        return [f"files/s, {r} reader{'s' if r > 1 else ''}" for r in self.readers] + [
-            "big file MB/s"]
+        small = [f"files/s, {r} reader{'s' if r > 1 else ''}" for r in self.readers]
+        return small + (["big file MB/s"] if len(self.big) else [])
 
     def files(self, name: str) -> int:
         return len(self.small) if name.startswith("files/s") else len(self.big)
@@ -263,7 +264,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     source = args.workdir / "data"
     benchlib.generate_dataset(source, DatasetSpec("small", args.files, args.file_kb * 1000))
-    benchlib.generate_dataset(source, DatasetSpec("big", 1, args.big_mb * MIB))
+    if args.big_mb > 0:
+        benchlib.generate_dataset(source, DatasetSpec("big", 1, args.big_mb * MIB))
+    else:
+        benchlib.remove_dataset(source, "big")
     manifest = Manifest.scan(source)
     # room for every block plus slack: block rounding, and nothing may be evicted
     ram_bytes = int(manifest.total_bytes * 1.25) + 256 * MIB

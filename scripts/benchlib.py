@@ -123,6 +123,12 @@ def generate_dataset(root: Path, spec: DatasetSpec) -> bool:
     return True
 
 
+def remove_dataset(root: Path, kind: str) -> None:
+    """Remove the files of `kind` under root and their marker (a run that wants none)."""
+    (root.parent / f"{root.name}.{kind}{MARKER_SUFFIX}").unlink(missing_ok=True)
+    shutil.rmtree(root / kind, ignore_errors=True)
+
+
 @dataclass
 class Manifest:
     """The source's regular files as cachefs indexes them, and their sizes."""
