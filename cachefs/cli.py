@@ -29,7 +29,7 @@ import click
 
 from cachefs import __version__, errors, mount_helper, stats_table
 from cachefs.client import abort_fuse_connection, daemon_killed, process_exited
-from cachefs.config import (DATA_PLANES, MISS_BATCH_ITEMS, CacheConfig, MountConfig,
+from cachefs.config import (DATA_PLANES, MISS_BATCH_ITEMS, SOURCE_THREADS, CacheConfig, MountConfig,
                             PrefetchConfig, default_state_dir, parse_address, parse_size)
 from cachefs.mountinfo import mounted_paths
 
@@ -142,7 +142,8 @@ def cli():
               help="Unit of caching (power of two).")
 @click.option("--lookahead", type=click.IntRange(min=0), default=0, show_default=True,
               help="Read-ahead window in files of the order; 0 = automatic.")
-@click.option("--source-threads", type=click.IntRange(min=1), default=32, show_default=True,
+@click.option("--source-threads", type=click.IntRange(min=1), default=SOURCE_THREADS,
+              show_default=True,
               help="Parallel reads of the source.")
 @click.option("--miss-batch", type=click.IntRange(min=1), default=MISS_BATCH_ITEMS,
               show_default=True,

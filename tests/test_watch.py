@@ -20,7 +20,8 @@ dataset = flat_dataset_fixture(N_FILES, 40_000)
 
 def test_plain_lines_off_a_terminal_carry_the_rates(dataset, mounter):
     src, relpaths = dataset
-    mount = mounter(src, "--source-delay-ms", 2)
+    # a window of fewer files than the data set: source reads go on while the reader reads
+    mount = mounter(src, "--source-delay-ms", 2, "--source-threads", 8)
     current = order.permutation(N_FILES, 0, 0)
     publish(mount.mountpoint, 0, current, next=order.permutation(N_FILES, 0, 1))
     intervals = 8
