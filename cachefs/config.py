@@ -89,10 +89,10 @@ class CacheConfig:
 
 
 # Reads of the source at once. Over network storage (slowfs: sshfs, 1 ms a packet; 8 DataLoader
-# readers, RAM 25%) 64 keep the read-ahead further ahead of the readers than 32: 560-1,000
-# demand misses an epoch against 1,350-1,750, epoch 1 at 0.84-0.92x the readers alone (median
-# of seven 0.89x) against 0.81-0.98x (median of eight 0.86x), epoch 2 unchanged (median 1.17x
-# against 1.16x); 96 and 128 missed less still but were no faster (README, "Slow storage")
+# readers, RAM 25%; `scripts/bench.py --rounds 5`) 64 keep the read-ahead further ahead of the
+# readers than 32: 610-1,020 demand misses an epoch against 920-1,780; epochs 2 and 3 at a median
+# 1.12x and 1.10x the readers alone against 1.07x and 1.06x, epoch 1 0.85x against 0.89x (the
+# rounds spread 0.83-0.91x); 96 and 128 missed less still but were no faster (README)
 SOURCE_THREADS = 64
 
 

@@ -39,6 +39,11 @@ Fairness rules:
   per file, and the hit rate (hits_ram + hits_ssd) / reads, against the capacity bound C/N (no
   policy can do better from one epoch to the next with a new random permutation).
 
+Rounds (`--rounds R`): every contender runs R times, the direct ones first in even rounds and
+last in odd ones (these machines are noisy: one run's ratio moves by 10%). Each record carries
+its round; the report gives every epoch's speedup over `direct-N` in each round and the median
+of the rounds, and the plot and summary use per-epoch medians.
+
 Output: JSON with every figure, a Markdown table (printed and written), PNG plots of the epoch
 time and hit rate per contender (skipped with a message without matplotlib).
 
@@ -46,7 +51,8 @@ Usage:
     python scripts/bench.py [--dataset small|mixed|shards] [--files N] [--file-kb KB]
         [--source DIR] [--source-delay-ms D] [--cache-fractions 0.25 0.5 1.0]
         [--ssd-fraction F] [--epochs 3] [--readers 4] [--batch-files 1] [--threads 32]
-        [--out DIR] [--no-drop-caches | --drop all|source [--source-backing DIR]] [--smoke]
+        [--rounds 1] [--out DIR] [--no-drop-caches | --drop all|source
+        [--source-backing DIR]] [--smoke]
 """
 
 from __future__ import annotations
@@ -95,6 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ssd-fraction", type=float, default=0.0,
                         help="add an SSD tier of this fraction of the data set")
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every contender this many times, alternated; the report "
+                             "gives each epoch's speedup per round and the median [1]")
     parser.add_argument("--readers", type=int, default=4, help="N: reader processes")
     parser.add_argument("--threads", type=int, default=32, help="threads of the ceiling reader")
     parser.add_argument("--contenders", nargs="+", choices=CONTENDER_KINDS,
@@ -124,8 +133,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     files, file_kb = DATASET_DEFAULTS[args.dataset]
     args.files = args.files or files
     args.file_kb = args.file_kb or file_kb
-    if args.epochs < 1 or args.readers < 1 or args.threads < 1:
-        parser.error("--epochs, --readers and --threads must be at least 1")
+    if args.epochs < 1 or args.readers < 1 or args.threads < 1 or args.rounds < 1:
+        parser.error("--epochs, --readers, --threads and --rounds must be at least 1")
     if any(not 0 < f for f in args.cache_fractions):
         parser.error("--cache-fractions must be positive")
     args.out = args.out or args.workdir / "results"
@@ -144,6 +153,7 @@ class Run:
                        for epoch in range(args.epochs + 1)]
         self.delay_s = args.source_delay_ms / 1000.0
         self.records: list[dict] = []
+        self.round = 0  # the round the records made now belong to (`run_all`)
 
     def _drop(self) -> float:
         if self.args.no_drop_caches:
@@ -164,7 +174,7 @@ class Run:
 
     def _record(self, contender: str, fraction, epoch: int, result, **extra) -> dict:
         record = {"contender": contender, "cache_fraction": fraction, "epoch": epoch,
-                  **result.to_json(), **extra}
+                  "round": self.round, **result.to_json(), **extra}
         self.records.append(record)
         log.info("%-22s epoch %d: %7.2f s, %8.0f files/s%s", contender, epoch, result.wall_s,
                  result.files_per_s, f", hit rate {extra['hit_rate']:.2f}"
@@ -242,12 +252,17 @@ class Run:
                              hit_rate=hits / delta["reads"] if delta["reads"] else None)
 
     def run_all(self) -> None:
-        self.run_direct()
         kinds = [k for k in (False, True)
                  if ("cachefs-order" if k else "cachefs-plain") in self.args.contenders]
-        for index, fraction in enumerate(self.args.cache_fractions):
-            for ordered in (kinds if index % 2 == 0 else kinds[::-1]):
-                self.run_cachefs(fraction, ordered)
+        for round_index in range(self.args.rounds):
+            self.round = round_index
+            if round_index % 2 == 0:
+                self.run_direct()
+            for index, fraction in enumerate(self.args.cache_fractions):
+                for ordered in (kinds if index % 2 == 0 else kinds[::-1]):
+                    self.run_cachefs(fraction, ordered)
+            if round_index % 2 == 1:
+                self.run_direct()
 
     def ram_bytes(self, fraction: float) -> int:
         return max(int(fraction * self.manifest.total_bytes), MIN_RAM_BYTES)
@@ -266,7 +281,8 @@ def markdown_report(run: Run) -> str:
     rows = []
     for r in run.records:
         stats = r.get("stats") or {}
-        rows.append([r["contender"], r["epoch"], r["wall_s"], r["files_per_s"], r["mb_per_s"],
+        rows.append([r["contender"], r["round"], r["epoch"], r["wall_s"], r["files_per_s"],
+                     r["mb_per_s"],
                      stats.get("hits_ram"), stats.get("hits_ssd"), stats.get("prefetched"),
                      stats.get("misses"),
                      stats["backend_bytes"] / 1e6 if stats else None,
@@ -276,30 +292,76 @@ def markdown_report(run: Run) -> str:
                      f"{r['hit_rate']:.3f}" if r.get("hit_rate") is not None else None,
                      run.capacity_bound(r["cache_fraction"])])
     return benchlib.markdown_table(
-        ["contender", "epoch", "time s", "files/s", "MB/s", "hits_ram", "hits_ssd",
+        ["contender", "round", "epoch", "time s", "files/s", "MB/s", "hits_ram", "hits_ssd",
          "prefetched", "misses", "backend MB", "stall s", "open ms/file", "read ms/file",
          "machine CPU ms/file", "daemon CPU ms/file", "trio thread CPU ms/file", "hit rate",
          "C/N"], rows)
 
 
-def summary_table(run: Run) -> str:
-    """Mean epoch time per contender over the epochs after the first, and the speedup."""
-    by_name: dict[str, list[float]] = {}
+def epoch_medians(run: Run, field: str) -> dict[str, list[float]]:
+    """Per contender, the median over the rounds of `field` (of a record) in each epoch."""
+    values: dict[str, dict[int, list[float]]] = {}
     for r in run.records:
-        by_name.setdefault(r["contender"], []).append(r["wall_s"])
-    baseline_name = next((name for name in by_name if name.startswith("direct-")
-                          and not name.endswith("threads") and name != "direct-1"),
-                         next(iter(by_name), None))
+        values.setdefault(r["contender"], {}).setdefault(r["epoch"], []).append(
+            r[field] or 0.0)
+    return {name: [benchlib.median(by_epoch[epoch]) for epoch in sorted(by_epoch)]
+            for name, by_epoch in values.items()}
+
+
+def baseline_name(names) -> str | None:
+    """The contender the speedups are over: direct-N, else the first."""
+    names = list(names)
+    return next((name for name in names if name.startswith("direct-")
+                 and not name.endswith("threads") and name != "direct-1"),
+                next(iter(names), None))
+
+
+def summary_table(run: Run) -> str:
+    """Mean epoch time per contender over the epochs after the first (each epoch's median of
+    the rounds), and the speedup."""
+    by_name = epoch_medians(run, "wall_s")
+    baseline_name_ = baseline_name(by_name)
     later = {name: (times[1:] or times) for name, times in by_name.items()}
-    baseline = sum(later[baseline_name]) / len(later[baseline_name]) if baseline_name else None
+    baseline = (sum(later[baseline_name_]) / len(later[baseline_name_]) if baseline_name_
+                else None)
     rows = []
     for name, times in later.items():
         mean_s = sum(times) / len(times)
         rows.append([name, by_name[name][0], mean_s,
                      f"{baseline / mean_s:.2f}x" if baseline and mean_s else None])
-    return (f"Speedup against {baseline_name} (mean of epochs after the first):\n\n"
+    return (f"Speedup against {baseline_name_} (mean of epochs after the first):\n\n"
             + benchlib.markdown_table(["contender", "epoch 0 s", "later epochs s (mean)",
                                        "speedup"], rows))
+
+
+def round_speedups(run: Run) -> list[dict]:
+    """Every epoch's speedup of each cachefs contender over direct-N in each round (the
+    baseline's epoch of the same round), and their median."""
+    walls = {(r["contender"], r["round"], r["epoch"]): r["wall_s"] for r in run.records}
+    base = baseline_name(dict.fromkeys(r["contender"] for r in run.records))
+    rows = []
+    for name in dict.fromkeys(r["contender"] for r in run.records):
+        if name.startswith("direct"):
+            continue
+        for epoch in range(run.args.epochs):
+            ratios = [walls[(base, round_index, epoch)] / walls[(name, round_index, epoch)]
+                      for round_index in range(run.args.rounds)
+                      if (base, round_index, epoch) in walls
+                      and walls.get((name, round_index, epoch))]
+            if ratios:
+                rows.append({"contender": name, "epoch": epoch, "speedups": ratios,
+                             "median": benchlib.median(ratios)})
+    return rows
+
+
+def rounds_table(run: Run) -> str:
+    rows = [[row["contender"], row["epoch"],
+             ", ".join(f"{ratio:.2f}x" for ratio in row["speedups"]), f"{row['median']:.2f}x"]
+            for row in round_speedups(run)]
+    return (f"Each epoch's speedup against {baseline_name(r['contender'] for r in run.records)}"
+            f", per round ({run.args.rounds}) and median:\n\n"
+            + benchlib.markdown_table(["contender", "epoch", "speedup per round", "median"],
+                                      rows))
 
 
 def plot(run: Run, path: Path) -> str:
@@ -307,16 +369,14 @@ def plot(run: Run, path: Path) -> str:
     if plt is None:
         return "PNG skipped: matplotlib is not installed (pip install matplotlib)"
     figure, (time_axes, hit_axes) = plt.subplots(1, 2, figsize=(12, 4.5))
-    names = list(dict.fromkeys(r["contender"] for r in run.records))
-    for name in names:
-        records = [r for r in run.records if r["contender"] == name]
-        epochs = [r["epoch"] for r in records]
+    walls, hit_rates = epoch_medians(run, "wall_s"), epoch_medians(run, "hit_rate")
+    for name, times in walls.items():
+        epochs = list(range(len(times)))
         style = "--" if name.startswith("direct") else "-"
-        line, = time_axes.plot(epochs, [r["wall_s"] for r in records], style, marker="o",
-                               label=name)
+        line, = time_axes.plot(epochs, times, style, marker="o", label=name)
         if not name.startswith("direct"):
-            hit_axes.plot(epochs, [r["hit_rate"] or 0.0 for r in records], style, marker="o",
-                          color=line.get_color(), label=name)
+            hit_axes.plot(epochs, hit_rates[name], style, marker="o", color=line.get_color(),
+                          label=name)
     for fraction in run.args.cache_fractions:
         bound = run.capacity_bound(fraction)
         hit_axes.axhline(bound, color="grey", linestyle=":", linewidth=1)
@@ -344,7 +404,9 @@ def describe(run: Run, source_label: str) -> str:
     delay = (f", source delay {args.source_delay_ms:g} ms per open and read"
              if args.source_delay_ms else "")
     return (f"{source_label}: {len(run.manifest)} files, {run.manifest.total_bytes / 1e6:.1f} MB"
-            f"{delay}; {args.epochs} epochs, {args.readers} readers, {args.read_kb} KiB reads; "
+            f"{delay}; {args.epochs} epochs"
+            f"{f' x {args.rounds} rounds' if args.rounds > 1 else ''}, {args.readers} readers, "
+            f"{args.read_kb} KiB reads; "
             f"{drop}")
 
 
@@ -374,7 +436,8 @@ def main(argv=None) -> int:
         print(f"bench: {exc}", file=sys.stderr)
         return 1
     header = describe(run, label)
-    report = f"{header}\n\n{markdown_report(run)}\n\n{summary_table(run)}"
+    report = (f"{header}\n\n{markdown_report(run)}\n\n{summary_table(run)}\n\n"
+              f"{rounds_table(run)}")
     args.out.mkdir(parents=True, exist_ok=True)
     png_message = plot(run, args.out / "bench-epochs.png")
     print(f"{report}\n\n{png_message}")
@@ -386,7 +449,7 @@ def main(argv=None) -> int:
         "page_cache_dropped": not args.no_drop_caches,
         "dropped": "none" if args.no_drop_caches else args.drop,
         "capacity_bounds": {f"{f:g}": run.capacity_bound(f) for f in args.cache_fractions},
-        "records": run.records})
+        "records": run.records, "speedups": round_speedups(run)})
     return 0
 
 

@@ -119,12 +119,41 @@ def test_bench_smoke(tmp_path):
     assert result["page_cache_dropped"] is False
     assert "NOT dropped" in done.stdout
     table = (out / "bench.md").read_text()
-    assert "| contender | epoch | time s |" in table and "cachefs-order@0.5" in table
+    assert "| contender | round | epoch | time s |" in table and "cachefs-order@0.5" in table
     png = out / "bench-epochs.png"
     if benchlib.pyplot() is not None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
         assert "PNG skipped" in done.stdout
+    assert_no_mount_under(tmp_path)
+
+
+@pytest.mark.timeout(240)
+def test_bench_rounds_give_each_epochs_speedup_per_round_and_their_median(tmp_path):
+    """--rounds 2: every contender runs twice, direct first in round 0 and last in round 1,
+    and each epoch's speedup is the same round's direct epoch over the mount's."""
+    out = tmp_path / "results"
+    done = run_script("bench.py", "--smoke", "--rounds", "2", "--contenders", "direct-n",
+                      "cachefs-order", "--workdir", tmp_path / "work", "--out", out)
+    assert done.returncode == 0, done.stderr
+    result = json.loads((out / "bench.json").read_text())
+    records = result["records"]
+    walls = {(r["contender"], r["round"], r["epoch"]): r["wall_s"] for r in records}
+    assert sorted(walls) == sorted((name, round_index, epoch)
+                                   for name in ("direct-2", "cachefs-order@0.5")
+                                   for round_index in (0, 1) for epoch in (0, 1, 2))
+    assert [r["contender"] for r in records if r["epoch"] == 0] == [
+        "direct-2", "cachefs-order@0.5", "cachefs-order@0.5", "direct-2"]
+    rows = result["speedups"]
+    assert [(row["contender"], row["epoch"]) for row in rows] == [
+        ("cachefs-order@0.5", epoch) for epoch in (0, 1, 2)]
+    for row in rows:
+        epoch = row["epoch"]
+        expected = [walls[("direct-2", r, epoch)] / walls[("cachefs-order@0.5", r, epoch)]
+                    for r in (0, 1)]
+        assert row["speedups"] == pytest.approx(expected)
+        assert row["median"] == pytest.approx(sum(expected) / 2)
+    assert "per round (2) and median" in done.stdout
     assert_no_mount_under(tmp_path)
 
 
