@@ -12,7 +12,11 @@ man/cachefs-mount.1, "Kernel page cache"), and this module carries those decisio
   `keep`, and `invalidate_inode_range` (scripts/patches/), only the ranges outside them;
 - `look_up(relpath, then)` has the kernel look a file up (an lstat through the mount), then
   runs `then` on the trio thread: a store needs an inode the kernel holds;
-- `drain()` waits until everything queued before it has run.
+- `drain()` waits until everything queued before it has run;
+- `dropped_lately(inode)`: whether the inode's pages were dropped in the last
+  DROPPED_READ_S. The daemon forgets a block before the drop of its pages lands, and a reader
+  may be reading them meanwhile with no READ (the zero-request mode): its close, reported
+  after, is counted as a read of them (cachefs/reader.py `closed_without_reads`).
 
 The kernel calls run in worker threads, never on the trio thread: a store waits on the lock of
 each page it fills, and a READ pending in the kernel holds that lock until the trio thread
@@ -77,7 +81,15 @@ from collections.abc import Callable
 
 import trio
 
+from cachefs.recent import RecentMap
+
 log = logging.getLogger(__name__)
+
+# A close with no READ up to this long after the file's pages were dropped read them before
+# they went (`dropped_lately`): the close is reported milliseconds after it happens, and a
+# file open without a read (a stat through open) within it is the only one miscounted
+DROPPED_READ_S = 5.0
+DROPS_REMEMBERED = 4096  # inodes whose last drop `dropped_lately` remembers
 
 _STOP = object()
 LOOKUP_THREADS = 4  # lookups in flight at once (each waits for the trio thread's answer)
@@ -135,6 +147,8 @@ class KernelPages:
         # stores queued behind it in the one FIFO would wait with it
         self._lookup_jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lookup_threads: list[threading.Thread] = []
+        # inode -> when its pages were last dropped (`dropped_lately`; the trio thread's)
+        self._dropped_s: RecentMap[int, float] = RecentMap(DROPS_REMEMBERED)
         self.queued = 0  # jobs handed to the thread (trio thread writes)
         self.done = 0  # jobs finished (worker threads write)
         self.stores = 0
@@ -341,8 +355,14 @@ class KernelPages:
         """Drop the inode's pages: all of them, or, where the kernel can drop a range
         (`drops_ranges`), all but those of the byte extents [lo, hi) in `keep` (sorted).
         True if the pages of `keep` stay."""
+        self._dropped_s.put(inode, time.monotonic())
         self._put(("invalidate", inode, 0, keep))
         return keep is not None and self.drops_ranges
+
+    def dropped_lately(self, inode: int) -> bool:
+        """The inode's pages were dropped (queued to be) in the last DROPPED_READ_S."""
+        dropped_s = self._dropped_s.get(inode)
+        return dropped_s is not None and time.monotonic() - dropped_s <= DROPPED_READ_S
 
     @property
     def drops_ranges(self) -> bool:

@@ -25,7 +25,10 @@ and the reader's READs come to the daemon. A kept file is read with no READ reac
 daemon, so its hits are counted at open (each block classified as a READ would have been) and
 its consumption at release: the stats of a pass are the same whichever way the bytes went. In
 the zero-request mode there is no open: `handle_without_open` serves the READs that come, and
-`closed_without_reads` counts a file the kernel served whole, when its close is reported.
+`closed_without_reads` counts a file the kernel served whole, when its close is reported, and
+one whose pages it dropped a moment before (KernelPages.dropped_lately): the daemon forgets a
+block (evicted, or the file changed) before the drop of its pages lands, and a reader that
+opened the file meanwhile read those pages with no READ.
 At release the kernel's copy is settled (`_settle_pages`, `Ranking.kernel_may_keep`): a
 file the kernel holds whole whose next use is soon, or unknown (no order: LRU among such
 files), stays in the kernel only, and the daemon's copy goes; any other file's pages are
@@ -199,11 +202,23 @@ class Reader:
     def closed_without_reads(self, inode: int, relpath: bytes, item: int,
                              identity: SourceIdentity) -> None:
         """A file was opened and closed with no READ reaching the daemon (the zero-request
-        mode): read from the kernel's pages if it held the whole file, and counted so; else
-        nothing was read (an open for a stat, or a mapping never touched)."""
+        mode): read from the kernel's pages if it held the whole file, or held it until a
+        moment ago, and counted so; else nothing was read (an open for a stat, or a mapping
+        never touched)."""
         handle = self.handle_without_open(inode, relpath, item, identity)
-        if self._kernel_holds(handle):
+        if self._kernel_holds(handle) or self._kernel_dropped_lately(handle):
             self.release(handle)
+
+    def _kernel_dropped_lately(self, handle: OpenFile) -> bool:
+        """The kernel's pages of the file were dropped a moment ago, and a reader closed it
+        with no READ: it read them before they went (module docstring), counted as a file
+        the kernel served whole (`_kernel_holds`), from RAM."""
+        kernel = self._tiered.kernel
+        if kernel is None or not kernel.dropped_lately(handle.inode):
+            return False
+        handle.kernel_whole = True
+        self.kernel_opens += 1
+        return True
 
     def _served(self, handle: OpenFile, key, block) -> None:
         """A block of the tier reaches the reader (through a READ, or the kernel's pages):

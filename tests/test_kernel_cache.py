@@ -545,3 +545,50 @@ def test_a_revalidated_file_is_recorded_under_its_ram_blocks_item(tmp_path):
     revalidator._apply(b"gone", os.lstat(tmp_path / "gone"), 0.0)
     assert recorded == [(b"held", identity, 7),
                         (b"gone", source.identity_of(os.lstat(tmp_path / "gone")), None)]
+
+
+def test_a_close_with_no_read_just_after_its_pages_were_dropped_is_counted(monkeypatch):
+    """The zero-request mode: the daemon forgets a block (LRU eviction) before the drop of its
+    pages lands, and a reader that opened the file meanwhile reads those pages with no READ.
+    Its close is counted as a read from RAM; a close of a file whose pages were not dropped
+    and that the kernel does not hold, or dropped longer ago than DROPPED_READ_S, reads
+    nothing."""
+    from cachefs import pagecache
+    from cachefs.sim import EpochResult, run_script
+
+    config = SimConfig(items=4, item_bytes=5000, ram_bytes=1 << 20, latency_s=0.0, epochs=1,
+                       check_identity_at_open=False, consume_s=0.0)
+
+    async def script(sim):
+        result = EpochResult(1, items=np.arange(4), origins=np.full(4, -1, np.int8),
+                             stall_by_position=np.zeros(4))
+
+        async def read(item):
+            handle = await sim._open(item, result)
+            if not handle.kernel_whole:
+                await sim.reader.read(handle, 0, handle.identity.size)
+            sim.reader.release(handle)
+
+        def close_without_reads(item) -> dict:
+            before = sim.stats.totals()
+            relpath = sim.paths[item]
+            sim.reader.closed_without_reads(item + 2, relpath, item, sim.source.identity(relpath))
+            after = sim.stats.totals()
+            return {name: after[name] - before[name] for name in ("reads", "hits_ram")}
+
+        for item in (0, 1):
+            await read(item)
+        assert sim.ram.get((sim.paths[0], 0)).in_kernel  # the kernel holds it, as pages
+        sim.ram.drop((sim.paths[0], 0))  # evicted: its pages are dropped (queued)
+        assert sim.ram.get((sim.paths[0], 0)) is None
+        counted = close_without_reads(0)
+        never_held = close_without_reads(3)
+        sim.ram.drop((sim.paths[1], 0))
+        monkeypatch.setattr(pagecache, "DROPPED_READ_S", -1.0)  # that drop is long past
+        too_late = close_without_reads(1)
+        return counted, never_held, too_late
+
+    counted, never_held, too_late = run_script(config, script)
+    assert counted == {"reads": 1, "hits_ram": 1}
+    assert never_held == {"reads": 0, "hits_ram": 0}
+    assert too_late == {"reads": 0, "hits_ram": 0}
