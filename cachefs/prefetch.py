@@ -111,6 +111,10 @@ class Prefetcher:
         self._inflight_items: dict[int, Target] = {}
         # items read by miss batches of this epoch's plan and not consumed yet (demand_miss)
         self._batched: set[int] = set()
+        # items a reader has read whole and not closed yet: the zero-request mode consumes a
+        # file at its close, reported a few milliseconds later, and in between the walk would
+        # read again a file whose demand read found no room in RAM (`read_whole`)
+        self._read_whole: set[int] = set()
         self._wake = trio.Event()
         self._room_wait = False  # the last walk stopped for want of RAM (`consumed`)
         self._nursery: trio.Nursery | None = None
@@ -187,12 +191,14 @@ class Prefetcher:
                 now.inflight_items += 1
 
     def _rebuild_targets(self) -> None:
-        """Every target's list anew, and no miss batch pending. Not for an order of byte
-        ranges: its items are no files, and its read-ahead is cachefs/range_prefetch.py's."""
+        """Every target's list anew, and no miss batch or whole read pending. Not for an
+        order of byte ranges: its items are no files, and its read-ahead is
+        cachefs/range_prefetch.py's."""
         if not self.ranking.ranged:
             self.targets.rebuild(self.planner, self._held_items())
             self._price_retention()
         self._batched = set()
+        self._read_whole = set()
 
     def _price_retention(self) -> bool:
         """Give the ranking the items' read costs from the targets' latencies as measured now
@@ -266,6 +272,7 @@ class Prefetcher:
             return
         self.ranking.consumed_at(now_s())
         self._batched.discard(item)
+        self._read_whole.discard(item)
         window = (planner.cursor, planner.window_end())
         completed = planner.consume(item)
         if self.ranges is not None and self.ranking.ranged:
@@ -344,6 +351,14 @@ class Prefetcher:
             target.batches += 1
             target.batch_items += started
 
+    def read_whole(self, item: int, manifest) -> None:
+        """A reader has read all of `item` of `manifest` and is consumed at its close: the
+        walk does not read it again before (the close comes a few milliseconds later, and
+        a demand read that found no room in RAM left nothing resident; the walk read such
+        files twice an epoch with a RAM budget of a few files)."""
+        if item >= 0 and manifest is self.ranking.manifest:
+            self._read_whole.add(item)
+
     def file_read(self, item: int, manifest, origin: int, stall_s: float) -> None:
         """A reader is done with `item` of `manifest` (its class and stall, as the stats count
         them): counted in its target (cachefs/targets.py; not with an order of byte ranges,
@@ -398,7 +413,7 @@ class Prefetcher:
                 return
             _, number, index, item, entries = heapq.heappop(heads)
             target = targets.all[number]
-            if item in self._inflight_items:
+            if item in self._inflight_items or item in self._read_whole:
                 pass
             elif self._resident(item):
                 identity = self._identity_not_due(item)
@@ -471,6 +486,8 @@ class Prefetcher:
         try:
             first_block = 0
             identity = self._identity_not_due(item)
+            if item in self._read_whole:
+                return  # a reader read it whole since the walk started this (`read_whole`)
             if identity is None and not self._needs_stat(relpath):
                 # Nothing cached to validate: read block 0 at once; the fstat of that read is
                 # the fresh identity, so one source round trip does the work of two.
@@ -498,6 +515,8 @@ class Prefetcher:
                     continue
                 if for_current and not self._unconsumed(item):
                     break  # the window reaches it again as the next epoch's
+                if item in self._read_whole:
+                    break
                 fetched = await self.tiered.fetch(key, identity, item, manifest, demand=False)
                 if self._superseded(manifest):
                     return

@@ -253,8 +253,11 @@ class Reader:
             parts.append(data if (lo, hi) == (0, len(data)) else data[lo:hi])
         result = parts[0] if len(parts) == 1 else b"".join(parts)
         handle.bytes_served += len(result)
-        if end >= identity.size and not handle.consume_at_release:
-            self._consume(handle)
+        if end >= identity.size:
+            if handle.consume_at_release:
+                self._prefetcher.read_whole(handle.item, handle.manifest)
+            else:
+                self._consume(handle)
         self._read_ahead(handle, offset // block_bytes, (end - 1) // block_bytes)
         return result
 
