@@ -212,9 +212,11 @@ class Reader:
     def _kernel_dropped_lately(self, handle: OpenFile) -> bool:
         """The kernel's pages of the file were dropped a moment ago, and a reader closed it
         with no READ: it read them before they went (module docstring), counted as a file
-        the kernel served whole (`_kernel_holds`), from RAM."""
+        the kernel served whole (`_kernel_holds`), from RAM. Not a file of byte-range items,
+        whose pages are dropped every few items and whose reads count by item."""
         kernel = self._tiered.kernel
-        if kernel is None or not kernel.dropped_lately(handle.inode):
+        if kernel is None or not kernel.dropped_lately(handle.inode) or (
+                self._ranges is not None and self._ranges.file_of(handle.relpath) >= 0):
             return False
         handle.kernel_whole = True
         self.kernel_opens += 1
