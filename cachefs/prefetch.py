@@ -484,10 +484,10 @@ class Prefetcher:
         # close reported while this waited), its blocks are not read again for this epoch
         for_current = self._unconsumed(item)
         try:
-            first_block = 0
-            identity = self._identity_not_due(item)
             if item in self._read_whole:
                 return  # a reader read it whole since the walk started this (`read_whole`)
+            first_block = 0
+            identity = self._identity_not_due(item)
             if identity is None and not self._needs_stat(relpath):
                 # Nothing cached to validate: read block 0 at once; the fstat of that read is
                 # the fresh identity, so one source round trip does the work of two.
@@ -513,10 +513,8 @@ class Prefetcher:
                 key = (relpath, block_index)
                 if self.tiered.holds(key, identity):
                     continue
-                if for_current and not self._unconsumed(item):
-                    break  # the window reaches it again as the next epoch's
-                if item in self._read_whole:
-                    break
+                if (for_current and not self._unconsumed(item)) or item in self._read_whole:
+                    break  # the window reaches it again as the next epoch's, or a reader has it
                 fetched = await self.tiered.fetch(key, identity, item, manifest, demand=False)
                 if self._superseded(manifest):
                     return

@@ -204,19 +204,24 @@ class Reader:
         """A file was opened and closed with no READ reaching the daemon (the zero-request
         mode): read from the kernel's pages if it held the whole file, or held it until a
         moment ago, and counted so; else nothing was read (an open for a stat, or a mapping
-        never touched)."""
+        never touched). A file of byte-range items counts nothing at its close: its items
+        were counted as they were read, and its pages are dropped every few items."""
+        if self._ranged_file(relpath):
+            return
         handle = self.handle_without_open(inode, relpath, item, identity)
         if self._kernel_holds(handle) or self._kernel_dropped_lately(handle):
             self.release(handle)
 
+    def _ranged_file(self, relpath: bytes) -> bool:
+        """Its samples are byte-range items of the order in force (module docstring)."""
+        return self._ranges is not None and self._ranges.file_of(relpath) >= 0
+
     def _kernel_dropped_lately(self, handle: OpenFile) -> bool:
         """The kernel's pages of the file were dropped a moment ago, and a reader closed it
         with no READ: it read them before they went (module docstring), counted as a file
-        the kernel served whole (`_kernel_holds`), from RAM. Not a file of byte-range items,
-        whose pages are dropped every few items and whose reads count by item."""
+        the kernel served whole (`_kernel_holds`), from RAM."""
         kernel = self._tiered.kernel
-        if kernel is None or not kernel.dropped_lately(handle.inode) or (
-                self._ranges is not None and self._ranges.file_of(handle.relpath) >= 0):
+        if kernel is None or not kernel.dropped_lately(handle.inode):
             return False
         handle.kernel_whole = True
         self.kernel_opens += 1
@@ -326,7 +331,7 @@ class Reader:
 
     def release(self, handle: OpenFile, last: bool = True) -> None:
         """The reader let go of `handle`; `last`: no other handle of the file is open."""
-        if self._ranges is not None and self._ranges.file_of(handle.relpath) >= 0:
+        if self._ranged_file(handle.relpath):
             return  # its items were counted as they were read (module docstring)
         if handle.kernel_whole:
             # the kernel served what no READ asked for: the whole file, as far as we can tell

@@ -106,7 +106,7 @@ def generate_dataset(root: Path, spec: DatasetSpec) -> bool:
     Several kinds can share one root (bench_fuse puts small files and a big file side by side).
     """
     root.mkdir(parents=True, exist_ok=True)
-    marker = root.parent / f"{root.name}.{spec.kind}{MARKER_SUFFIX}"
+    marker = _marker(root, spec.kind)
     wanted = asdict(spec)
     try:
         if json.loads(marker.read_text()) == wanted:
@@ -125,8 +125,13 @@ def generate_dataset(root: Path, spec: DatasetSpec) -> bool:
 
 def remove_dataset(root: Path, kind: str) -> None:
     """Remove the files of `kind` under root and their marker (a run that wants none)."""
-    (root.parent / f"{root.name}.{kind}{MARKER_SUFFIX}").unlink(missing_ok=True)
+    _marker(root, kind).unlink(missing_ok=True)
     shutil.rmtree(root / kind, ignore_errors=True)
+
+
+def _marker(root: Path, kind: str) -> Path:
+    """The file that records the spec of the `kind` files under root (generate_dataset)."""
+    return root.parent / f"{root.name}.{kind}{MARKER_SUFFIX}"
 
 
 @dataclass
