@@ -258,6 +258,18 @@ class Planner:
             return float(len(self.current) + position)
         return NEVER
 
+    def use_after_read(self, item: int) -> float:
+        """The item's next use once the read of it under way is consumed (what `consume`
+        will make `next_use`): a later position in this order (rank padding repeats items),
+        else its position in the next order, else NEVER."""
+        if item < 0 or item >= len(self.pos_cur) or self.pos_cur[item] < 0:
+            return self.next_use(item)
+        later = self._later_positions.get(item)
+        if later:
+            return float(later[0])
+        position = self.pos_next[item]
+        return float(len(self.current) + position) if position >= 0 else NEVER
+
     def next_uses(self) -> np.ndarray:
         """`next_use` of every item of the manifest, as one array."""
         in_next = np.where(self.pos_next >= 0, len(self.current) + self.pos_next.astype(float),

@@ -351,13 +351,15 @@ class Prefetcher:
             target.batches += 1
             target.batch_items += started
 
-    def read_whole(self, item: int, manifest) -> None:
-        """A reader has read all of `item` of `manifest` and is consumed at its close: the
-        walk does not read it again before (the close comes a few milliseconds later, and
-        a demand read that found no room in RAM left nothing resident; the walk read such
-        files twice an epoch with a RAM budget of a few files)."""
+    def read_whole(self, item: int, manifest, size_bytes: int) -> None:
+        """A reader has read all of `item` of `manifest` (`size_bytes`) and is consumed at
+        its close: the walk does not read it again before (the close comes a few
+        milliseconds later, and a demand read that found no room in RAM left nothing
+        resident; the walk read such files twice an epoch with a RAM budget of a few files),
+        and its blocks take the rank they will have once consumed (`Ranking.read_whole`)."""
         if item >= 0 and manifest is self.ranking.manifest:
             self._read_whole.add(item)
+            self.ranking.read_whole(item, size_bytes)
 
     def file_read(self, item: int, manifest, origin: int, stall_s: float) -> None:
         """A reader is done with `item` of `manifest` (its class and stall, as the stats count

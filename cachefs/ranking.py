@@ -212,6 +212,26 @@ class Ranking:
             else:
                 self.ram.set_priority(key, priority)
 
+    def read_whole(self, item: int, size_bytes: int) -> None:
+        """A reader has read all of `item`, and is consumed at its close, reported a few
+        milliseconds later (the zero-request mode): its blocks take the rank they will have
+        then, and one with no further use is the first to go, but stays until room is needed
+        (the reader may read the kernel's pages of it again, and a drop would send it back
+        to the source). Until then they held their near rank, and with a RAM tier of a few
+        files the read-ahead found no room, and a demand read gave up the next epoch's
+        head for them (0 RAM hits in an epoch where 3 were the bound)."""
+        if not self.planner.active or item < 0 or not self._in_orders(item):
+            return
+        assert self._manifest is not None  # an order is in force
+        relpath = self._manifest.path(item)
+        use = self.planner.use_after_read(item)
+        for block_index in range(block_count(max(size_bytes, 0), self.block_bytes)):
+            key = (relpath, block_index)
+            block = self.ram.get(key)
+            if block is not None:
+                priority = self._ranked(item, block_index, block.identity, use)
+                self.ram.set_priority(key, math.inf if priority is None else priority)
+
     def rerank_all(self) -> None:
         """Every block's `priority_of`, with the items' next uses and membership read once as
         lists (an epoch switch re-ranks every block: numpy scalars per block cost 5x more)."""

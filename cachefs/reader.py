@@ -262,7 +262,7 @@ class Reader:
         handle.bytes_served += len(result)
         if end >= identity.size:
             if handle.consume_at_release:
-                self._prefetcher.read_whole(handle.item, handle.manifest)
+                self._prefetcher.read_whole(handle.item, handle.manifest, identity.size)
             else:
                 self._consume(handle)
         self._read_ahead(handle, offset // block_bytes, (end - 1) // block_bytes)

@@ -83,6 +83,18 @@ def test_next_use_is_position_then_next_order_then_never():
     assert planner.next_use(-1) == NEVER and planner.next_use(99) == NEVER
 
 
+def test_use_after_read_is_what_consume_makes_next_use():
+    """The rank a file read whole takes before its close is reported (the zero-request
+    mode, Ranking.read_whole): exactly the next use its consumption will give it."""
+    planner = planner_with([5, 6, 7, 5, 1], next_=[7, 5, 6])  # 5 twice: rank padding
+    for item in (5, 6, 1, 5, 7, 2):
+        expected = planner.use_after_read(item)
+        planner.consume(item)
+        assert planner.next_use(item) == expected, item
+    assert planner.use_after_read(5) == 5 + 1  # consumed twice: its next epoch's use
+    assert planner.use_after_read(1) == NEVER and planner.use_after_read(-1) == NEVER
+
+
 def test_next_use_without_next_order():
     planner = planner_with([2, 0])
     planner.consume(2)

@@ -45,12 +45,14 @@ def wait_ssd_full(mount, timeout_s=20.0) -> dict:
 def test_cache_once_hits_the_capacity_bound_and_survives_restart(dataset, mounter, tmp_path):
     src, relpaths = dataset
     ssd_dir = tmp_path / "ssd"
-    # The SSD tier's bound, with a RAM tier of three files and the daemon serving every READ:
-    # with the kernel data plane on, a RAM tier this small keeps none of the next epoch's
-    # head for it (0 RAM hits of the bound's 3; a known defect, in the session note of issue
-    # 13); the blocks it read twice an epoch are mended (the test below)
-    mount = mounter(src, *ssd_args(ssd_dir, "--data-plane", "daemon"))
+    # The bound, with a RAM tier of three files, on the default data plane (the zero-request
+    # mode as root). A file is consumed at its close there, reported milliseconds after its
+    # last READ: its blocks held their near rank until then, and the demand reads of a
+    # reader that outruns the read-ahead gave up the next epoch's head for them (0 RAM hits
+    # of the bound's 3); now they take their consumed rank at that READ (Ranking.read_whole)
+    mount = mounter(src, *ssd_args(ssd_dir))
     first = read_epoch(mount, relpaths, 0)
+    assert mount.stats()["kernel"]["mode"] == "no-open"  # root, the patched pyfuse3
     assert first["misses"] + first["prefetched"] == N_FILES and first["hits_ssd"] == 0
     ssd = wait_ssd_full(mount)
     assert ssd["entries"] == SSD_BYTES // FILE_BYTES
