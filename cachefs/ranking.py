@@ -220,6 +220,9 @@ class Ranking:
         to the source). Until then they held their near rank, and with a RAM tier of a few
         files the read-ahead found no room, and a demand read gave up the next epoch's
         head for them (0 RAM hits in an epoch where 3 were the bound)."""
+        ram = self.ram
+        if ram.used_bytes + ram.charge_of(size_bytes) <= ram.budget_bytes:
+            return  # room for another such file: no rank decides what goes before the close
         if not self.planner.active or item < 0 or not self._in_orders(item):
             return
         assert self._manifest is not None  # an order is in force
@@ -227,10 +230,10 @@ class Ranking:
         use = self.planner.use_after_read(item)
         for block_index in range(block_count(max(size_bytes, 0), self.block_bytes)):
             key = (relpath, block_index)
-            block = self.ram.get(key)
+            block = ram.get(key)
             if block is not None:
                 priority = self._ranked(item, block_index, block.identity, use)
-                self.ram.set_priority(key, math.inf if priority is None else priority)
+                ram.set_priority(key, math.inf if priority is None else priority)
 
     def rerank_all(self) -> None:
         """Every block's `priority_of`, with the items' next uses and membership read once as
