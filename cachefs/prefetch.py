@@ -351,15 +351,16 @@ class Prefetcher:
             target.batches += 1
             target.batch_items += started
 
-    def read_whole(self, item: int, manifest, size_bytes: int) -> None:
-        """A reader has read all of `item` of `manifest` (`size_bytes`) and is consumed at
-        its close: the walk does not read it again before (the close comes a few
+    def read_whole(self, item: int, manifest, size_bytes: int, blocks_served) -> None:
+        """A reader has read to the end of `item` of `manifest` (`size_bytes`) and is
+        consumed at its close: the walk does not read it again before (the close comes a few
         milliseconds later, and a demand read that found no room in RAM left nothing
         resident; the walk read such files twice an epoch with a RAM budget of a few files),
-        and its blocks take the rank they will have once consumed (`Ranking.read_whole`)."""
+        and the blocks it was served take the rank they will have once consumed
+        (`Ranking.read_whole`)."""
         if item >= 0 and manifest is self.ranking.manifest:
             self._read_whole.add(item)
-            self.ranking.read_whole(item, size_bytes)
+            self.ranking.read_whole(item, size_bytes, blocks_served)
 
     def file_read(self, item: int, manifest, origin: int, stall_s: float) -> None:
         """A reader is done with `item` of `manifest` (its class and stall, as the stats count
@@ -526,8 +527,13 @@ class Prefetcher:
                 identity = fetched.identity
                 self.meta.record(item, identity)
             else:
-                if self.tiered.kernel is not None:
-                    self._push(item, identity)  # a reader is about to open it
+                # a reader is about to open it; not if one has read it whole meanwhile (a
+                # demand read this fetch waited for): the kernel holds it from that READ, and
+                # the push made blocks ranked to go first (Ranking.read_whole) the kernel's
+                # too, whose eviction dropped the pages the reader was still reading (a
+                # block read twice an epoch in tests/test_torch.py, 1 run in 5)
+                if self.tiered.kernel is not None and item not in self._read_whole:
+                    self._push(item, identity)
         except OSError as exc:
             # the reader will hit the same error on demand and get its errno
             self.prefetch_errors += 1

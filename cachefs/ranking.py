@@ -212,14 +212,18 @@ class Ranking:
             else:
                 self.ram.set_priority(key, priority)
 
-    def read_whole(self, item: int, size_bytes: int) -> None:
-        """A reader has read all of `item`, and is consumed at its close, reported a few
-        milliseconds later (the zero-request mode): its blocks take the rank they will have
-        then, and one with no further use is the first to go, but stays until room is needed
-        (the reader may read the kernel's pages of it again, and a drop would send it back
-        to the source). Until then they held their near rank, and with a RAM tier of a few
-        files the read-ahead found no room, and a demand read gave up the next epoch's
-        head for them (0 RAM hits in an epoch where 3 were the bound)."""
+    def read_whole(self, item: int, size_bytes: int, blocks_served) -> None:
+        """A reader has read to the end of `item` (of `size_bytes`), and is consumed at its
+        close, reported a few milliseconds later (the zero-request mode): the blocks it was
+        served (`blocks_served`; the kernel sends a file's READs in parallel, and the one
+        that reaches its end may be answered before the others) take the rank they will
+        have then, and one with no further use is the first to go, but stays until room is
+        needed. Until then they held their near rank, and with a RAM tier of a few files
+        the read-ahead found no room, and a demand read gave up the next epoch's head for
+        them (0 RAM hits in an epoch where 3 were the bound). Blocks the kernel holds too
+        keep their rank: the eviction of one drops the file's pages, and a reader that reads
+        them again (an image decoder seeking back) would send READs that read it again from
+        the source."""
         ram = self.ram
         if ram.used_bytes + ram.charge_of(size_bytes) <= ram.budget_bytes:
             return  # room for another such file: no rank decides what goes before the close
@@ -228,10 +232,10 @@ class Ranking:
         assert self._manifest is not None  # an order is in force
         relpath = self._manifest.path(item)
         use = self.planner.use_after_read(item)
-        for block_index in range(block_count(max(size_bytes, 0), self.block_bytes)):
+        for block_index in blocks_served:
             key = (relpath, block_index)
             block = ram.get(key)
-            if block is not None:
+            if block is not None and not block.in_kernel:
                 priority = self._ranked(item, block_index, block.identity, use)
                 ram.set_priority(key, math.inf if priority is None else priority)
 

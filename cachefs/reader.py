@@ -262,7 +262,8 @@ class Reader:
         handle.bytes_served += len(result)
         if end >= identity.size:
             if handle.consume_at_release:
-                self._prefetcher.read_whole(handle.item, handle.manifest, identity.size)
+                self._prefetcher.read_whole(handle.item, handle.manifest, identity.size,
+                                            handle.blocks_read)
             else:
                 self._consume(handle)
         self._read_ahead(handle, offset // block_bytes, (end - 1) // block_bytes)
