@@ -138,12 +138,15 @@ class Prefetcher:
         started = self.planner.set_order(order)
         if started:
             self.stats.start_epoch(order.epoch)
+            self._read_whole = set()
         self._rebuild_targets()
         self._size_window()
         if self.planner.reranked_items is None or self.ranking.ranged:
             self.ranking.rerank_all()
         else:  # a new next epoch only: the few items whose next use changed
-            for item in self.planner.reranked_items.tolist():
+            # and those read whole, whose early rank came from the next order replaced:
+            # their rank in force until their close (Ranking.read_whole)
+            for item in {*self.planner.reranked_items.tolist(), *self._read_whole}:
                 self.ranking.rerank(item, int(self.meta.size[item]))
         if started and self.ranges is not None and self.ranking.ranged:
             self.ranges.new_epoch()
@@ -191,14 +194,12 @@ class Prefetcher:
                 now.inflight_items += 1
 
     def _rebuild_targets(self) -> None:
-        """Every target's list anew, and no miss batch or whole read pending. Not for an
-        order of byte ranges: its items are no files, and its read-ahead is
-        cachefs/range_prefetch.py's."""
+        """Every target's list anew, and no miss batch pending. Not for an order of byte
+        ranges: its items are no files, and its read-ahead is cachefs/range_prefetch.py's."""
         if not self.ranking.ranged:
             self.targets.rebuild(self.planner, self._held_items())
             self._price_retention()
         self._batched = set()
-        self._read_whole = set()
 
     def _price_retention(self) -> bool:
         """Give the ranking the items' read costs from the targets' latencies as measured now
@@ -285,6 +286,7 @@ class Prefetcher:
             self.ranking.set_members(planner.current, item_count=len(planner.pos_cur))
             self.ranking.rerank_all()
             self._rebuild_targets()
+            self._read_whole = set()
             if self.ranges is not None and self.ranking.ranged:
                 self.ranges.new_epoch()
         # the walk can start something only if the window moved, or RAM may have room now
@@ -465,7 +467,7 @@ class Prefetcher:
     def _room_for(self, nbytes: int, priority: float | None) -> bool:
         if priority is None:
             return False
-        if self.ram.used_bytes + self.ram.charge_of(nbytes) <= self.ram.budget_bytes:
+        if self.ram.has_room(nbytes):
             return True
         farthest = self.ram.farthest_priority()
         return farthest is not None and farthest > priority
@@ -556,8 +558,13 @@ class Prefetcher:
         return item < len(pos_cur) and pos_cur[item] >= 0
 
     def _push(self, item: int, identity: SourceIdentity) -> None:
-        self.tiered.push(self.ranking.manifest.path(item), identity,
-                         range(block_count(identity.size, self.block_bytes)))
+        manifest = self.ranking.manifest
+        # not once a reader has read it whole (see the end of _fetch_item; under another
+        # manifest the item number means another file, and the push goes ahead)
+        self.tiered.push(manifest.path(item), identity,
+                         range(block_count(identity.size, self.block_bytes)),
+                         still_wanted=lambda: (manifest is not self.ranking.manifest
+                                               or item not in self._read_whole))
 
     def _revisit(self, item: int, block_index: int, identity: SourceIdentity | None) -> None:
         """A fetch came back without reading: if the block is worth keeping, RAM had no room

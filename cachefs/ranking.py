@@ -8,7 +8,10 @@ the tiers ask of a block, and nothing else reads the plan for them:
   infinite (LRU among such blocks); one consumed and not read again in the known future, or
   kept only for the next epoch while the SSD tier holds it (the tiers stay disjoint), is not
   kept. The tiered cache ranks every block that lands with it, the prefetcher re-ranks RAM
-  on every consumption and new order (`rerank`, `rerank_all`). With storage targets of
+  on every consumption and new order (`rerank`, `rerank_all`). One exception, in the
+  zero-request mode: the blocks of a file whose READs reached its end take the rank their
+  consumption at the close will give them a few milliseconds early (`read_whole`), when RAM
+  is full; any re-rank before the close gives them `priority_of`'s again. With storage targets of
   different speeds, the next epoch's files rank by distance over read cost
   (`set_read_costs`), so RAM keeps the files that are slowest to read again.
 - Item numbers. An item number is an index into one manifest and means nothing without it
@@ -214,8 +217,8 @@ class Ranking:
 
     def read_whole(self, item: int, size_bytes: int, blocks_served) -> None:
         """A reader has read to the end of `item` (of `size_bytes`), and is consumed at its
-        close, reported a few milliseconds later (the zero-request mode): the blocks it was
-        served (`blocks_served`; the kernel sends a file's READs in parallel, and the one
+        close, reported a few milliseconds later (the zero-request mode): the blocks its READs
+        asked for (`blocks_served`; the kernel sends a file's READs in parallel, and the one
         that reaches its end may be answered before the others) take the rank they will
         have then, and one with no further use is the first to go, but stays until room is
         needed. Until then they held their near rank, and with a RAM tier of a few files
@@ -225,8 +228,8 @@ class Ranking:
         them again (an image decoder seeking back) would send READs that read it again from
         the source."""
         ram = self.ram
-        if ram.used_bytes + ram.charge_of(size_bytes) <= ram.budget_bytes:
-            return  # room for another such file: no rank decides what goes before the close
+        if ram.has_room(min(max(size_bytes, 0), self.block_bytes)):
+            return  # room for the next such block: no rank decides what goes before the close
         if not self.planner.active or item < 0 or not self._in_orders(item):
             return
         assert self._manifest is not None  # an order is in force

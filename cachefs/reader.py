@@ -102,8 +102,9 @@ class OpenFile:
     # handles, whose reader may read the file again from the kernel's pages, which the
     # consumption may drop (a READ then comes, and the file is read from the source twice)
     consume_at_release: bool = False
-    # blocks READs of this handle returned: the kernel holds their pages now (with the blocks
-    # pushed to it, the whole file, when the reader is done: `_settle_pages`)
+    # blocks READs of this handle asked for (added as the READ starts, before its fetch
+    # lands): the kernel holds their pages once answered (with the blocks pushed to it, the
+    # whole file, when the reader is done: `_settle_pages`)
     blocks_read: set = field(default_factory=set)
     # a READ of this handle found pages gone that only the kernel held (reclaimed: the file
     # counts as the miss it became, and in `kernel_reclaimed`)

@@ -167,6 +167,10 @@ class RamTier:
         self.reserved_bytes -= nbytes
         assert self.reserved_bytes >= 0, "reservation released twice"
 
+    def has_room(self, held_bytes: int) -> bool:
+        """Whether a block holding `held_bytes` fits without evicting anything."""
+        return self.used_bytes + self.charge_of(held_bytes) <= self.budget_bytes
+
     def farthest_priority(self) -> float | None:
         victim = self._farthest()
         return None if victim is None else victim[1].priority

@@ -303,11 +303,12 @@ class TieredCache:
         return blocks
 
     def push(self, relpath: bytes, identity: SourceIdentity, block_indices, *,
-             looked_up: bool = False) -> None:
+             looked_up: bool = False, still_wanted: Callable[[], bool] | None = None) -> None:
         """Store blocks the daemon holds into the kernel's page cache, ahead of the reader.
         Nothing if the kernel does not hold the inode with this identity; if it has no inode
         for the file at all (not looked up yet, or forgotten), it is asked to look the file up
-        and the push is tried once more after (pagecache.py `look_up`)."""
+        and the push is tried once more after (pagecache.py `look_up`), if `still_wanted()`
+        says so then (a reader may have read the file meanwhile)."""
         kernel = self.kernel
         if kernel is None:
             return
@@ -319,7 +320,8 @@ class TieredCache:
 
                 def push_again() -> None:
                     self._looking_up.discard(relpath)
-                    self.push(relpath, identity, block_indices, looked_up=True)
+                    if still_wanted is None or still_wanted():
+                        self.push(relpath, identity, block_indices, looked_up=True)
                 kernel.look_up(relpath, push_again)
             return
         for block_index in block_indices:
