@@ -303,7 +303,7 @@ def epoch_medians(run: Run, field: str) -> dict[str, list[float]]:
     values: dict[str, dict[int, list[float]]] = {}
     for r in run.records:
         values.setdefault(r["contender"], {}).setdefault(r["epoch"], []).append(
-            r[field] or 0.0)
+            r.get(field) or 0.0)  # direct readers have no hit rate
     return {name: [benchlib.median(by_epoch[epoch]) for epoch in sorted(by_epoch)]
             for name, by_epoch in values.items()}
 
@@ -439,8 +439,6 @@ def main(argv=None) -> int:
     report = (f"{header}\n\n{markdown_report(run)}\n\n{summary_table(run)}\n\n"
               f"{rounds_table(run)}")
     args.out.mkdir(parents=True, exist_ok=True)
-    png_message = plot(run, args.out / "bench-epochs.png")
-    print(f"{report}\n\n{png_message}")
     (args.out / "bench.md").write_text(report + "\n")
     benchlib.write_json(args.out / "bench.json", {
         "benchmark": "bench", "machine": benchlib.machine_info(), "description": header,
@@ -450,6 +448,8 @@ def main(argv=None) -> int:
         "dropped": "none" if args.no_drop_caches else args.drop,
         "capacity_bounds": {f"{f:g}": run.capacity_bound(f) for f in args.cache_fractions},
         "records": run.records, "speedups": round_speedups(run)})
+    # the figures are on disk before the plot is tried
+    print(f"{report}\n\n{plot(run, args.out / 'bench-epochs.png')}")
     return 0
 
 
