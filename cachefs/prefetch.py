@@ -529,13 +529,8 @@ class Prefetcher:
                 identity = fetched.identity
                 self.meta.record(item, identity)
             else:
-                # a reader is about to open it; not if one has read it whole meanwhile (a
-                # demand read this fetch waited for): the kernel holds it from that READ, and
-                # the push made blocks ranked to go first (Ranking.read_whole) the kernel's
-                # too, whose eviction dropped the pages the reader was still reading (a
-                # block read twice an epoch in tests/test_torch.py, 1 run in 5)
-                if self.tiered.kernel is not None and item not in self._read_whole:
-                    self._push(item, identity)
+                if self.tiered.kernel is not None:
+                    self._push(item, identity)  # a reader is about to open it
         except OSError as exc:
             # the reader will hit the same error on demand and get its errno
             self.prefetch_errors += 1
@@ -558,9 +553,16 @@ class Prefetcher:
         return item < len(pos_cur) and pos_cur[item] >= 0
 
     def _push(self, item: int, identity: SourceIdentity) -> None:
+        """Store the item's blocks into the kernel's pages, ahead of its reader; not once a
+        reader has read it whole, now or when a lookup the push waits for is answered (under
+        another manifest by then, the item number means another file, and the push goes
+        ahead). The kernel holds such a file from its READs, and a push made its blocks,
+        ranked to go first (Ranking.read_whole), the kernel's too: their eviction dropped
+        the pages the reader was still reading (a block read twice an epoch in
+        tests/test_torch.py, 1 run in 5, by a fetch a demand read had waited for)."""
+        if item in self._read_whole:
+            return
         manifest = self.ranking.manifest
-        # not once a reader has read it whole (see the end of _fetch_item; under another
-        # manifest the item number means another file, and the push goes ahead)
         self.tiered.push(manifest.path(item), identity,
                          range(block_count(identity.size, self.block_bytes)),
                          still_wanted=lambda: (manifest is not self.ranking.manifest
