@@ -226,7 +226,14 @@ class Mount:
         if order is None:  # not active
             return None
         manifest = order.manifest
-        return [manifest.path(int(item)) for item in self.planner.current[self.planner.cursor:]]
+        upcoming = self.planner.current[self.planner.cursor:]
+        if order.items is not None:
+            # an order of byte ranges: its entries are items, several to a file; each file
+            # once, where its first item comes
+            files = order.items.file[upcoming]
+            _, first = np.unique(files, return_index=True)
+            upcoming = files[np.sort(first)]
+        return [manifest.path(int(index)) for index in upcoming]
 
     def _order_in_force(self, order) -> None:
         """The order watcher's order comes into force (`OrderWatcher`'s `on_order`)."""

@@ -73,6 +73,7 @@ ORDER_VERSION = 1
 _KNOWN_KEYS = frozenset({"version", "epoch", "current", "next", "files", "rank", "world_size",
                          "targets", *ITEM_KEYS})
 _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip with members / an empty zip
+UNKNOWN_KEYS_SHOWN = 5  # unknown keys a rejection names
 NPY_MAGIC = b"\x93NUMPY"  # a single .npy array (read_index_file reads those)
 # The largest world_size: a rank file's name carries at most nine digits (rank_of_file_name).
 MAX_WORLD_SIZE = 10**9
@@ -408,7 +409,12 @@ def _read_npz(path: Path) -> tuple[dict[str, np.ndarray], FileIdentity]:
             with npz:
                 unknown = sorted(set(npz.files) - _KNOWN_KEYS)
                 if unknown:
-                    raise OrderError(f"unknown key(s) {', '.join(map(repr, unknown))}; version "
+                    # the first few only: a file of thousands of arrays made a reason too long
+                    # for the stats attribute (64 KiB) that reports it
+                    shown = ", ".join(map(repr, unknown[:UNKNOWN_KEYS_SHOWN]))
+                    more = (f" and {len(unknown) - UNKNOWN_KEYS_SHOWN} more"
+                            if len(unknown) > UNKNOWN_KEYS_SHOWN else "")
+                    raise OrderError(f"unknown key(s) {shown}{more}; version "
                                      f"{ORDER_VERSION} has {', '.join(sorted(_KNOWN_KEYS))}")
                 for required in ("version", "epoch", "current"):
                     if required not in npz.files:

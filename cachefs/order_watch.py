@@ -73,6 +73,8 @@ _EVENT_HEADER = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes o
 _READ_BYTES = 64 * 1024
 _RESCAN_S = 1.0  # recheck even without an event: a lost event costs at most this long
 REJECTIONS_KEPT = 8  # ranks publishing at the same moment each find their own rejection
+# a rejection's reason as recorded: eight of them stay far below an xattr's 64 KiB
+REASON_MAX_CHARS = 1000
 PUBLICATIONS_SHOWN = 64  # the stats snapshot must stay far below an xattr's 64 KiB
 
 
@@ -374,6 +376,9 @@ class OrderWatcher:
         return ", ".join(str(self._name(publication)) for publication in publications)
 
     def _reject(self, reason: str, identity: FileIdentity | None, name: str) -> None:
+        if len(reason) > REASON_MAX_CHARS:
+            # kept whole it could fill the stats attribute (64 KiB) that reports it
+            reason = f"{reason[:REASON_MAX_CHARS]}... ({len(reason)} characters)"
         if identity is not None:
             self._handled[name] = identity
         self.rejections_total += 1

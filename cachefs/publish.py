@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,7 @@ from cachefs import ctrl
 from cachefs.errors import OrderError
 from cachefs.order import (NPY_MAGIC, check_arrays, check_indices, check_targets, rank_order_path,
                            write_checked)
-from cachefs.order_items import ITEM_KEYS, ItemArrays, check_item_files
+from cachefs.order_items import ITEM_KEYS, ItemArrays, as_int_array, check_item_files
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +51,16 @@ def read_index_file(path: Path) -> np.ndarray:
     if data.startswith(NPY_MAGIC):
         try:
             array = np.load(path, allow_pickle=False)
-        except ValueError as err:
+        except (ValueError, EOFError, OSError) as err:
             raise OrderError(f"{path}: not a usable .npy array of indices: {err}") from None
         if not isinstance(array, np.ndarray) or array.ndim != 1 or array.dtype.kind not in "iu":
             raise OrderError(f"{path}: a .npy array of indices must be 1-D integers, got "
                              f"{getattr(array, 'dtype', type(array).__name__)} of shape "
                              f"{getattr(array, 'shape', '?')}")
-        return array.astype(np.int64, copy=False)
+        try:
+            return as_int_array("indices", array)  # uint64 beyond int64 refused, not wrapped
+        except OrderError as err:
+            raise OrderError(f"{path}: {err}") from None
     lines = np.char.strip(np.array(data.split(b"\n"), dtype="S"))
     line_numbers = np.flatnonzero(lines != b"") + 1
     try:
@@ -112,7 +116,7 @@ def read_items_file(path: Path) -> ItemArrays:
                 if missing:
                     raise OrderError(f"{path}: no {', '.join(missing)} in the archive")
                 return ItemArrays(*(npz[key] for key in ITEM_KEYS))
-        except ValueError as err:
+        except (ValueError, EOFError, OSError, zipfile.BadZipFile) as err:
             raise OrderError(f"{path}: not a usable npz of items: {err}") from None
     rows = []
     for line_number, line in enumerate(data.split(b"\n"), 1):
@@ -120,12 +124,13 @@ def read_items_file(path: Path) -> ItemArrays:
         if not fields:
             continue
         try:
-            if len(fields) != 3:
+            row = [int(field) for field in fields]
+            if len(row) != 3 or not all(-2**63 <= value < 2**63 for value in row):
                 raise ValueError
-            rows.append([int(field) for field in fields])
+            rows.append(row)
         except ValueError:
-            raise OrderError(f"{path}: line {line_number}: not three integers (file index, "
-                             f"offset, length): {line[:80].decode('utf-8', 'replace')!r}"
+            raise OrderError(f"{path}: line {line_number}: not three 64-bit integers (file "
+                             f"index, offset, length): {line[:80].decode('utf-8', 'replace')!r}"
                              ) from None
     table = np.array(rows, dtype=np.int64).reshape(-1, 3)
     return ItemArrays(table[:, 0], table[:, 1], table[:, 2])

@@ -187,7 +187,9 @@ def _read_list(path: Path) -> list[bytes]:
                            if line.strip() and _refused(line)), "?")
             raise WarmError(f"{path}: line {number} is not a path relative to the source "
                             f"(it is absolute or has a '..' component)") from None
-    return paths
+    # `find . -type f` writes ./a/b, which the mount reads as a/b: an entry admitted under
+    # another spelling of its path would never be found, nor its room given back
+    return [os.path.normpath(relpath) for relpath in paths]
 
 
 def _refused(relpath: bytes) -> bool:

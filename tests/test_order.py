@@ -363,6 +363,14 @@ def test_reject_unknown_key(tmp_path, source_manifest):
     assert "unknown key(s) 'nxt'" in rejection(tmp_path / "order.npz", source_manifest)
 
 
+def test_reject_many_unknown_keys_names_a_few(tmp_path, source_manifest):
+    extra = {f"extra_{number:04d}": np.arange(1) for number in range(3000)}
+    save_npz(tmp_path / "order.npz", epoch=np.int64(0), current=np.arange(3), **extra)
+    message = rejection(tmp_path / "order.npz", source_manifest)
+    assert "unknown key(s) 'extra_0000', 'extra_0001'" in message
+    assert "and 2995 more" in message and len(message) < 300
+
+
 def test_reject_non_integer_indices(tmp_path, source_manifest):
     save_npz(tmp_path / "order.npz", epoch=np.int64(0), current=np.array([0.0, 1.0]))
     message = rejection(tmp_path / "order.npz", source_manifest)

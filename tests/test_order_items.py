@@ -139,7 +139,7 @@ def test_items_files_read_as_npz_or_text(tmp_path):
     text.write_text("0 0 100\n\n0 100 200\n")
     assert [a.tolist() for a in read_items_file(text)] == [[0, 0], [0, 100], [100, 200]]
     text.write_text("0 0 100\n0 100\n")
-    with pytest.raises(OrderError, match="line 2: not three integers"):
+    with pytest.raises(OrderError, match="line 2: not three 64-bit integers"):
         read_items_file(text)
     np.savez(npz, item_file=[0])
     with pytest.raises(OrderError, match="no item_offset, item_length"):

@@ -218,6 +218,20 @@ def test_a_failing_on_order_is_a_rejection(tmp_path):
     assert status["last_rejection"]["file"] == identity.to_json()
 
 
+def test_a_rejection_reason_is_cut_to_fit_the_stats_attribute(tmp_path):
+    # eight rejections of a file with thousands of arrays once made `cachefs stats` unreadable
+    def on_order(order):
+        raise ValueError("x" * 50_000)
+
+    watcher = OrderWatcher(tmp_path / "order.npz", lambda p: load_order(p, SOURCE), on_order)
+    write_order_file(tmp_path / "order.npz", epoch=1, current=np.arange(8))
+    trio.run(watcher.check)
+    reason = watcher.status()["last_rejection"]["reason"]
+    assert "xxx" in reason
+    assert len(reason) < order_watch.REASON_MAX_CHARS + 40
+    assert reason.endswith("characters)")
+
+
 def test_missing_file_and_missing_directory_are_quiet(tmp_path):
     async def body(h: Harness):
         await trio.sleep(0.1)

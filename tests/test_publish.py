@@ -122,6 +122,24 @@ def test_publish_to_a_directory_that_is_not_a_mount(tmp_path):
     assert done.returncode == 2
 
 
+@pytest.mark.parametrize("option, content, message", [
+    ("--items", b"PK\x03\x04 cut short", "not a usable npz of items"),
+    ("--items", b"0 99999999999999999999 10\n", "line 1: not three 64-bit integers"),
+    ("--current", None, "beyond int64"),
+])
+def test_publish_refuses_bad_input_files_with_one_line(tmp_path, option, content, message):
+    bad = tmp_path / "bad"
+    if content is None:  # uint64 indices beyond int64: refused, not wrapped to negatives
+        np.save(tmp_path / "bad.npy", np.array([0, 2**63 + 5], np.uint64))
+        bad = tmp_path / "bad.npy"
+    else:
+        bad.write_bytes(content)
+    seed = ["--seed", 1] if option == "--items" else []
+    done = run_cachefs("publish", tmp_path, "--epoch", 0, *seed, option, bad)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert message in done.stderr and "Traceback" not in done.stderr
+
+
 def test_two_ranks_publish_to_one_mount_at_once_with_the_cli(dataset, mounter):
     src, relpaths = dataset
     mount = mounter(src)

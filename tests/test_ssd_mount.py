@@ -8,6 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cachefs.cache.ram import page_bytes
@@ -174,6 +175,25 @@ def test_warm_fills_the_tier_in_order_and_resumes(dataset, mounter, tmp_path):
     assert again.returncode == 0 and "0.0 MB written" in again.stdout
 
 
+def test_warm_of_an_order_of_byte_ranges_warms_their_files(dataset, mounter, tmp_path):
+    # its entries are items, several to a file: once taken for file numbers, they named
+    # files out of the order's list (a failed warm) or other files
+    src, relpaths = dataset
+    mount = mounter(src, *ssd_args(tmp_path / "ssd"))
+    from cachefs import order
+    from cachefs.order_items import ItemArrays
+    from cachefs.publish import publish
+
+    files = relpaths[:2]  # 4 items in each, 5,000 bytes apart
+    items = ItemArrays(np.repeat(np.arange(2), 4), np.tile(np.arange(4) * 5000, 2),
+                       np.full(8, 5000))
+    publish(mount.mountpoint, 0, order.permutation(8, 1, 0), items=items, files=files)
+    done = run_cachefs("warm", mount.mountpoint, "--order")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "warm done; 2/2 files" in done.stdout
+    assert mount.stats()["ssd"]["entries"] == 2
+
+
 def test_warm_from_a_list_and_refusals(dataset, mounter, tmp_path):
     src, relpaths = dataset
     plain = mounter(src)
@@ -208,6 +228,8 @@ def test_a_warm_list_larger_than_the_limit_is_refused_unread(tmp_path, monkeypat
     listing = tmp_path / "list.txt"
     listing.write_text("a/b\nc/d\n")
     assert warm._read_list(listing) == [b"a/b", b"c/d"]
+    listing.write_text("./a//b\n")  # as `find .` writes them: the mount's spelling
+    assert warm._read_list(listing) == [b"a/b"]
     listing.write_text("a/b\nc/d\n" * 3)
     with pytest.raises(warm.WarmError, match="is larger than 20 bytes"):
         warm._read_list(listing)
