@@ -256,7 +256,10 @@ class Operations(pyfuse3.Operations):
         if not handle.kernel_whole and self.kernel is not None:
             # The kernel drops the inode's pages when this open is answered: stores of the
             # pages of another version still queued must land before that, not after.
-            if entry.page_identity not in (None, handle.identity):
+            # So must those queued before a change found at this open or lately, which has
+            # already set page_identity to None (the drop of the old pages queued behind them).
+            if entry.page_identity != handle.identity and (
+                    entry.page_identity is not None or self.kernel.dropped_lately(inode)):
                 await self.kernel.drain()
             entry.page_identity = handle.identity
         fh = self._new_fh()
@@ -283,7 +286,9 @@ class Operations(pyfuse3.Operations):
         handle = self._without_open.get(inode)
         entry = self._entry(inode)
         told = self.source.identity_of(entry.stat)  # the version whose size the kernel holds
-        if handle is None or handle.identity != told:
+        # not `handle.identity`: a READ moves that on to a new version of the same size, and
+        # a new handle for every READ after it read each block again and lost the first's count
+        if handle is None or handle.told != told:
             handle = self.reader.handle_without_open(inode, entry.relpath, self._item_of(entry),
                                                      told)
             self._without_open[inode] = handle
@@ -333,17 +338,23 @@ class Operations(pyfuse3.Operations):
         """Files were closed (fanotify, in the zero-request mode): account for each, as a
         RELEASE would, whether READs came for it or the kernel's pages served it all."""
         for inode in inodes:
-            handle = self._without_open.pop(inode, None)
-            if handle is not None:
-                self.reader.release(handle)
-                continue
             try:
-                entry = self.inodes.get(inode)
-            except KeyError:
-                continue  # forgotten since; nothing of it is held
-            if stat.S_ISREG(entry.stat.st_mode):
-                self.reader.closed_without_reads(inode, entry.relpath, self._item_of(entry),
-                                                 self.source.identity_of(entry.stat))
+                self._closed_one(inode)
+            except Exception:  # noqa: BLE001 - one file's accounting must not end all others'
+                log.exception("unexpected error accounting for the close of inode %d", inode)
+
+    def _closed_one(self, inode: int) -> None:
+        handle = self._without_open.pop(inode, None)
+        if handle is not None:
+            self.reader.release(handle)
+            return
+        try:
+            entry = self.inodes.get(inode)
+        except KeyError:
+            return  # forgotten since; nothing of it is held
+        if stat.S_ISREG(entry.stat.st_mode):
+            self.reader.closed_without_reads(inode, entry.relpath, self._item_of(entry),
+                                             self.source.identity_of(entry.stat))
 
     @_guarded
     async def release(self, fh):

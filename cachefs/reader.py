@@ -109,6 +109,10 @@ class OpenFile:
     # a READ of this handle found pages gone that only the kernel held (reclaimed: the file
     # counts as the miss it became, and in `kernel_reclaimed`)
     kernel_reclaimed: bool = False
+    # the version the kernel was told of when this handle was made (None: as `identity`); a
+    # READ may move `identity` on to a new version of the same size (`_block`), and the
+    # zero-request mode's handle stays the file's until the kernel is told of another
+    told: SourceIdentity | None = None
 
 
 class Reader:
@@ -198,7 +202,7 @@ class Reader:
         return OpenFile(inode, relpath, identity, item, self._ranking.manifest,
                         epoch_record=self._stats.current,
                         order_serial=self._planner.order_serial,
-                        consume_at_release=True)
+                        consume_at_release=True, told=identity)
 
     def closed_without_reads(self, inode: int, relpath: bytes, item: int,
                              identity: SourceIdentity) -> None:

@@ -46,11 +46,13 @@ class PublicOnly:
         return getattr(self._reader, name)
 
 
-def operations(src: Path, ttl_s: float = TTL_S, changed: list | None = None) -> Operations:
+def operations(src: Path, ttl_s: float = TTL_S, changed: list | None = None,
+               stats: Stats | None = None) -> Operations:
     source = Source(src, threads=2)
     freshness = Freshness(ttl_s)
     read_path = build_read_path(
-        source, Stats(), RamTier(16 * BLOCK_BYTES, block_bytes=BLOCK_BYTES), None, freshness,
+        source, stats or Stats(), RamTier(16 * BLOCK_BYTES, block_bytes=BLOCK_BYTES), None,
+        freshness,
         block_bytes=BLOCK_BYTES, source_threads=2, lookahead_items=0, sequential_blocks=0,
         on_source_changed=None if changed is None else (
             lambda relpath, identity: changed.append(relpath)))
@@ -117,3 +119,55 @@ def test_attributes_age_on_trios_clock(tmp_path):
         assert (await ops.getattr(inode, None)).st_size == 20  # asked again
 
     trio.run(main, clock=clock)
+
+
+def test_reads_without_open_of_a_file_changed_to_the_same_size_keep_one_handle(tmp_path):
+    """The zero-request mode: the first READ finds the file changed to a new version of the
+    size the kernel holds and serves it; the next READs stay on that one handle (they made a
+    new one each, with the old version, and read every block again, the first handles never
+    counted), and the close counts the file once, with every byte served."""
+    src = tmp_path / "src"
+    write_file(src / "a", 2 * BLOCK_BYTES, seed=1)
+    stats = Stats()
+    ops = operations(src, stats=stats)
+    ops.decide_mode(no_open=True)
+
+    async def main():
+        inode = (await ops.lookup(ROOT_INODE, b"a", None)).st_ino
+        write_file(src / "a", 2 * BLOCK_BYTES, seed=2)
+        new = (src / "a").read_bytes()
+        for offset in (0, BLOCK_BYTES, 0):  # the last: the kernel reads block 0 again
+            assert await ops.read(inode, offset, BLOCK_BYTES) == new[offset:offset + BLOCK_BYTES]
+        ops.closed([inode])
+
+    trio.run(main)
+    totals = stats.totals()
+    assert totals["reads"] == 1 and totals["bytes_served"] == 3 * BLOCK_BYTES
+    assert totals["backend_reads"] == 2  # each block once
+
+
+def test_a_close_whose_accounting_fails_does_not_stop_the_others(tmp_path, caplog):
+    src = tmp_path / "src"
+    write_file(src / "a", 100)
+    write_file(src / "b", 100)
+    stats = Stats()
+    ops = operations(src, stats=stats)
+    ops.decide_mode(no_open=True)
+    release = ops.reader.release
+
+    def failing_release(handle, *args, **kwargs):
+        if handle.relpath == b"a":
+            raise RuntimeError("accounting bug")
+        return release(handle, *args, **kwargs)
+
+    ops.reader.release = failing_release
+
+    async def main():
+        inodes = [(await ops.lookup(ROOT_INODE, name, None)).st_ino for name in (b"a", b"b")]
+        for inode in inodes:
+            await ops.read(inode, 0, 100)
+        ops.closed(inodes)
+
+    trio.run(main)
+    assert stats.totals()["reads"] == 1  # b's close was counted
+    assert "accounting bug" in caplog.text
