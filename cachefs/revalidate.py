@@ -24,6 +24,7 @@ expects of a training set.
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Callable
 
@@ -38,6 +39,9 @@ log = logging.getLogger(__name__)
 BATCH_FILES = 512  # lstats per worker-thread hop
 MIN_INTERVAL_S = 0.25
 GONE = SourceIdentity(-1, 0, 0)  # the identity of a file the source no longer has
+# what an lstat fails with for a file gone (or out of the daemon's reach: the copies go, as
+# a reader would get this error); any other error is the source's, and is asked again
+GONE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EACCES, errno.EPERM})
 
 
 class Revalidator:
@@ -95,6 +99,11 @@ class Revalidator:
         """Record one fresh stat; a file that changed or went loses its cached copies."""
         block = self.ram.get((relpath, 0))
         if isinstance(st, OSError):
+            if st.errno not in GONE_ERRNOS:
+                # a failure of the source, not of the file (EIO, a timeout, a stale NFS
+                # handle): its copies stay, and the next sweep asks again
+                log.debug("could not re-check %r: %s", relpath, st)
+                return
             identity = GONE
         else:
             identity = self.source.identity_of(st)

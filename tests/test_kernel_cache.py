@@ -9,6 +9,7 @@ kernel that forgot an inode costing nothing but speed.
 from __future__ import annotations
 
 import json
+import errno
 import os
 import subprocess
 import sys
@@ -545,6 +546,34 @@ def test_a_revalidated_file_is_recorded_under_its_ram_blocks_item(tmp_path):
     revalidator._apply(b"gone", os.lstat(tmp_path / "gone"), 0.0)
     assert recorded == [(b"held", identity, 7),
                         (b"gone", source.identity_of(os.lstat(tmp_path / "gone")), None)]
+
+
+def test_a_recheck_that_fails_for_the_source_keeps_the_copies(tmp_path):
+    """A sweep's lstat failing with EIO (a timeout, a stale NFS handle) says nothing of the
+    file: its copies stay and it is asked again; ENOENT drops them (it dropped them for any
+    error, and a cache-once SSD tier never got them back)."""
+    from cachefs import stats as stats_mod
+    from cachefs.cache.ram import RamBlock, RamTier
+    from cachefs.freshness import Freshness
+    from cachefs.inodes import InodeTable
+    from cachefs.revalidate import GONE, Revalidator
+    from cachefs.source import Source
+
+    (tmp_path / "held").write_bytes(b"x" * 10)
+    source = Source(tmp_path, threads=1)
+    ram = RamTier(1 << 20, block_bytes=1 << 20)
+    identity = source.identity_of(os.lstat(tmp_path / "held"))
+    assert ram.reserve(10, 0.0)
+    ram.insert((b"held", 0), RamBlock(b"x" * 10, identity, 0, stats_mod.ORIGIN_PREFETCHED), 10)
+    changed = []
+    revalidator = Revalidator(source, ram, InodeTable(os.lstat(tmp_path)), Freshness(60.0),
+                              record_identity=lambda *args: None,
+                              source_changed=lambda relpath, new: changed.append(new))
+    revalidator._apply(b"held", OSError(errno.EIO, "I/O error"), 0.0)
+    revalidator._apply(b"held", OSError(errno.ETIMEDOUT, "timed out"), 0.0)
+    assert changed == [] and revalidator.changed == 0
+    revalidator._apply(b"held", FileNotFoundError(errno.ENOENT, "gone"), 0.0)
+    assert changed == [GONE]
 
 
 def test_a_close_with_no_read_just_after_its_pages_were_dropped_is_counted(monkeypatch):
