@@ -276,22 +276,36 @@ class Operations(pyfuse3.Operations):
 
     @_guarded
     async def read(self, fh, offset, size):
-        handle = self._files.get(fh) if not self.no_open else self._read_without_open(fh)
+        handle = self._files.get(fh) if not self.no_open else await self._read_without_open(fh)
         if handle is None:
             raise pyfuse3.FUSEError(errno.EBADF)
         return await self.reader.read(handle, offset, size)
 
-    def _read_without_open(self, inode: int) -> OpenFile:
-        """The handle of a READ that came with no OPEN: `fh` is the inode (patched pyfuse3)."""
+    async def _read_without_open(self, inode: int) -> OpenFile:
+        """The handle of a READ that came with no OPEN: `fh` is the inode (patched pyfuse3).
+        The first READ of a file the kernel was told of over a TTL ago checks the source, as
+        an open would (`_open`; Reader.checked_handle_without_open)."""
         handle = self._without_open.get(inode)
         entry = self._entry(inode)
         told = self.source.identity_of(entry.stat)  # the version whose size the kernel holds
         # not `handle.identity`: a READ moves that on to a new version of the same size, and
         # a new handle for every READ after it read each block again and lost the first's count
-        if handle is None or handle.told != told:
-            handle = self.reader.handle_without_open(inode, entry.relpath, self._item_of(entry),
-                                                     told)
-            self._without_open[inode] = handle
+        if handle is not None and handle.told == told:
+            return handle
+        item = self._item_of(entry)
+        if self.freshness.trusted(entry.stat_time_s):
+            handle = self.reader.handle_without_open(inode, entry.relpath, item, told)
+        else:
+            handle = await self.reader.checked_handle_without_open(inode, entry.relpath, item,
+                                                                   told)
+            if handle.identity != told:  # as at an open (`_open`)
+                self.reader.source_changed(entry.relpath, handle.identity)
+                if handle.identity.size != told.size:
+                    raise errors.StaleFileError(f"{entry.relpath!r} changed in the source")
+            made = self._without_open.get(inode)
+            if made is not None and made.told == told:
+                return made  # another READ of the file made one while this one checked
+        self._without_open[inode] = handle
         return handle
 
     def decide_mode(self, no_open: bool,

@@ -164,23 +164,42 @@ class Reader:
         `pages_of`: the version of the file whose pages the kernel may hold (None: none). The
         kernel keeps them if they are of the version opened (see the module docstring).
         """
-        identity = self._prefetcher.known_identity(item) or recent
-        # identity None only until fresh_identity below: the handle takes the epoch and order
-        # of the open, not those after the wait
-        handle = OpenFile(inode, relpath, identity, item,  # type: ignore[arg-type]
+        # the handle takes the epoch and order of the open, not those after a wait
+        handle = OpenFile(inode, relpath, None, item,  # type: ignore[arg-type]
                           self._ranking.manifest, epoch_record=self._stats.current,
                           order_serial=self._planner.order_serial)
-        if identity is None:
-            # not read ahead (or its identity is stale): the batch of its target starts now
-            self._prefetcher.demand_miss(item, handle.manifest)
-            started_s = now_s()
-            handle.identity, waited_for_data = await self._tiered.fresh_identity(relpath)
-            handle.stall_s = now_s() - started_s
-            if waited_for_data:
-                handle.origin = stats_mod.ORIGIN_MISS
-            self._prefetcher.record_identity(relpath, handle.identity)
+        await self._settle_identity(handle, recent)
         if pages_of is not None and pages_of == handle.identity:
             self._kernel_holds(handle)
+        return handle
+
+    async def _settle_identity(self, handle: OpenFile, recent: SourceIdentity | None) -> None:
+        """Give the handle its file's identity: the prefetcher's if still trusted, else
+        `recent`, else fresh from the source (`open`); the wait for the source is a stall,
+        and a miss if it waited for the file's data."""
+        known = self._prefetcher.known_identity(handle.item) or recent
+        if known is not None:
+            handle.identity = known
+            return
+        # not read ahead (or its identity is stale): the batch of its target starts now
+        self._prefetcher.demand_miss(handle.item, handle.manifest)
+        started_s = now_s()
+        handle.identity, waited_for_data = await self._tiered.fresh_identity(handle.relpath)
+        handle.stall_s += now_s() - started_s
+        if waited_for_data:
+            handle.origin = stats_mod.ORIGIN_MISS
+        self._prefetcher.record_identity(handle.relpath, handle.identity)
+
+    async def checked_handle_without_open(self, inode: int, relpath: bytes, item: int,
+                                          told: SourceIdentity) -> OpenFile:
+        """`handle_without_open` for the first READ of a file the kernel was told of longer
+        than a TTL ago: its identity checked as an open checks it (`open`). The zero-request
+        mode has no open, and the sweeps (cachefs/revalidate.py) re-check only the files RAM
+        holds: without this a file served from the SSD tier, whose attributes the kernel
+        keeps for `--kernel-timeout`, was served past `--metadata-ttl` after it changed. The
+        handle's `identity` may differ from `told` (the caller decides)."""
+        handle = self.handle_without_open(inode, relpath, item, told)
+        await self._settle_identity(handle, None)
         return handle
 
     def _kernel_holds(self, handle: OpenFile) -> bool:

@@ -14,8 +14,10 @@ Where the checks happen, so that an open waits for none of them:
   file, and none on an open);
 - in the keep-cache mode, an open of a cached file whose identity has expired anyway (this
   task fell behind, or the TTL is 0) checks it itself, one source round trip (fuse_ops.open,
-  reader.Reader.open). The zero-request mode has no open: there the sweeps are the contract,
-  every max(TTL / 4, MIN_INTERVAL_S) seconds.
+  reader.Reader.open). The zero-request mode has no open: there the sweeps are the contract
+  for what RAM holds, every max(TTL / 4, MIN_INTERVAL_S) seconds, and the first READ of a
+  file the kernel was told of over a TTL ago checks it (what the SSD tier serves;
+  fuse_ops.Operations._read_without_open).
 
 Cost: about 2 x (files held) / TTL lstats a second; the default TTL (60 s, as gcsfuse's stat
 cache) keeps that small for data sets that do not change while mounted, which is what cachefs

@@ -171,3 +171,32 @@ def test_a_close_whose_accounting_fails_does_not_stop_the_others(tmp_path, caplo
     trio.run(main)
     assert stats.totals()["reads"] == 1  # b's close was counted
     assert "accounting bug" in caplog.text
+
+
+def test_a_read_without_open_past_the_ttl_checks_the_source_first(tmp_path):
+    """The zero-request mode: the first READ of a file the kernel was told of over a TTL ago
+    checks the source, as an open does in the keep-cache mode. Here the copy no sweep checks
+    is RAM's (no revalidation task runs); on a mount it is the SSD tier's, which the sweeps
+    leave alone and which was served stale for as long as the kernel kept the attributes."""
+    src = tmp_path / "src"
+    write_file(src / "a", 2 * BLOCK_BYTES, seed=1)
+    write_file(src / "b", 2 * BLOCK_BYTES, seed=3)
+    ops = operations(src, ttl_s=1.0)
+    ops.decide_mode(no_open=True)
+    clock = trio.testing.MockClock()
+
+    async def main():
+        a, b = [(await ops.lookup(ROOT_INODE, name, None)).st_ino for name in (b"a", b"b")]
+        for inode, name in ((a, "a"), (b, "b")):
+            assert await ops.read(inode, 0, BLOCK_BYTES) == (src / name).read_bytes()[
+                :BLOCK_BYTES]
+        ops.closed([a, b])
+        write_file(src / "a", 2 * BLOCK_BYTES, seed=2)  # the same size: served new
+        write_file(src / "b", BLOCK_BYTES, seed=4)  # another size: ESTALE, then looked up
+        clock.jump(2.0)
+        assert await ops.read(a, 0, BLOCK_BYTES) == (src / "a").read_bytes()[:BLOCK_BYTES]
+        with pytest.raises(pyfuse3.FUSEError) as raised:
+            await ops.read(b, 0, BLOCK_BYTES)
+        assert raised.value.errno == errno.ESTALE
+
+    trio.run(main, clock=clock)
