@@ -218,7 +218,7 @@ class Run:
         ssd_dir = args.workdir / "ssd" if args.ssd_fraction > 0 else None
         if ssd_dir is not None:
             shutil.rmtree(ssd_dir, ignore_errors=True)
-            ssd_dir.mkdir(parents=True)
+            ssd_dir.mkdir(parents=True, mode=0o700)  # only ours (cachefs/cache/ssd.py)
         mountpoint = args.workdir / "mnt"
         self._drop()
         with benchlib.cachefs_mount(

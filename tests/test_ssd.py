@@ -522,6 +522,35 @@ def test_index_log_keeps_queue_order_and_loses_nothing_across_threads(tmp_path):
     assert path.read_bytes() == b"".join(queued)
 
 
+def test_a_cache_directory_another_user_may_write_to_is_refused(tmp_path):
+    """Another user who may write to DIR could plant a link where cachefs writes (the lock,
+    which the daemon then chmods: any file of the system, with a root daemon) or forge
+    entries; DIR must be its user's, writable by no other, and no link inside is followed."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # as /tmp
+    with pytest.raises(StartupError, match="writable by other users") as raised:
+        SsdTier(shared, 10 * BLOCK, BLOCK)
+    assert raised.value.exit_code == EXIT_CACHE_DIR and not (shared / "lock").exists()
+    foreign = tmp_path / "foreign"
+    foreign.mkdir(mode=0o700)
+    os.chown(foreign, 65534, 65534)  # root runs the tests
+    with pytest.raises(StartupError, match="belongs to user 65534"):
+        SsdTier(foreign, 10 * BLOCK, BLOCK)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    victim.chmod(0o644)
+    planted = tmp_path / "planted"
+    planted.mkdir(mode=0o700)
+    (planted / "lock").symlink_to(victim)  # left while DIR was writable by others
+    with pytest.raises(StartupError):
+        SsdTier(planted, 10 * BLOCK, BLOCK)
+    assert victim.stat().st_mode & 0o777 == 0o644 and victim.read_bytes() == b"keep me"
+    fresh = tmp_path / "made" / "by" / "cachefs"
+    with SsdTier(fresh, 10 * BLOCK, BLOCK) as tier:  # made 0700: usable
+        fill(tier, 1)
+
+
 def modes(directory: Path) -> dict[str, int]:
     """Permission bits of DIR and of everything under it, by path relative to DIR."""
     found = {".": directory.stat().st_mode & 0o7777}

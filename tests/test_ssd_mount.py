@@ -136,7 +136,7 @@ def test_full_ssd_disk_stops_admission_and_reads_go_on(dataset, mounter, tmp_pat
     src, relpaths = dataset
     ssd_dir = tmp_path / "tiny"
     ssd_dir.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(ssd_dir)],
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(ssd_dir)],
                       capture_output=True).returncode != 0:
         pytest.skip("cannot mount a tmpfs here")
     try:

@@ -14,7 +14,9 @@ keeps the in-memory index that the threads share.
 Private: the cached bytes may come from files only root may read, so DIR is created 0700,
 and every directory under it is 0700 and every file 0600. That is set again at each start:
 an older version made them 0755 and 0644. A DIR that existed already keeps its mode (it may
-be a directory with other uses); what cachefs keeps in it is private all the same.
+be a directory with other uses); what cachefs keeps in it is private all the same. DIR must
+belong to the daemon's user and be writable by no other (`_check_only_ours`), and no file of
+it is opened through a link.
 
 Crash recovery. `meta` says ``"clean": false`` from open until `close` has compacted the index
 and fsynced it. An entry is written to a temporary name, renamed into place, and only then is
@@ -61,6 +63,7 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 import threading
 from pathlib import Path
 
@@ -299,7 +302,9 @@ class SsdTier:
 
         try:
             self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(self._dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            _check_only_ours(self._dir)
+            fd = os.open(self._dir / "lock",
+                         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         except OSError as exc:
             raise StartupError(f"cannot use cache directory {self._dir}: {exc}",
                                EXIT_CACHE_DIR) from exc
@@ -322,11 +327,15 @@ class SsdTier:
         for directory in [self._entries_dir] + [self._entries_dir / f"{fan:02x}"
                                                 for fan in range(FANOUT)]:
             directory.mkdir(mode=0o700, exist_ok=True)
+            st = os.lstat(directory)  # not a link, nor another user's (_check_only_ours)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                raise OSError(errno.EPERM, "not a directory of this user", str(directory))
             os.chmod(directory, 0o700)  # private (module docstring), also if made before
         if needs_rewrite:
             write_index(self._index_path, table, self._block_bytes)
         self._install_table(table)
-        index_fd = os.open(self._index_path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        index_fd = os.open(self._index_path,
+                           os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW)
         os.fchmod(index_fd, 0o600)
         os.fchmod(self._lock_fd, 0o600)
         self._log = AppendLog(
@@ -658,6 +667,23 @@ class SsdTier:
             pass
         except OSError as exc:
             log.debug("cannot remove %s: %s", path, exc)
+
+
+def _check_only_ours(directory: Path) -> None:
+    """Refuse a cache directory another user may write to, as ssh's StrictModes refuses a
+    ~/.ssh others may write to: one could plant a link where cachefs writes (its lock, meta
+    or index, which the daemon, often root, then chmods or truncates) or forge entries, whose
+    checksums have no secret. A link the user gave as the directory itself is followed."""
+    st = os.stat(directory)
+    if st.st_uid != os.geteuid():
+        raise StartupError(f"cache directory {directory} belongs to user {st.st_uid}, not to "
+                           f"this one ({os.geteuid()}): that user could change what the mount "
+                           f"serves", EXIT_CACHE_DIR)
+    if st.st_mode & 0o022:
+        raise StartupError(f"cache directory {directory} is writable by other users (mode "
+                           f"{st.st_mode & 0o7777:o}): they could change what the mount serves; "
+                           f"give a directory only its owner may write to (one cachefs makes is "
+                           f"0700)", EXIT_CACHE_DIR)
 
 
 def _errno_name(exc: OSError) -> str:

@@ -190,7 +190,9 @@ def load_index(path: Path, block_bytes: int) -> tuple[np.ndarray, np.ndarray, bo
 def open_private(path: Path, mode: str):
     """A file opened for writing, created or truncated, that only its owner may read (mode
     0600 even if it existed: a leftover from a crash keeps the mode it was made with)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    # no link followed: the daemon, often root, would truncate and chmod what it points to
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
+                 0o600)
     try:
         os.fchmod(fd, 0o600)
         return os.fdopen(fd, mode)
