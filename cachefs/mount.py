@@ -164,9 +164,20 @@ class Mount:
         self.source = Source(config.source, threads=config.prefetch.source_threads,
                              delay_s=config.source_delay_s, requests=self.targets)
         self.ssd = None
+        # `cachefs stats`'s `ssd` of a tier whose device could not be used (full, read-only)
+        self.unusable_ssd: dict | None = None
         if cache.ssd_dir is not None:
-            from cachefs.cache.ssd import SsdTier  # only mounts with an SSD tier need it
-            self.ssd = SsdTier(cache.ssd_dir, cache.ssd_bytes, cache.block_bytes)
+            # only mounts with an SSD tier need it
+            from cachefs.cache.ssd import SsdTier, device_failure, tier_stats
+            try:
+                self.ssd = SsdTier(cache.ssd_dir, cache.ssd_bytes, cache.block_bytes)
+            except errors.StartupError as exc:
+                failure = device_failure(exc)
+                if failure is None:
+                    raise
+                log.warning("ssd cache %s: %s; the mount goes on without its SSD tier",
+                            cache.ssd_dir, failure)
+                self.unusable_ssd = tier_stats(cache.ssd_dir, cache.ssd_bytes, failure)
         self.inodes = InodeTable(os.lstat(self.source.root), self.source.identity_of)
         # the kernel data plane; its thread starts once the FUSE session exists (serve)
         mountpoint = os.fsencode(os.path.abspath(config.mountpoint))
@@ -276,7 +287,8 @@ class Mount:
         if order is not None and self.planner.active:
             order = dict(order, **self.planner.status())
         manifest = self.source_manifest.manifest
-        ssd = self.ssd.stats() if self.ssd is not None else None
+        ssd = self.ssd.stats() if self.ssd is not None else (
+            None if self.unusable_ssd is None else dict(self.unusable_ssd))
         if ssd is not None:
             ssd["admissions_skipped"] = self.tiered.admissions_skipped
             ssd["errors"] = self.stats.ssd_errors

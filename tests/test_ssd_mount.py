@@ -155,6 +155,38 @@ def test_full_ssd_disk_stops_admission_and_reads_go_on(dataset, mounter, tmp_pat
         subprocess.run(["umount", "-l", str(ssd_dir)])
 
 
+def test_a_full_ssd_disk_at_start_mounts_without_the_tier(dataset, mounter, tmp_path):
+    """A device full (or read-only, or failing) before the tier's first write: the mount
+    comes up without it, says why in its log and `cachefs stats`, and serves the source; it
+    failed with exit status 7, and a trainer read an empty mount point."""
+    src, relpaths = dataset
+    ssd_dir = tmp_path / "full"
+    ssd_dir.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs",
+                       str(ssd_dir)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        filler = os.open(ssd_dir / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            with pytest.raises(OSError):
+                while True:
+                    os.write(filler, b"\0" * 4096)
+        finally:
+            os.close(filler)
+        mount = mounter(src, "--ssd-cache", ssd_dir, "--ssd-size", DATA_BYTES,
+                        "--ram-cache", RAM_BYTES)
+        ssd = mount.stats()["ssd"]
+        assert ssd["entries"] == 0 and "ENOSPC" in ssd["admission_disabled"], ssd
+        assert "goes on without its SSD tier" in mount.log()
+        for relpath in relpaths[:20]:
+            assert (mount.mountpoint / relpath).read_bytes() == (src / relpath).read_bytes()
+        done = run_cachefs("stats", mount.mountpoint)
+        assert done.returncode == 0 and "ssd: 0.0" in done.stdout, done.stdout
+        mount.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(ssd_dir)])
+
+
 def test_warm_fills_the_tier_in_order_and_resumes(dataset, mounter, tmp_path):
     src, relpaths = dataset
     mount = mounter(src, *ssd_args(tmp_path / "ssd"))

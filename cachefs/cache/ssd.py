@@ -82,6 +82,9 @@ from cachefs.source import SourceIdentity
 
 log = logging.getLogger(__name__)
 
+# What a device fails with when it is full, read-only or failing (`device_failure`)
+DEVICE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
+
 # How many damaged-entry warnings to log per mount before going quiet (a dying disk would
 # otherwise log one line per block); the count in stats() keeps going.
 _MAX_ENTRY_WARNINGS = 10
@@ -256,15 +259,9 @@ class SsdTier:
 
     def stats(self) -> dict:
         with self._lock:
-            return {
-                "bytes": self._bytes,
-                "budget": self._budget,
-                "entries": self._entries,
-                "rejected_checksum": self._rejected,
-                "dropped_stale": self._dropped_stale,
-                "admission_disabled": self._disabled,
-                "dir": str(self._dir),
-            }
+            return tier_stats(self._dir, self._budget, self._disabled, bytes=self._bytes,
+                              entries=self._entries, rejected_checksum=self._rejected,
+                              dropped_stale=self._dropped_stale)
 
     def close(self) -> None:
         with self._lock:
@@ -667,6 +664,26 @@ class SsdTier:
             pass
         except OSError as exc:
             log.debug("cannot remove %s: %s", path, exc)
+
+
+def tier_stats(directory: Path, budget_bytes: int, disabled: str | None, *, bytes: int = 0,
+               entries: int = 0, rejected_checksum: int = 0, dropped_stale: int = 0) -> dict:
+    """`cachefs stats`'s `ssd` (man/cachefs-stats.1): a tier's, or, with the defaults, that of
+    one whose device could not be used (`device_failure`), which holds and admits nothing."""
+    return {"bytes": bytes, "budget": budget_bytes, "entries": entries,
+            "rejected_checksum": rejected_checksum, "dropped_stale": dropped_stale,
+            "admission_disabled": disabled, "dir": str(directory)}
+
+
+def device_failure(exc: StartupError) -> str | None:
+    """Why the tier could not be opened, if it was its device's failure (full, read-only,
+    failing: DEVICE_ERRNOS), for a mount that goes on without the tier, as it goes on when a
+    write fails later; None if it was anything else (a directory it may not use, another
+    mount's lock): the mount fails."""
+    cause = exc.__cause__
+    if isinstance(cause, OSError) and cause.errno in DEVICE_ERRNOS:
+        return f"{_errno_name(cause)} opening the tier: {cause}"
+    return None
 
 
 def _check_only_ours(directory: Path) -> None:
