@@ -31,7 +31,7 @@ from cachefs import __version__, errors, mount_helper, stats_table
 from cachefs.client import abort_fuse_connection, daemon_killed, process_exited
 from cachefs.config import (DATA_PLANES, MISS_BATCH_ITEMS, SOURCE_THREADS, CacheConfig, MountConfig,
                             PrefetchConfig, default_state_dir, parse_address, parse_size)
-from cachefs.mountinfo import mounted_paths
+from cachefs.mountinfo import listed_path, mounted_paths
 
 if TYPE_CHECKING:
     import numpy as np  # numpy is imported where it is used: `cachefs --help` stays quick
@@ -225,7 +225,7 @@ def _mount_daemon(config: MountConfig) -> None:
         child = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log_file,
                                  stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + MOUNT_WAIT_S
-    mountpoint = os.path.abspath(config.mountpoint)
+    mountpoint = listed_path(config.mountpoint)
     while time.monotonic() < deadline:
         code = child.poll()
         if code is not None:
@@ -248,7 +248,7 @@ def _mount_daemon(config: MountConfig) -> None:
               help="State directory given to mount, if not the default.")
 def umount(mountpoint, state_dir):
     """Unmount MOUNTPOINT, also one whose daemon died."""
-    real = os.path.abspath(mountpoint)  # no realpath: it would stat a possibly stuck mount
+    real = listed_path(mountpoint)  # no realpath: it would stat a possibly stuck mount
     if real not in mounted_paths():
         _fail(f"{mountpoint} is not mounted")
     pid = _daemon_pid(state_dir or default_state_dir(mountpoint))

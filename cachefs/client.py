@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from cachefs import ctrl
-from cachefs.mountinfo import mounted_paths, mountinfo
+from cachefs.mountinfo import listed_path, mounted_paths, mountinfo
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ class MountProcess:
 
     @property
     def mounted(self) -> bool:
-        return os.path.abspath(self.mountpoint) in mounted_paths()
+        return listed_path(self.mountpoint) in mounted_paths()
 
     def stats(self) -> dict:
         return ctrl.read_stats(self.mountpoint)

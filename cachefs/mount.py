@@ -35,7 +35,7 @@ import trio
 
 from cachefs import __version__, errors, threads
 from cachefs.cache.ram import RamTier
-from cachefs.mountinfo import mounted_paths, mountinfo
+from cachefs.mountinfo import listed_path, mounted_paths, mountinfo
 from cachefs.config import MountConfig
 from cachefs.ctrl import Control
 from cachefs.freshness import Freshness
@@ -68,7 +68,7 @@ def check_startup(config: MountConfig) -> None:
     if not config.source.is_dir():
         what = "does not exist" if not config.source.exists() else "is not a directory"
         raise errors.StartupError(f"source {config.source} {what}", errors.EXIT_SOURCE)
-    if os.path.abspath(config.mountpoint) in mounted_paths():
+    if listed_path(config.mountpoint) in mounted_paths():
         raise errors.StartupError(
             f"{config.mountpoint} is already a mount point (a stale cachefs mount? "
             f"run: cachefs umount {config.mountpoint})", errors.EXIT_ALREADY_MOUNTED)
@@ -477,7 +477,7 @@ def _set_read_ahead(mountpoint: Path, kb: int) -> None:
     the kernel's 128 KiB while this was written right after `pyfuse3.init`). The device comes
     from /proc/self/mountinfo.
     """
-    target = os.fsencode(os.path.abspath(mountpoint))
+    target = os.fsencode(listed_path(mountpoint))
     try:
         # the last line for the path: a mount over an earlier one at the same point
         devices = [mount.device for mount in mountinfo() if mount.point == target]

@@ -42,6 +42,25 @@ def mountinfo() -> list[MountInfo]:
     return mounts
 
 
+def listed_path(path: str | os.PathLike, links_left: int = 40) -> str:
+    """`path` as mountinfo lists a mount on it: absolute, the links of its parent directories
+    resolved. Its last component is never stat'ed (a stuck mount there would hang the
+    caller, which is why this is not `realpath`): if it is itself a link (readlink asks no
+    file system mounted on it), its target is resolved the same way."""
+    absolute = os.path.abspath(path)
+    parent, name = os.path.split(absolute)
+    if not name:
+        return absolute  # the root
+    resolved = os.path.join(os.path.realpath(parent), name)
+    try:
+        target = os.readlink(resolved)
+    except OSError:
+        return resolved  # not a link (or missing): mountinfo's spelling already
+    if links_left == 0:
+        return resolved  # a loop: the mount calls will say what is wrong
+    return listed_path(os.path.join(os.path.dirname(resolved), target), links_left - 1)
+
+
 def mounted_paths() -> set[str]:
     """Mount points of this mount namespace (see `mountinfo`)."""
     return {os.fsdecode(mount.point) for mount in mountinfo()}

@@ -375,6 +375,29 @@ def test_daemon_mode_returns_when_mounted(tree, tmp_path):
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)])
 
 
+def test_a_mount_point_named_through_links_mounts_and_unmounts(tree, tmp_path):
+    """The mount table lists real paths: a mount point named through a linked directory, or
+    that is a link itself, was 'not mounted' to umount, and mount waited its whole timeout
+    for a mount that had come up, then took it down."""
+    (tmp_path / "real").mkdir()
+    mnt = tmp_path / "real" / "mnt"
+    mnt.mkdir()
+    (tmp_path / "linked").symlink_to(tmp_path / "real")
+    (tmp_path / "mnt-link").symlink_to(mnt)
+    state = tmp_path / "state"
+    try:
+        for name in (tmp_path / "linked" / "mnt", tmp_path / "mnt-link"):
+            done = run_cachefs("mount", tree, name, "--state-dir", state)
+            assert done.returncode == 0, done.stderr
+            assert str(mnt) in mounted_paths() and (mnt / "one").read_bytes() == b"x"
+            done = run_cachefs("umount", name, "--state-dir", state)
+            assert done.returncode == 0, done.stderr
+            assert str(mnt) not in mounted_paths()
+    finally:
+        if str(mnt) in mounted_paths():
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)])
+
+
 def test_startup_errors_have_documented_exit_codes(tree, tmp_path, mounter):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
