@@ -102,10 +102,13 @@ class OpenFile:
     # handles, whose reader may read the file again from the kernel's pages, which the
     # consumption may drop (a READ then comes, and the file is read from the source twice)
     consume_at_release: bool = False
-    # blocks READs of this handle asked for (added as the READ starts, before its fetch
-    # lands): the kernel holds their pages once answered (with the blocks pushed to it, the
-    # whole file, when the reader is done: `_settle_pages`)
+    # blocks READs of this handle asked for whole (added as the READ that completes one
+    # starts, before its fetch lands): the kernel holds their pages once answered (with the
+    # blocks pushed to it, the whole file, when the reader is done: `_settle_pages`)
     blocks_read: set = field(default_factory=set)
+    # of the blocks READs asked for in part so far, the extents they covered: block index ->
+    # merged [lo, hi) byte ranges; a block covered whole moves to `blocks_read`
+    blocks_partly_read: dict = field(default_factory=dict)
     # a READ of this handle found pages gone that only the kernel held (reclaimed: the file
     # counts as the miss it became, and in `kernel_reclaimed`)
     kernel_reclaimed: bool = False
@@ -277,9 +280,11 @@ class Reader:
             return b""
         parts: list[bytes] = []
         for block_index in range(offset // block_bytes, (end - 1) // block_bytes + 1):
+            start = block_index * block_bytes
+            _note_read(handle, block_index, max(offset, start) - start, min(end - start,
+                       block_bytes), min(block_bytes, identity.size - start))
             data = await self._block(handle, block_index,
                                      may_switch=not parts and not handle.bytes_served)
-            start = block_index * block_bytes
             lo, hi = max(offset, start) - start, min(end, start + len(data)) - start
             parts.append(data if (lo, hi) == (0, len(data)) else data[lo:hi])
         result = parts[0] if len(parts) == 1 else b"".join(parts)
@@ -297,7 +302,6 @@ class Reader:
         """The block's bytes of the handle's version. `may_switch`: nothing was served from
         the handle yet, so a new version of the same size (all the kernel can tell apart)
         may replace its own; any other change is a StaleFileError."""
-        handle.blocks_read.add(block_index)
         key = (handle.relpath, block_index)
         block = self._tiered.lookup(key, handle.identity)  # a block with data, or None
         if block is not None and block.data is not None:  # the hot path: no await
@@ -381,6 +385,31 @@ class Reader:
             self._tiered.hand_to_kernel(handle.relpath, handle.identity, handle.blocks_read)
         elif handle.read_called or handle.kernel_whole:
             self._tiered.keep_pages(handle.relpath, handle.identity, handle.blocks_read)
+
+
+def _note_read(handle: OpenFile, block_index: int, lo: int, hi: int, block_len: int) -> None:
+    """A READ of the handle asks for bytes [lo, hi) of a block of `block_len` bytes: once its
+    READs have covered it whole, the block is read (`blocks_read`). A block read in part
+    stays the daemon's: the kernel holds only the pages asked for (and its read-ahead's), and
+    handing it over made the next read of the file read it again from the source and count
+    a page loss the kernel never had."""
+    if block_index in handle.blocks_read:
+        return
+    if lo == 0 and hi >= block_len:  # the usual case: one READ asks for the whole block
+        handle.blocks_read.add(block_index)
+        return
+    merged: list[tuple[int, int]] = []
+    for extent_lo, extent_hi in sorted([*handle.blocks_partly_read.get(block_index, ()),
+                                        (lo, hi)]):
+        if merged and extent_lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], extent_hi))
+        else:
+            merged.append((extent_lo, extent_hi))
+    if merged[0][0] == 0 and merged[0][1] >= block_len:
+        handle.blocks_read.add(block_index)
+        handle.blocks_partly_read.pop(block_index, None)
+    else:
+        handle.blocks_partly_read[block_index] = merged
 
 
 @dataclass(frozen=True)

@@ -406,6 +406,25 @@ def test_pages_the_kernel_reclaimed_are_misses_and_the_head_stays_with_the_daemo
     assert record["hits_ram"] == N_FILES and record["kernel_reclaimed"] == 0, record
 
 
+@PLANES
+def test_a_block_read_in_part_stays_with_the_daemon(tmp_path, mounter, plane):
+    """A reader that reads the head of a file's one big block and closes it leaves the kernel
+    only the pages it read (and its read-ahead's): the daemon keeps the block. It handed the
+    block over as if the kernel held it whole, so the next read of the file read it again from
+    the source and counted a page loss the kernel never had."""
+    src = tmp_path / "src"
+    write_file(src / "big.bin", 3 << 20, seed=9)  # one block (4 MiB by default)
+    mount = mounter(src, "--ram-cache", 16 << 20, "--data-plane", plane)
+    with open(mount.mountpoint / "big.bin", "rb") as reader:
+        assert reader.read(64 << 10) == (src / "big.bin").read_bytes()[:64 << 10]
+    wait_for(lambda: mount.stats()["totals"]["reads"] == 1)
+    assert (mount.mountpoint / "big.bin").read_bytes() == (src / "big.bin").read_bytes()
+    totals = wait_for(lambda: (lambda t: t if t["reads"] == 2 else None)(
+        mount.stats()["totals"]))
+    assert totals["backend_reads"] == 1 and totals["kernel_reclaimed"] == 0, totals
+    assert kernel(mount)["kernel_losses"] == 0
+
+
 # -- which data plane runs --------------------------------------------------------------------
 
 def test_auto_runs_the_zero_request_mode_as_root_with_the_patched_pyfuse3(dataset, mounter):
