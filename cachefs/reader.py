@@ -180,7 +180,14 @@ class Reader:
         """Give the handle its file's identity: the prefetcher's if still trusted, else
         `recent`, else fresh from the source (`open`); the wait for the source is a stall,
         and a miss if it waited for the file's data."""
-        known = self._prefetcher.known_identity(handle.item) or recent
+        known = self._prefetcher.known_identity(handle.item)
+        if known is not None and recent is not None and known != recent:
+            # two versions, both checked within the TTL (the read-ahead's, and one a listing
+            # gave the kernel since): which is newer only the source can say. Taking the
+            # read-ahead's dropped the newer one's copies, and failed the open if the
+            # sizes differed
+            known = recent = None
+        known = known or recent
         if known is not None:
             handle.identity = known
             return

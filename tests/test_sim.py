@@ -288,3 +288,28 @@ def test_a_miss_reads_a_batch_only_while_the_readers_follow_the_order(off_order)
     assert follows is not off_order
     assert reads == (0 if off_order else config.miss_batch_items - 1)
 
+
+
+def test_an_open_whose_two_trusted_identities_disagree_asks_the_source():
+    """An open checked a file (version A, trusted for the TTL, as the read-ahead's checks
+    are); it changed, and a listing gave the kernel the new version B since. The open asks
+    the source, which says B: it took A, dropped B's copies, and failed the open if the sizes
+    differed."""
+    from cachefs.source import SourceIdentity
+
+    config = SimConfig(items=4, item_bytes=5000, ram_bytes=1 << 20, latency_s=0.001,
+                       epochs=1, check_identity_at_open=False, consume_s=0.0, shuffle=False)
+
+    async def script(sim):
+        sim.prefetcher.set_order(sim.order(0))
+        relpath = sim.paths[0]
+        old = sim.source.identity(relpath)
+        await sim.reader.open(2, relpath, 0, None)  # checks the file at the source
+        assert sim.prefetcher.known_identity(0) == old
+        new = SourceIdentity(old.size + 1, old.mtime_ns + 1, old.ino)
+        sim.source.identity = lambda path: new if path == relpath else old
+        handle = await sim.reader.open(2, relpath, 0, new)
+        return handle.identity, new
+
+    opened, new = run_script(config, script)
+    assert opened == new
