@@ -267,10 +267,10 @@ class Operations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=fh, keep_cache=handle.kernel_whole)
 
     def _item_of(self, entry) -> int:
-        """The file's index in the order's manifest, searched once per manifest."""
-        manifest = self.reader.manifest
-        if entry.manifest is not manifest:
-            entry.manifest = manifest
+        """The file's index in the order's manifest, searched once per item numbering."""
+        numbering = self.reader.item_numbering
+        if entry.numbering != numbering:
+            entry.numbering = numbering
             entry.manifest_index = self.reader.item_of(entry.relpath)
         return entry.manifest_index
 

@@ -88,9 +88,10 @@ class InodeEntry:
     stat: PackedStat  # the last lstat of the source file
     stat_time_s: float  # freshness.now_s() when `stat` was asked
     lookups: int = 0
-    # The file's index in `manifest` (the order's, when it was asked), cached so that an open
-    # does not search the manifest again; a new manifest object means ask again.
-    manifest: object = None
+    # The file's item number under `numbering` (Reader.item_numbering, when it was asked),
+    # cached so that an open does not search the manifest again; another numbering (a new
+    # manifest, or its items switched between files and byte ranges) means ask again.
+    numbering: int = -1
     manifest_index: int = -1
     page_identity: object = None  # SourceIdentity of the pages the kernel may hold, or None
     open_handles: int = 0  # opens answered or in progress, not yet released

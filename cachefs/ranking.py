@@ -73,6 +73,9 @@ class Ranking:
         # main thread), and a file read outside the read-ahead is hashed once, not at its
         # READ, its close and its fetch each
         self._recent_items: RecentMap[bytes, int] = RecentMap(RECENT_ITEMS)
+        # changes whenever item numbers change meaning: another manifest, or its items
+        # switched between files and byte ranges (an item number found before is stale)
+        self.numbering = 0
         # seconds between consumptions, smoothed (kernel_may_keep); None until two are seen
         self._s_per_item: float | None = None
         self._last_consumed_s: float | None = None
@@ -108,6 +111,7 @@ class Ranking:
         if changed:
             self._read_costs = None  # numbered by the old manifest's items
         if changed or not same_items:
+            self.numbering += 1
             self._recent_items.clear()
             for key, block in self.ram.blocks.items():
                 block.item = self._item_of_key(key)

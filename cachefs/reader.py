@@ -139,6 +139,12 @@ class Reader:
         """The manifest in force: item numbers index it (prefetch.py's module docstring)."""
         return self._ranking.manifest
 
+    @property
+    def item_numbering(self) -> int:
+        """Changes whenever item numbers change meaning (Ranking.numbering): what an item
+        number found by `item_of` is valid under."""
+        return self._ranking.numbering
+
     def item_of(self, relpath: bytes) -> int:
         """The file's index in the manifest in force; -1 if it is in none."""
         return self._ranking.item_of(relpath)

@@ -111,6 +111,28 @@ def test_an_item_is_consumed_when_its_own_last_page_is_read(npy, mounter):
     del rows, flat
 
 
+def test_files_read_under_a_byte_range_order_are_consumed_under_the_next_file_order(npy,
+                                                                                     mounter):
+    """Both orders index the source's own manifest (no `files`): an item number a file was
+    given under the byte-range order (none: -1) was kept for the file order after it, whose
+    reads then consumed nothing and whose epoch never ended."""
+    mount = mounter(npy.parent, "--ram-cache", ROWS * ROW_BYTES)
+    header = np.load(npy, mmap_mode="r").offset
+    rows_file = 1  # other.bin, rows.npy: the source's files, sorted
+    items = ItemArrays(np.full(ROWS, rows_file, np.int64),
+                       header + np.arange(ROWS, dtype=np.int64) * ROW_BYTES,
+                       np.full(ROWS, ROW_BYTES, np.int64))
+    publish(mount.mountpoint, 0, permutation(ROWS, 0, 0), items=items)
+    for name in ("other.bin", "rows.npy"):
+        with open(mount.mountpoint / name, "rb") as reader:
+            reader.read(100)
+    time.sleep(0.2)  # the closes are accounted for
+    publish(mount.mountpoint, 1, np.array([1, 0]))
+    for name in ("rows.npy", "other.bin"):
+        assert (mount.mountpoint / name).read_bytes() == (npy.parent / name).read_bytes()
+    wait_for(lambda: consumed(mount) == 2)
+
+
 @pytest.mark.parametrize("data_plane", ["auto", "daemon"])
 def test_reads_spanning_cached_and_uncached_bytes(npy, mounter, data_plane):
     """preads at random offsets and sizes, over the header, row boundaries, rows in RAM and
