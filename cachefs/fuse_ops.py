@@ -134,7 +134,7 @@ class Operations(pyfuse3.Operations):
 
     # -- attributes ------------------------------------------------------------------------
 
-    def _attrs(self, inode: int, st: os.stat_result) -> pyfuse3.EntryAttributes:
+    def _attrs(self, inode: int, st: os.stat_result | PackedStat) -> pyfuse3.EntryAttributes:
         attrs = pyfuse3.EntryAttributes()
         attrs.st_ino = inode
         attrs.generation = 0
@@ -208,7 +208,9 @@ class Operations(pyfuse3.Operations):
             name, st = entries[index]
             relpath = parent + b"/" + name if parent else name
             inode = self.inodes.remember(relpath, st, lookup=False, stat_time_s=listed_at_s)
-            if not pyfuse3.readdir_reply(token, name, self._attrs(inode, st), index + 1):
+            # the entry's stat, which a newer one than the listing's may have kept
+            if not pyfuse3.readdir_reply(token, name, self._attrs(inode, self.inodes.get(
+                    inode).stat), index + 1):
                 break
             self.inodes.add_lookup(inode)  # readdirplus: the kernel now holds a reference
 

@@ -122,8 +122,8 @@ class InodeTable:
 
     def remember(self, relpath: bytes, st: os.stat_result, *, lookup: bool,
                  stat_time_s: float | None = None) -> int:
-        """Record `st` (taken at `stat_time_s`, default now) for `relpath` and return its
-        inode; `lookup` counts a kernel reference."""
+        """Record `st` (taken at `stat_time_s`, default now) for `relpath`, unless a stat
+        taken later is recorded, and return its inode; `lookup` counts a kernel reference."""
         inode = self._inode_by_path.get(relpath)
         now = now_s() if stat_time_s is None else stat_time_s
         if inode is None:
@@ -133,8 +133,11 @@ class InodeTable:
             self._inode_by_path[relpath] = inode
         else:
             entry = self._entries[inode]
-            entry.stat = PackedStat.of(st)
-            entry.stat_time_s = now
+            if now >= entry.stat_time_s:
+                # not over a newer one: a directory listing of some age (cachefs/dirs.py) would
+                # take the file back to the version it had then
+                entry.stat = PackedStat.of(st)
+                entry.stat_time_s = now
         if lookup:
             self._entries[inode].lookups += 1
         return inode

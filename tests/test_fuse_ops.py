@@ -200,3 +200,18 @@ def test_a_read_without_open_past_the_ttl_checks_the_source_first(tmp_path):
         assert raised.value.errno == errno.ESTALE
 
     trio.run(main, clock=clock)
+
+
+def test_an_older_stat_does_not_replace_a_newer_one(tmp_path):
+    """A directory listing of some age (cachefs/dirs.py lists once per open directory) must
+    not take a file back to the version it had then: the kernel would be told the old size."""
+    write_file(tmp_path / "a", 10)
+    old = os.lstat(tmp_path / "a")
+    write_file(tmp_path / "a", 20)
+    new = os.lstat(tmp_path / "a")
+    inodes = InodeTable(os.lstat(tmp_path))
+    inode = inodes.remember(b"a", new, lookup=True, stat_time_s=10.0)
+    assert inodes.remember(b"a", old, lookup=False, stat_time_s=5.0) == inode
+    assert inodes.get(inode).stat.st_size == 20 and inodes.get(inode).stat_time_s == 10.0
+    inodes.remember(b"a", old, lookup=False, stat_time_s=11.0)  # newer: it is the file now
+    assert inodes.get(inode).stat.st_size == 10
