@@ -183,6 +183,9 @@ class RangeCache:
         self.pushed: set[int] = set()
         # trimmed items whose inside pages are stored, since then (`push`)
         self._inside_pushed: set[int] = set()
+        # the item numbering (Ranking.numbering) those two sets number items of: another
+        # table's numbers index its arrays out of range, or name other items (`_pushed_now`)
+        self._pushed_numbering = -1
         # the kernel's store failures at the last drop: a store that failed since (the kernel
         # forgot the inode) left `pushed` naming pages it does not hold, and the next drop
         # takes the whole file, so that the window is stored again
@@ -409,11 +412,26 @@ class RangeCache:
 
     # -- the kernel's pages ------------------------------------------------------------------
 
+    def _pushed_now(self) -> None:
+        """Empty `pushed` and `_inside_pushed` if they number items of another table than the
+        one in force (a new item table or manifest: a drop with the old numbers indexed the
+        new table out of range, and failed the publication for good)."""
+        if self._pushed_numbering != self.ranking.numbering:
+            self.pushed.clear()
+            self._inside_pushed.clear()
+            self._pushed_numbering = self.ranking.numbering
+
+    def is_pushed(self, item: int) -> bool:
+        """The kernel holds the item's extent (stored, or queued to be) since the last drop."""
+        self._pushed_now()
+        return item in self.pushed
+
     def push(self, item: int, block: RamBlock) -> bool:
         """Store the item's extent into the kernel's pages but for the sentinel pages in it;
         False if the kernel does not take it, or if the entry is trimmed: then only the whole
         pages inside the item go now, and the rest once `complete` gave it its edges back
         (a reader that gets there first then faults two pages, not every one)."""
+        self._pushed_now()
         items, manifest = self.ranking.items, self.ranking.manifest
         if self.kernel is None or self.kernel_inodes is None or items is None \
                 or manifest is None or block.data is None:
@@ -481,6 +499,7 @@ class RangeCache:
         unmapping the reader's pages, than the drops every 128 items and the window pushed
         again after each; the drops every 128 items now keep the window's pages, module
         docstring.)"""
+        self._pushed_now()
         self.pushed.discard(item)
         self._inside_pushed.discard(item)
         count = self._consumed_since_drop.get(relpath, 0) + 1
@@ -492,6 +511,7 @@ class RangeCache:
         """The kernel drops the file's pages: all of them, and the window's items are pushed
         again; or, `keep_pushed`, all but the extents of the items pushed and not yet read,
         where the kernel can drop a range (module docstring)."""
+        self._pushed_now()
         failures = self.kernel.store_failures if self.kernel is not None else 0
         keep = (self._pushed_extents(relpath)
                 if keep_pushed and failures == self._store_failures_at_drop else None)

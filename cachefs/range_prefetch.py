@@ -113,7 +113,7 @@ class RangePrefetcher:
                     break  # back here once the file's identity is known
                 block = cache.entry(key, identity)
                 if block is not None:
-                    if item not in cache.pushed and cache.kernel is not None \
+                    if not cache.is_pushed(item) and cache.kernel is not None \
                             and not cache.push(item, block):
                         if block.data is not None and len(block.data) == key[1].length:
                             self._start(nursery, self._complete, [item], poke, item,

@@ -227,3 +227,36 @@ def test_an_item_whose_sentinel_is_never_read_does_not_hold_the_window():
     assert len(epoch.completion) == 600
     assert reads == 600 and caught_up == 1  # every item counted once, that one too
     assert epoch.stalled_positions().size <= 2  # and the rest read ahead as usual
+
+
+def test_a_new_item_table_over_the_same_files_is_taken_with_pushed_items():
+    """The window pushed items of a 400-item table; an order re-cutting the same files into
+    200 items is taken, and so is the next publication of it: the numbers of the items
+    pushed under the old table indexed the new one out of range at its first page drop,
+    the order was rejected half switched, and every later one of that table too."""
+    from cachefs.order import Order
+    from cachefs.sim import EpochResult
+    from cachefs.sim_ranges import packed as packed_items, read_range_item
+
+    config = SimConfig(items=400, item_bytes=10_000, ranges_per_file=100, ram_bytes=2 << 20,
+                       epochs=1, shuffle=False)
+
+    async def script(sim):
+        order = sim.order(1)
+        sim.prefetcher.set_order(order)
+        n = len(order.current)
+        result = EpochResult(1, items=order.current, origins=np.full(n, -1, np.int8),
+                             stall_by_position=np.zeros(n))
+        for position in range(300, 340):
+            await read_range_item(sim, int(order.current[position]), position, result)
+            await trio.sleep(0.0005)
+        assert max(sim.reader._ranges._cache.pushed) >= 200  # numbers the new table lacks
+        recut, _ = packed_items(np.full(200, 20_000, np.int64), 50, 128)
+        for epoch in (2, 3):
+            sim.prefetcher.set_order(Order(
+                epoch=epoch, current=np.arange(200), next=None, manifest=sim.manifest,
+                rank=None, world_size=None, total_length=200, file=None, items=recut))
+            assert sim.planner.epoch == epoch
+        return len(sim.prefetcher.ranking.items)
+
+    assert run_script(config, script) == 200
