@@ -282,7 +282,11 @@ class RangeReader:
                 self._positions_epoch = planner.epoch_serial
             return
         behind = min(self._positions) - max(1, planner.max_span_items - planner.lookahead_items)
-        while planner.cursor < behind and self._ranking.items is items:
+        serial = planner.epoch_serial
+        # not into the next epoch: the last item caught up may switch to it, whose cursor
+        # starts again at 0 (it went on to consume the new epoch's first `behind` positions)
+        while (planner.cursor < behind and self._ranking.items is items
+               and planner.epoch_serial == serial):
             item = int(planner.current[planner.cursor])
             block = self._ranking.ram.get(self._cache.key_of(item))
             origin = (stats_mod.ORIGIN_MISS if block is None else stats_mod.ORIGIN_RAM

@@ -260,3 +260,34 @@ def test_a_new_item_table_over_the_same_files_is_taken_with_pushed_items():
         return len(sim.prefetcher.ranking.items)
 
     assert run_script(config, script) == 200
+
+
+def test_catching_up_an_item_at_an_epochs_end_does_not_consume_the_next_epoch():
+    """An item whose sentinel page the kernel held (read before the order came) is never
+    READ, and is caught up once the readers are past it; when it is the epoch's last item
+    left, that switches to the next epoch, and the catch-up went on there, consuming the new
+    epoch's first positions (391 of 400) before any reader read them."""
+    from cachefs.range_cache import sentinel_page
+    from cachefs.sim import EpochResult
+    from cachefs.sim_ranges import read_range_item
+
+    config = SimConfig(items=400, item_bytes=10_000, ranges_per_file=100, ram_bytes=2 << 20,
+                       epochs=2)
+
+    async def script(sim):
+        order = sim.order(1)  # with the next epoch's permutation
+        n = len(order.current)
+        stuck = int(order.current[n - 10])
+        sim.pages.pages.setdefault(int(sim.items.file[stuck]) + 2, set()).add(sentinel_page(
+            int(sim.items.offset[stuck]), int(sim.items.length[stuck])))
+        sim.prefetcher.set_order(order)
+        result = EpochResult(1, items=order.current, origins=np.full(n, -1, np.int8),
+                             stall_by_position=np.zeros(n))
+        for position in range(n):
+            await read_range_item(sim, int(order.current[position]), position, result)
+            await trio.sleep(0.0005)
+        return sim.planner.epoch, sim.planner.consumed_count, {
+            record.epoch: record.reads for record in sim.stats.epochs}
+
+    epoch, consumed, reads = run_script(config, script)
+    assert epoch == 2 and consumed == 0 and reads == {1: 400, 2: 0}
