@@ -170,18 +170,27 @@ class RangeReader:
         if to_fetch:
             wants = [self._cache.want(item, self._cache.reserve(
                 item, self._ranking.priority_of(item, 0, identity))) for item in to_fetch]
-            for span in spans(wants):
-                read, extents = await self._cache.fetch(relpath, span, identity, demand=True)
-                self._check_version(relpath, identity, read)
-                for want in span:
-                    key = self._cache.key_of(want.item)
-                    if want.item in extents:
-                        found[want.item] = self._own(extents[want.item], key)
-                        block = self._cache.entry(key, identity)
-                        if block is not None:  # its other pages: no READ for each
-                            self._cache.push(want.item, block)
-                    else:  # fetched by another meanwhile, or beyond the file's end now
-                        found[want.item] = await self._again(relpath, identity, key)
+            try:
+                for span in spans(wants):
+                    read, extents = await self._cache.fetch(relpath, span, identity,
+                                                            demand=True)
+                    self._check_version(relpath, identity, read)
+                    for want in span:
+                        key = self._cache.key_of(want.item)
+                        if want.item in extents:
+                            found[want.item] = self._own(extents[want.item], key)
+                            block = self._cache.entry(key, identity)
+                            if block is not None:  # its other pages: no READ for each
+                                self._cache.push(want.item, block)
+                        else:  # fetched by another meanwhile, or beyond the file's end now
+                            found[want.item] = await self._again(relpath, identity, key)
+            finally:
+                # a span that failed (the source's error, a changed file) leaves the RAM
+                # reserved for the spans after it: given back, or the budget shrank for good
+                for want in wants:
+                    if want.reserved:
+                        self._ranking.ram.unreserve(want.reserved)
+                        want.reserved = 0
         waited_s = now_s() - started_s
         for index, item in enumerate(missing):
             self._touch(item, stats_mod.ORIGIN_MISS, waited_s if index == 0 else 0.0)

@@ -291,3 +291,41 @@ def test_catching_up_an_item_at_an_epochs_end_does_not_consume_the_next_epoch():
 
     epoch, consumed, reads = run_script(config, script)
     assert epoch == 2 and consumed == 0 and reads == {1: 400, 2: 0}
+
+
+def test_a_failed_read_gives_back_the_ram_it_reserved_for_its_other_spans():
+    """One READ over items A, B and C with B in RAM fetches two spans, A and C, each with
+    RAM reserved up front; the source fails A's read (EIO): C's reservation is given back
+    (it was kept for good, and every such failure shrank --ram-cache)."""
+    import errno
+
+    config = SimConfig(items=400, item_bytes=10_000, ranges_per_file=100, ram_bytes=4 << 20,
+                       epochs=1, shuffle=False)
+
+    async def script(sim):
+        sim.prefetcher.set_order(sim.order(1))
+        await trio.sleep(1)
+        cache, items = sim.reader._ranges._cache, sim.items
+        a, b, c = 390, 391, 392  # far from the window: not in RAM
+        relpath = cache.key_of(b)[0]
+        identity = sim.source.identity(relpath)
+        priority = sim.prefetcher.ranking.priority_of(b, 0, identity)
+        await cache.fetch(relpath, [cache.want(b, cache.reserve(b, priority))], identity,
+                          demand=True)
+        await trio.sleep(1)
+        assert cache.key_of(b) in sim.ram and sim.ram.reserved_bytes == 0
+        handle = await sim.reader.open(int(items.file[b]) + 2, relpath, -1, identity)
+        real = sim.source.read_ranges
+
+        async def failing_once(*args, **kwargs):
+            sim.source.read_ranges = real
+            raise OSError(errno.EIO, "I/O error")
+
+        sim.source.read_ranges = failing_once
+        lo = int(items.offset[a]) // PAGE_BYTES * PAGE_BYTES
+        with pytest.raises(OSError):
+            await sim.reader.read(handle, lo, int(items.offset[c] + items.length[c]) - lo)
+        await trio.sleep(1)
+        return sim.ram.reserved_bytes
+
+    assert run_script(config, script) == 0
