@@ -178,7 +178,10 @@ class RangePrefetcher:
 
     async def _run(self, task, items: list[int], items_then: Items | None, poke, *args) -> None:
         try:
-            await task(*args)
+            if self.ranking.items is items_then:
+                # else another table came in force before the task ran: its wants are ranges
+                # of the old one, which the task would key by the new table's numbers
+                await task(*args)
         except OSError as exc:
             # the reader meets the same error on demand and gets its errno
             self.errors += 1

@@ -105,6 +105,10 @@ class RangeReader:
             found = await self._item_bytes(relpath, identity, items, hits, offset, end)
         finally:
             self._cache.reading(relpath, offset, end, add=False)
+        if self._ranking.items is not items:
+            # another table came in force while this READ waited: its item numbers, and
+            # the keys made of them, are not this READ's; the source serves it whole
+            found = {}
         # Each item found holds its own bytes and, unless trimmed, its neighbours' in its edge
         # pages: a READ of a page it shares with an item not in RAM needs no source read.
         parts: list = []
@@ -162,6 +166,8 @@ class RangeReader:
         for item in missing:
             key = self._cache.key_of(item)
             result = await self._cache.flight_result(key)
+            if self._ranking.items is not items:
+                return {}  # another table: read() serves the READ from the source
             if result is None:
                 to_fetch.append(item)
                 continue
@@ -174,6 +180,8 @@ class RangeReader:
                 for span in spans(wants):
                     read, extents = await self._cache.fetch(relpath, span, identity,
                                                             demand=True)
+                    if self._ranking.items is not items:
+                        return {}  # another table: read() serves the READ from the source
                     self._check_version(relpath, identity, read)
                     for want in span:
                         key = self._cache.key_of(want.item)
@@ -184,6 +192,8 @@ class RangeReader:
                                 self._cache.push(want.item, block)
                         else:  # fetched by another meanwhile, or beyond the file's end now
                             found[want.item] = await self._again(relpath, identity, key)
+                            if self._ranking.items is not items:
+                                return {}  # another table: read() serves it from the source
             finally:
                 # a span that failed (the source's error, a changed file) leaves the RAM
                 # reserved for the spans after it: given back, or the budget shrank for good

@@ -329,3 +329,43 @@ def test_a_failed_read_gives_back_the_ram_it_reserved_for_its_other_spans():
         return sim.ram.reserved_bytes
 
     assert run_script(config, script) == 0
+
+
+def test_a_read_during_which_the_item_table_changes_returns_its_own_bytes():
+    """A READ waits for the source while an order re-cutting the same files comes in force:
+    it returns the bytes it asked for (it placed its items by the new table's offsets, and
+    returned 45,056 bytes for 8,192 asked)."""
+    from cachefs.order import Order
+    from cachefs.sim_ranges import packed as packed_items
+
+    config = SimConfig(items=400, item_bytes=10_000, ranges_per_file=100, ram_bytes=4 << 20,
+                       epochs=1, shuffle=False)
+
+    async def script(sim):
+        sim.prefetcher.set_order(sim.order(1))
+        await trio.sleep(1)
+        items = sim.items
+        file_index = int(items.file[391])  # an item far from the window: not in RAM
+        relpath = sim.paths[file_index]
+        handle = await sim.reader.open(file_index + 2, relpath, -1,
+                                       sim.source.identity(relpath))
+        lo = int(items.offset[391]) // PAGE_BYTES * PAGE_BYTES
+        got = {}
+
+        async def read():
+            got["data"] = await sim.reader.read(handle, lo, 2 * PAGE_BYTES)
+
+        async def publish():
+            await trio.sleep(0.001)  # while the READ waits for the source
+            recut, _ = packed_items(np.full(800, 5000, np.int64), 200, 100)
+            sim.prefetcher.set_order(Order(
+                epoch=1, current=np.arange(800), next=None, manifest=sim.manifest, rank=None,
+                world_size=None, total_length=800, file=None, items=recut))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            nursery.start_soon(publish)
+        return got["data"], range_content(file_index, lo, lo + 2 * PAGE_BYTES)
+
+    data, expected = run_script(config, script)
+    assert len(data) == len(expected) and data == expected
