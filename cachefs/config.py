@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from cachefs.mountinfo import listed_path
+
 KIB = 1024
 MIB = 1024 * KIB
 GIB = 1024 * MIB
@@ -55,11 +57,13 @@ def default_state_dir(mountpoint: Path) -> Path:
     """Per-mount directory for the order file, daemon log and pid file.
 
     Keyed by the mount point's real path so that `cachefs publish MNT` run by the trainer and
-    the daemon agree on it without talking to each other.
+    the daemon agree on it without talking to each other: the path the mount table lists,
+    found without a stat of the mount point itself (`listed_path`), which would hang
+    `cachefs umount` on the stuck mount it is run to take down.
     """
     base = Path(os.environ.get("XDG_RUNTIME_DIR") or os.environ.get("XDG_CACHE_HOME")
                 or Path.home() / ".cache") / "cachefs"
-    digest = hashlib.sha1(os.fsencode(os.path.realpath(mountpoint))).hexdigest()[:16]
+    digest = hashlib.sha1(os.fsencode(listed_path(mountpoint))).hexdigest()[:16]
     return base / digest
 
 

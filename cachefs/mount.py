@@ -4,7 +4,7 @@
 exit codes of man/cachefs-mount.1), build source -> tiers -> read path (reader.build_read_path)
 -> operations, each object after those it uses, `pyfuse3.init`, then one root nursery holding
 the services (kernel invalidation, SSD admission, prefetcher, order watcher, source scan,
-signal handler) and `pyfuse3.main`. SIGTERM/SIGINT and an external `fusermount3 -u` or
+signal handler) and `pyfuse3.main`. SIGTERM/SIGINT/SIGHUP and an external `fusermount3 -u` or
 `umount` all end `pyfuse3.main`; the nursery is cancelled, the SSD index is closed and the
 kernel mount removed, and `run` returns 0. Under systemd (`--systemd`), the mount says READY=1
 once the kernel has its answer to FUSE_INIT, and STOPPING=1 when it begins to go
@@ -61,6 +61,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 READ_AHEAD_KB = 1024  # kernel read-ahead of the mount: 1 MiB requests double large-file MB/s
+# after a signal, how long requests in flight may take before they are given up
+TERMINATE_GRACE_S = 1.0
 
 
 def check_startup(config: MountConfig) -> None:
@@ -340,9 +342,11 @@ class Mount:
         options |= {"fsname=cachefs", "subtype=cachefs", "ro"}
         if self.config.allow_other:
             options.add("allow_other")
-        # catch SIGTERM/SIGINT before the mount exists: one sent as soon as it appears must
-        # unmount, not kill the process and leave a dead mount behind
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        # catch SIGTERM/SIGINT/SIGHUP before the mount exists: one sent as soon as it appears
+        # must unmount, not kill the process and leave a dead mount behind (SIGHUP: the
+        # terminal of `cachefs mount -f` closed; libfuse's handlers catch it too)
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT,
+                                       signal.SIGHUP) as signals:
             # the root's stat, taken before trio's clock ran (freshness.py), counts from now
             self.inodes.update_stat(ROOT_INODE, self.inodes.get(ROOT_INODE).stat)
             pyfuse3.init(self.ops, str(self.config.mountpoint), options)
@@ -352,9 +356,11 @@ class Mount:
             if self.metrics is not None:
                 self.metrics.collector.attach(self.snapshot)
             try:
+                # what pyfuse3.main waits for once a signal ended it: handlers still running
+                main_scope = trio.CancelScope()
                 async with trio.open_nursery() as nursery:
                     await nursery.start(self.invalidation.run)
-                    nursery.start_soon(_terminate_on_signal, signals)
+                    nursery.start_soon(_terminate_on_signal, signals, main_scope)
                     await nursery.start(self.tiered.run)
                     await nursery.start(self.prefetcher.run)
                     await nursery.start(self.watcher.run)
@@ -366,7 +372,8 @@ class Mount:
                         nursery.start_soon(self._start_zero_request)
                     else:
                         self.ops.decide_mode(no_open=False)
-                    await pyfuse3.main(min_tasks=1, max_tasks=self.config.fuse_tasks)
+                    with main_scope:
+                        await pyfuse3.main(min_tasks=1, max_tasks=self.config.fuse_tasks)
                     nursery.cancel_scope.cancel()
             finally:
                 if self.notifier is not None:
@@ -460,12 +467,19 @@ def zero_request_unavailable() -> str | None:
     return None
 
 
-async def _terminate_on_signal(signals) -> None:
+async def _terminate_on_signal(signals, main_scope: trio.CancelScope) -> None:
     """End pyfuse3.main at the first signal. This task first runs once main has started
-    (its first checkpoint is inside main), and a signal that came earlier waits in `signals`."""
+    (its first checkpoint is inside main), and a signal that came earlier waits in `signals`.
+    pyfuse3.main returns once its handlers in flight have: those still running after
+    TERMINATE_GRACE_S (one waiting on a source that hangs) are cancelled (`main_scope`), and
+    their calls to the source left to finish on their own (cachefs/threads.py)."""
     async for signum in signals:
         log.info("signal %d: unmounting", signum)
         pyfuse3.terminate()
+        await trio.sleep(TERMINATE_GRACE_S)
+        log.warning("requests still waiting %.0f s after the signal (a source that hangs?): "
+                    "their readers get an error as the mount goes", TERMINATE_GRACE_S)
+        main_scope.cancel()
         return
 
 

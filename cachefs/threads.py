@@ -23,9 +23,11 @@ one run.
 - sleeps until the thread hands the outcome back through the trio token, and returns it or
   raises its exception.
 
-Like `trio.to_thread.run_sync`'s default, a call cannot be cancelled once its thread runs: the
-caller waits for it (a mount shutting down waits for source calls in flight). Waiting for a
-slot can be cancelled.
+A cancelled call returns at once (Cancelled) and leaves its thread to finish on its own, as
+`trio.to_thread.run_sync(abandon_on_cancel=True)` does; its slot stays taken until the thread
+ends, so no more calls than slots ever run. Cancellations come at unmount: a source that hangs
+(an NFS hard mount, a stuck sshfs) held the unmount, and every signal after it, for as long
+as it hung. Waiting for a slot can be cancelled too.
 """
 
 from __future__ import annotations
@@ -84,20 +86,39 @@ class Slots:
 async def run_sync(slots: Slots, fn: Callable[..., T], *args) -> T:
     """`fn(*args)` in a worker thread, holding one of `slots`; see the module docstring."""
     await slots.acquire()
+    task = trio.lowlevel.current_task()
+    token = trio.lowlevel.current_trio_token()
+    abandoned = False  # the caller was cancelled: the thread's end gives the slot back
+
+    def finished(result: outcome.Outcome) -> None:  # on the trio thread
+        if abandoned:
+            slots.release()
+        else:
+            trio.lowlevel.reschedule(task, result)
+
+    def deliver(result: outcome.Outcome) -> None:  # runs in the worker thread
+        try:
+            token.run_sync_soon(finished, result)
+        except trio.RunFinishedError:
+            pass  # the loop is gone (an abandoned call outlived the mount)
+
+    def abort(_raise_cancel) -> trio.lowlevel.Abort:
+        nonlocal abandoned
+        abandoned = True
+        return trio.lowlevel.Abort.SUCCEEDED
+
     try:
-        task = trio.lowlevel.current_task()
-        token = trio.lowlevel.current_trio_token()
-
-        def deliver(result: outcome.Outcome) -> None:  # runs in the worker thread
-            token.run_sync_soon(trio.lowlevel.reschedule, task, result)
-
         # start_thread_soon captures fn's outcome (value or exception) and passes it to deliver
         trio.lowlevel.start_thread_soon(functools.partial(fn, *args), deliver)
-        # returns fn's value or raises its exception (the outcome is unwrapped by trio)
-        return await trio.lowlevel.wait_task_rescheduled(
-            lambda _raise_cancel: trio.lowlevel.Abort.FAILED)
-    finally:
+    except BaseException:
         slots.release()
+        raise
+    try:
+        # returns fn's value or raises its exception (the outcome is unwrapped by trio)
+        return await trio.lowlevel.wait_task_rescheduled(abort)
+    finally:
+        if not abandoned:
+            slots.release()
 
 
 def pool(threads: int) -> RunSync:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import mounted_paths, run_cachefs, sha256, write_file
+from conftest import mounted_paths, run_cachefs, sha256, wait_for, write_file
 
 MIB = 1 << 20
 
@@ -253,6 +253,26 @@ def test_sigterm_unmounts_and_exits_zero(tree, mounter):
     mount.process.send_signal(signal.SIGTERM)
     assert mount.process.wait(timeout=15) == 0
     assert not mount.mounted
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_unmounts_while_a_source_call_hangs(tree, mounter, signum):
+    """A read waits on a source that does not answer (here each source call sleeps 60 s):
+    SIGTERM, and SIGHUP (the terminal of `cachefs mount -f` closed), unmount and end the
+    daemon at once. The daemon waited for the source call, and SIGHUP killed it, leaving a
+    dead mount."""
+    mount = mounter(tree, "--source-delay-ms", 60_000)
+    reader = subprocess.Popen([sys.executable, "-c", f"open({str(mount.mountpoint / 'one')!r}, "
+                               f"'rb').read()"], stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(1.0)  # the READ waits in the source call
+        assert reader.poll() is None
+        mount.process.send_signal(signum)
+        assert mount.process.wait(timeout=15) == 0
+        wait_for(lambda: not mount.mounted)
+    finally:
+        reader.kill()
+        reader.wait()
 
 
 def test_kill_9_then_umount_recovers_the_mountpoint(tree, mounter):

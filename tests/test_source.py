@@ -121,6 +121,30 @@ def test_a_call_cancelled_while_waiting_for_a_slot_gives_it_back():
     trio.run(main)
 
 
+def test_a_cancelled_call_returns_at_once_and_keeps_its_slot_until_its_thread_ends():
+    """A source call that hangs (an NFS hard mount) held the unmount for as long as it hung:
+    a cancelled call returns at once, and its slot is given back only when its thread ends,
+    so no more calls than slots ever run."""
+    slots = threads.Slots(1)
+    release = threading.Event()
+    threading.Timer(5.0, release.set).start()  # the hang ends, whatever this test finds
+
+    async def main():
+        with trio.fail_after(10):
+            started_s = time.monotonic()
+            with trio.move_on_after(0.05) as scope:
+                await threads.run_sync(slots, release.wait)
+            assert scope.cancelled_caught and time.monotonic() - started_s < 2.0
+            assert slots.in_use == 1  # the thread still runs
+            with trio.move_on_after(0.05):
+                await threads.run_sync(slots, lambda: "not before the first ends")
+            release.set()
+            assert await threads.run_sync(slots, lambda: "ok") == "ok"
+            assert slots.free == 1
+
+    trio.run(main)
+
+
 def test_recent_map_keeps_the_newest_keys():
     from cachefs.recent import RecentMap
 
