@@ -267,7 +267,12 @@ class Prefetcher:
         if known is not None and known != identity:
             self.tiered.source_changed(self.ranking.manifest.path(item), identity)
 
-    def consumed(self, item: int) -> None:
+    def consumed(self, item: int, size_bytes: int = -1) -> None:
+        """A reader has read `item`; `size_bytes`: its size as the reader saw it, for a file
+        the read-ahead never stat'ed (a reader off the order): every block of it is
+        reranked, where a size unknown reranked block 0 only, and its other blocks kept
+        the rank of their position, the nearest once the cursor passed it, for the rest of
+        the epoch (RAM full of dead blocks, and the read-ahead without room)."""
         planner = self.planner
         if not planner.active or item < 0:
             return
@@ -279,7 +284,8 @@ class Prefetcher:
         if self.ranges is not None and self.ranking.ranged:
             self.ranges.rerank(item)
         else:
-            self.ranking.rerank(item, int(self.meta.size[item]))
+            known_size = int(self.meta.size[item])
+            self.ranking.rerank(item, known_size if known_size >= 0 else size_bytes)
         if completed and planner.switch_to_next():
             assert planner.epoch is not None  # the switch set it
             self.stats.start_epoch(planner.epoch)
@@ -431,8 +437,12 @@ class Prefetcher:
                 elif kernel:
                     self._push(item, identity)
             else:
+                # the room for the first block RAM lacks, at its own rank: block 0's nearer
+                # rank found room that block 2's fetch then could not take (a file's held
+                # block 1 was RAM's farthest), and the walk started the item again, forever
                 if not self._room_for(self._need_bytes(item),
-                                      self.ranking.priority_of(item, 0, None)):
+                                      self.ranking.priority_of(item, self._first_missing(item),
+                                                               None)):
                     self._room_wait = True
                     return  # RAM holds only nearer uses: wait for a consumption
                 self._start_item(item, target, manifest, nursery)
@@ -455,6 +465,17 @@ class Prefetcher:
         self._inflight_items[item] = target
         target.inflight_items += 1
         nursery.start_soon(self._fetch_item, item, manifest)
+
+    def _first_missing(self, item: int) -> int:
+        """The first block of the item RAM does not hold (0 for a file of unknown size)."""
+        size = int(self.meta.size[item])
+        if size < 0:
+            return 0
+        relpath = self.ranking.manifest.path(item)
+        for block_index in range(block_count(size, self.block_bytes)):
+            if (relpath, block_index) not in self.ram:
+                return block_index
+        return 0
 
     def _resident(self, item: int) -> bool:
         size = int(self.meta.size[item])

@@ -367,7 +367,7 @@ class Reader:
         # paths is always a new plan, planner.set_order)
         if handle.order_serial == self._planner.order_serial:
             handle.epoch_record = self._stats.current
-            self._prefetcher.consumed(handle.item)
+            self._prefetcher.consumed(handle.item, handle.identity.size)
         # else the order it was read for was replaced while it was open: it counts in the
         # epoch it was opened in and consumes nothing of the new order
 

@@ -313,3 +313,60 @@ def test_an_open_whose_two_trusted_identities_disagree_asks_the_source():
 
     opened, new = run_script(config, script)
     assert opened == new
+
+
+def test_a_file_read_off_the_order_leaves_no_block_ranked_near_after_it():
+    """A reader off the order (directory order) opens multi-block files the read-ahead never
+    stat'ed, with the identity its lookup gave: once read, each file's every block takes its
+    rank after consumption. Only block 0 did, and blocks 1-3 of 147 of 150 files kept the
+    rank of their position, the nearest once the cursor passed it: RAM full of dead blocks."""
+    from cachefs.order import Order
+
+    block, files = 16_384, 150
+    config = SimConfig(items=files, item_bytes=4 * block, block_bytes=block,
+                       ram_bytes=40 * (4 * block + 4 * BLOCK_OVERHEAD_BYTES), latency_s=0.002,
+                       parallelism=8, epochs=1, check_identity_at_open=False)
+
+    async def script(sim):
+        order = Order(epoch=1, current=np.random.default_rng(1).permutation(files), next=None,
+                      manifest=sim.manifest, rank=None, world_size=None, total_length=files,
+                      file=None)
+        sim.prefetcher.set_order(order)
+        await trio.sleep(0.05)
+        for item in range(files):
+            relpath = sim.paths[item]
+            handle = await sim.reader.open(item + 2, relpath, item, sim.source.identity(relpath))
+            offset = 0
+            while offset < 4 * block:
+                offset += len(await sim.reader.read(handle, offset, 2 * block))
+            sim.reader.release(handle)
+        planner = sim.planner
+        return [key for key, held in sim.ram.blocks.items() if held.item >= 0
+                and planner.pos_cur[held.item] < 0 and planner.pos_next[held.item] < 0]
+
+    assert run_script(config, script) == []
+
+
+def test_a_lookahead_beyond_ram_does_not_spin_the_read_ahead():
+    """`--lookahead` past what RAM holds, files of several blocks: the walk found room for a
+    file's block 0 (its held block 1 was RAM's farthest) where its fetch of block 2 found
+    none, and started the file again, forever, at the same instant."""
+    from cachefs import prefetch
+
+    revisits = [0]
+    revisit = prefetch.Prefetcher._revisit
+
+    def counted(self, *args):
+        revisits[0] += 1
+        if revisits[0] > 100_000:
+            raise RuntimeError("the read-ahead spins")
+        return revisit(self, *args)
+
+    block = 65_536
+    config = SimConfig(items=200, item_bytes=4 * block, block_bytes=block,
+                       ram_bytes=200 * 4 * block // 20, epochs=2, latency_s=0.002,
+                       parallelism=16, lookahead_items=32)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(prefetch.Prefetcher, "_revisit", counted)
+        result = simulate(config)
+    assert len(result.epochs) == 2 and revisits[0] < 1000
