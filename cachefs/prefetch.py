@@ -126,12 +126,16 @@ class Prefetcher:
     # -- events from the order watcher and the reader ---------------------------------------
 
     def set_order(self, order) -> None:
+        was_ranged = self.ranking.ranged
         if self.ranking.use_manifest(order.manifest, order.items):
             # every item number changes meaning: fetches in flight finish on their own and
             # drop their results (_fetch_item), and the state per item starts over
             self._inflight_items = {}
             self.meta = ItemMeta(len(order.manifest))
             self.stats.track_items(len(order.manifest))
+        elif self.ranking.ranged != was_ranged:
+            # files' fetches in flight stop, and count no more (`_superseded`)
+            self._inflight_items = {}
         self.targets.use(order.manifest, self._placement(order), self.ranking.item_of)
         self._recount_inflight()
         self.ranking.set_members(order.current, order.next, order.item_count)
@@ -495,8 +499,10 @@ class Prefetcher:
 
     def _superseded(self, manifest) -> bool:
         """Work started for `manifest` resumes with another in force: its item numbers mean
-        other files now, so it stops (module docstring)."""
-        return manifest is not self.ranking.manifest
+        other files now, so it stops (module docstring); or with an order of byte ranges in
+        force over the same manifest, whose items are no files (its read-ahead is
+        cachefs/range_prefetch.py's)."""
+        return manifest is not self.ranking.manifest or self.ranking.ranged
 
     async def _fetch_item(self, item: int, manifest) -> None:
         """Read ahead one item of `manifest`; after every await it stops if the manifest

@@ -284,6 +284,8 @@ class Ranking:
         manifest: unchanged while `manifest` is in force, else found again by its path (-1:
         the new manifest does not have it). Asked after an await by whatever held the
         number across it (prefetch.py's module docstring)."""
+        if self.ranged:
+            return -1, self._manifest  # a file is no item of an order of byte ranges
         if manifest is self._manifest:
             return item, manifest
         return self.item_of(relpath), self._manifest

@@ -370,3 +370,32 @@ def test_a_lookahead_beyond_ram_does_not_spin_the_read_ahead():
         patch.setattr(prefetch.Prefetcher, "_revisit", counted)
         result = simulate(config)
     assert len(result.epochs) == 2 and revisits[0] < 1000
+
+
+def test_files_read_ahead_when_an_order_of_byte_ranges_comes_are_no_items_of_it():
+    """A file order's read-ahead is in flight when an order of byte ranges over the same
+    manifest comes: those fetches stop, and what lands is no item of the new order. They
+    went on reading every block of every file, and landed ranked as the range items
+    numbered like the files."""
+    from cachefs.order import Order, permutation
+
+    config = SimConfig(items=64, item_bytes=20_000, ranges_per_file=8, block_bytes=65_536,
+                       ram_bytes=8 << 20, latency_s=0.002, parallelism=8, epochs=1,
+                       lookahead_items=8)
+
+    async def script(sim):
+        files = len(sim.manifest)
+        sim.prefetcher.set_order(Order(
+            epoch=1, current=np.arange(files), next=None, manifest=sim.manifest, rank=None,
+            world_size=None, total_length=files, file=None))
+        await trio.sleep(0.001)
+        assert sim.prefetcher._inflight_items  # file fetches in flight
+        sim.prefetcher.set_order(Order(
+            epoch=2, current=permutation(len(sim.items), 0, 2), next=None,
+            manifest=sim.manifest, rank=None, world_size=None, total_length=len(sim.items),
+            file=None, items=sim.items))
+        await trio.sleep(0.05)
+        return [(key, held.item) for key, held in sim.ram.blocks.items()
+                if not isinstance(key[1], tuple) and held.item != -1]
+
+    assert run_script(config, script) == []
