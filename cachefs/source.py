@@ -277,11 +277,12 @@ class Source:
         """A regular file opened for reading, and its fstat; OSError for anything else.
 
         O_NONBLOCK: a FIFO put where a file was opens at once (and is refused) instead of
-        holding the thread until a writer comes; regular files ignore the flag.
+        holding the thread until a writer comes; regular files ignore the flag. O_NOCTTY: a
+        terminal put there does not become the daemon's controlling terminal.
         """
         if self.delay_s:
             time.sleep(self.delay_s)
-        fd = open_beneath(self._root_fd, relpath, os.O_RDONLY | os.O_NONBLOCK)
+        fd = open_beneath(self._root_fd, relpath, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):

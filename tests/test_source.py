@@ -5,8 +5,11 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import trio
@@ -143,6 +146,33 @@ def test_a_cancelled_call_returns_at_once_and_keeps_its_slot_until_its_thread_en
             assert slots.free == 1
 
     trio.run(main)
+
+
+def test_a_terminal_where_a_file_was_does_not_become_the_daemons_terminal():
+    """The daemon (often root) opens a source path before it knows it is no regular file:
+    a terminal there is refused, and does not become the controlling terminal of a daemon
+    that has none (it did: the open had no O_NOCTTY)."""
+    primary, secondary = os.openpty()
+    name = os.ttyname(secondary)
+    script = f"""
+import os, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+from cachefs.source import Source
+os.setsid()  # no controlling terminal, as a daemon
+try:
+    Source({os.path.dirname(name)!r}, threads=1)._open({os.path.basename(name).encode()!r})
+except OSError:
+    pass
+print(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[4])
+"""
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              timeout=30)
+    finally:
+        os.close(primary)
+        os.close(secondary)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0"  # tty_nr: no controlling terminal
 
 
 def test_recent_map_keeps_the_newest_keys():
