@@ -12,7 +12,10 @@ reads of an order of byte-range items (cachefs/range_cache.py) share one descrip
   it; a file changed in place is seen at once, since every read fstats the descriptor;
 - threads use one descriptor at the same time (pread is positional); one that is replaced or
   let go is closed when its last reader is done with it, never under a pread;
-- at most `limit` files are held, least recently used let go first.
+- at most `limit` files are held, least recently used let go first, and one not used again
+  is let go once its `hold_s` is over (checked at the next use of any, at most every
+  `SWEEP_S`): a descriptor kept open keeps a file deleted at the source alive (on NFS, a
+  `.nfsXXXX` file that fails the `rm -r` of its directory).
 
 All methods may be called from any thread (one lock, never held across a system call that can
 wait on the source: opens and closes happen outside it).
@@ -27,6 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 MAX_HELD_FILES = 64
+SWEEP_S = 1.0  # how often held descriptors past their `hold_s` are looked for
 
 
 class _Held:
@@ -45,6 +49,7 @@ class HeldFiles:
         self._limit = limit
         self._lock = threading.Lock()
         self._held: OrderedDict[bytes, _Held] = OrderedDict()
+        self._swept_s = time.monotonic()
 
     def use(self, relpath: bytes, hold_s: float, read: Callable[[int], object]):
         """`read(fd)` with the file's held descriptor (opened if none is fresh), in the
@@ -58,6 +63,8 @@ class HeldFiles:
     def _acquire(self, relpath: bytes, hold_s: float) -> _Held:
         now = time.monotonic()
         to_close: list[_Held] = []
+        if now - self._swept_s >= SWEEP_S:
+            self._let_go_expired(now, hold_s)
         with self._lock:
             held = self._held.get(relpath)
             if held is not None and now - held.opened_s < hold_s:
@@ -84,6 +91,17 @@ class HeldFiles:
         for done in to_close:
             os.close(done.fd)
         return fresh
+
+    def _let_go_expired(self, now: float, hold_s: float) -> None:
+        """Let go of every descriptor held for `hold_s` or longer."""
+        to_close: list[_Held] = []
+        with self._lock:
+            self._swept_s = now
+            for relpath in [relpath for relpath, held in self._held.items()
+                            if now - held.opened_s >= hold_s]:
+                to_close += self._retire(self._held.pop(relpath))
+        for done in to_close:
+            os.close(done.fd)
 
     def _retire(self, held: _Held) -> list[_Held]:
         """Let go of a descriptor (the lock is held): to close now if nobody uses it."""

@@ -175,6 +175,28 @@ print(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[4])
     assert done.stdout.strip() == "0"  # tty_nr: no controlling terminal
 
 
+def test_a_held_file_not_read_again_is_let_go_after_its_hold(tmp_path, monkeypatch):
+    """Range reads keep a file's descriptor for `hold_s`; one not read again is closed at the
+    next use of another after that (it was kept until 64 others pushed it out: a file
+    deleted at the source stayed alive, on NFS a .nfsXXXX file that failed rm -r)."""
+    from cachefs import held_files
+
+    monkeypatch.setattr(held_files, "SWEEP_S", 0.0, raising=False)
+    (tmp_path / "a").write_bytes(b"a")
+    (tmp_path / "b").write_bytes(b"b")
+    held = held_files.HeldFiles(lambda relpath: os.open(tmp_path / os.fsdecode(relpath),
+                                                        os.O_RDONLY))
+    fd_a = held.use(b"a", 0.05, lambda fd: fd)
+    assert os.readlink(f"/proc/self/fd/{fd_a}") == str(tmp_path / "a")
+    (tmp_path / "a").unlink()
+    time.sleep(0.1)
+    held.use(b"b", 0.05, lambda fd: fd)
+    assert not any(os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path / "a"))
+                   for fd in map(int, os.listdir("/proc/self/fd"))
+                   if os.path.exists(f"/proc/self/fd/{fd}"))
+    held.close_all()
+
+
 def test_recent_map_keeps_the_newest_keys():
     from cachefs.recent import RecentMap
 
