@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 from collections.abc import Callable, Iterator
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import trio
-from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, InfoMetricFamily, Metric)
 from prometheus_client.registry import Collector
@@ -35,6 +37,13 @@ from prometheus_client.registry import Collector
 from cachefs import errors
 
 log = logging.getLogger(__name__)
+
+# Any local user reaches a loopback port: a client that connects and says nothing is dropped
+# after REQUEST_TIMEOUT_S, and at most MAX_CLIENTS are answered at once (the server made a
+# thread per connection and kept it while the client stayed: 200 idle connections, 199
+# threads, none let go)
+REQUEST_TIMEOUT_S = 10.0
+MAX_CLIENTS = 8
 
 # epoch-record counters (Stats.totals) -> (metric, help); the read classes are one metric
 _TOTALS = (
@@ -180,6 +189,54 @@ def families(snapshot: dict) -> Iterator[Metric]:
                               "order stayed in force).", value=snapshot["rejections_total"])
 
 
+class _Handler(WSGIRequestHandler):
+    timeout = REQUEST_TIMEOUT_S  # the socket's: a silent or slow client is dropped
+
+    def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's name
+        """Not on stderr (the daemon's log): a scrape is no event."""
+
+
+class _BoundedServer(ThreadingWSGIServer):
+    """A thread per client, as prometheus_client's server, but at most MAX_CLIENTS at once:
+    a connection beyond them is closed unanswered."""
+
+    request_queue_size = 64  # listen(2)'s backlog: connections come faster than accepted
+
+    def __init__(self, *args, **kwargs):
+        self._clients = threading.BoundedSemaphore(MAX_CLIENTS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._clients.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._clients.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._clients.release()
+
+
+def _serve(host: str, port: int, registry: CollectorRegistry) -> WSGIServer:
+    """prometheus_client's /metrics app on host:port (IPv4 or IPv6), in a daemon thread."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                   flags=socket.AI_PASSIVE)[0]
+
+    class Server(_BoundedServer):
+        address_family = family
+
+    server = make_server(str(sockaddr[0]), port, make_wsgi_app(registry), Server,
+                         handler_class=_Handler)
+    threading.Thread(target=server.serve_forever, name="cachefs-metrics", daemon=True).start()
+    return server
+
+
 def _histogram(name: str, text: str, histogram: dict) -> HistogramMetricFamily:
     """A stats.Histogram snapshot (per-bucket counts) as Prometheus's cumulative buckets."""
     buckets = []
@@ -208,7 +265,7 @@ class Exporter:
         exporter = cls(address)
         host, port = address
         try:
-            exporter._server, _thread = start_http_server(port, host, exporter.registry)
+            exporter._server = _serve(host, port, exporter.registry)
         except OSError as exc:
             raise _unusable(address, exc) from None
         log.info("serving Prometheus metrics at http://%s/metrics", address_text(address))

@@ -159,3 +159,32 @@ def test_histogram_buckets_hold_values_up_to_their_bound():
     snapshot = histogram.snapshot()
     assert snapshot["counts"] == [2, 2, 1]
     assert snapshot["count"] == 5 and snapshot["sum_s"] == pytest.approx(5.0135)
+
+
+def test_idle_connections_hold_neither_threads_nor_the_server(monkeypatch):
+    """Any local user reaches a loopback port: 100 connections that say nothing get at most
+    MAX_CLIENTS threads, are dropped after the request timeout, and a scrape is answered
+    after that (a thread was made per connection and kept: 200 idle connections, 199)."""
+    import socket
+    import threading
+    import urllib.request
+
+    from cachefs import metrics
+
+    monkeypatch.setattr(metrics._Handler, "timeout", 0.5)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    exporter = metrics.Exporter.start(("127.0.0.1", port))
+    before = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(100)]
+    try:
+        time.sleep(0.3)
+        assert threading.active_count() - before <= metrics.MAX_CLIENTS
+        time.sleep(1.0)  # past the timeout: the idle clients were dropped
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        assert b"process_" in body
+    finally:
+        for connection in idle:
+            connection.close()
+        exporter.close()
