@@ -85,8 +85,9 @@ class CachefsSampler(Sampler[int]):
     None to publish nothing. `num_replicas` / `rank` default to torch.distributed's world size
     and rank when it is initialised, else 1 and 0. `files`: the dataset's sample paths, when
     the dataset does not expose them. `timeout_s`: how long a publication waits for the daemon.
-    `targets`: the storage target of each dataset index, published as the order file's
-    `targets` (None: the mount goes by the files' devices). `items`: for a dataset whose
+    `targets`: the storage target of each file, published as the order file's `targets`
+    (None: the mount goes by the files' devices): one per dataset index, or with `items`, one
+    per file of `files` (cachefs-order(5)). `items`: for a dataset whose
     samples are byte ranges inside large files (rows of a `.npy`, tar members, HDF5 rows), the
     range of each dataset index (`cachefs.ranges`' tables, `ItemArrays`), published as the
     order file's item table; `files` then names the files the ranges index (each item's
