@@ -247,14 +247,7 @@ class Operations(pyfuse3.Operations):
         pages_of = entry.page_identity if self.kernel is not None else None
         handle = await self.reader.open(inode, entry.relpath, item, given if recent else None,
                                         pages_of)
-        if handle.identity != given:
-            # The file changed since the kernel was given its attributes. Of the same size, the
-            # new version is served whole (this open drops the kernel's pages of the old one);
-            # of another, the size the kernel holds would cut or pad it: the open fails, and
-            # the kernel learns the new version before the next (errors.StaleFileError)
-            self.reader.source_changed(entry.relpath, handle.identity)
-            if handle.identity.size != given.size:
-                raise errors.StaleFileError(f"{entry.relpath!r} changed in the source")
+        self._check_told(entry, handle.identity, given)
         if not handle.kernel_whole and self.kernel is not None:
             # The kernel drops the inode's pages when this open is answered: stores of the
             # pages of another version still queued must land before that, not after.
@@ -267,6 +260,16 @@ class Operations(pyfuse3.Operations):
         fh = self._new_fh()
         self._files[fh] = handle
         return pyfuse3.FileInfo(fh=fh, keep_cache=handle.kernel_whole)
+
+    def _check_told(self, entry, identity: SourceIdentity, told: SourceIdentity) -> None:
+        """The source's file is `identity`; the kernel was told of `told`. If the file changed
+        since: of the same size, the new version is served whole (an open drops the kernel's
+        pages of the old one); of another, the size the kernel holds would cut or pad it:
+        StaleFileError, and the kernel learns the new version before the next."""
+        if identity != told:
+            self.reader.source_changed(entry.relpath, identity)
+            if identity.size != told.size:
+                raise errors.StaleFileError(f"{entry.relpath!r} changed in the source")
 
     def _item_of(self, entry) -> int:
         """The file's index in the order's manifest, searched once per item numbering."""
@@ -300,10 +303,7 @@ class Operations(pyfuse3.Operations):
         else:
             handle = await self.reader.checked_handle_without_open(inode, entry.relpath, item,
                                                                    told)
-            if handle.identity != told:  # as at an open (`_open`)
-                self.reader.source_changed(entry.relpath, handle.identity)
-                if handle.identity.size != told.size:
-                    raise errors.StaleFileError(f"{entry.relpath!r} changed in the source")
+            self._check_told(entry, handle.identity, told)
             made = self._without_open.get(inode)
             if made is not None and made.told == told:
                 return made  # another READ of the file made one while this one checked

@@ -430,7 +430,7 @@ class Prefetcher:
             target = targets.all[number]
             if item in self._inflight_items or item in self._read_whole:
                 pass
-            elif self._resident(item):
+            elif (missing_block := self._first_missing(item)) is None:  # resident
                 identity = self._identity_not_due(item)
                 if identity is None:
                     # An item kept in RAM (the next epoch's head) has an identity from
@@ -445,8 +445,7 @@ class Prefetcher:
                 # rank found room that block 2's fetch then could not take (a file's held
                 # block 1 was RAM's farthest), and the walk started the item again, forever
                 if not self._room_for(self._need_bytes(item),
-                                      self.ranking.priority_of(item, self._first_missing(item),
-                                                               None)):
+                                      self.ranking.priority_of(item, missing_block, None)):
                     self._room_wait = True
                     return  # RAM holds only nearer uses: wait for a consumption
                 self._start_item(item, target, manifest, nursery)
@@ -470,8 +469,9 @@ class Prefetcher:
         target.inflight_items += 1
         nursery.start_soon(self._fetch_item, item, manifest)
 
-    def _first_missing(self, item: int) -> int:
-        """The first block of the item RAM does not hold (0 for a file of unknown size)."""
+    def _first_missing(self, item: int) -> int | None:
+        """The first block of the item RAM does not hold (0 for a file of unknown size);
+        None if it holds them all."""
         size = int(self.meta.size[item])
         if size < 0:
             return 0
@@ -479,15 +479,10 @@ class Prefetcher:
         for block_index in range(block_count(size, self.block_bytes)):
             if (relpath, block_index) not in self.ram:
                 return block_index
-        return 0
+        return None
 
     def _resident(self, item: int) -> bool:
-        size = int(self.meta.size[item])
-        if size < 0:
-            return False
-        relpath = self.ranking.manifest.path(item)
-        return all((relpath, b) in self.ram
-                   for b in range(block_count(size, self.block_bytes)))
+        return self._first_missing(item) is None
 
     def _room_for(self, nbytes: int, priority: float | None) -> bool:
         if priority is None:

@@ -321,10 +321,7 @@ class RangeCache:
         # is not read again: the caller finds it in RAM or in flight
         taken = [want for want in span if self.key_of(want.item) in self.inflight
                  or self.entry(self.key_of(want.item), identity) is not None]
-        for want in taken:
-            if want.reserved:
-                self.ram.unreserve(want.reserved)
-                want.reserved = 0
+        self.give_back(taken)
         span = [want for want in span if want not in taken]
         if not span:
             return identity or self.source.identity_of(
@@ -358,14 +355,18 @@ class RangeCache:
                 flight.error = error
             raise
         finally:
-            for want in span:
-                if want.reserved:
-                    self.ram.unreserve(want.reserved)
-                    want.reserved = 0
+            self.give_back(span)
             for key, flight in zip(keys, flights, strict=True):
                 if self.inflight.get(key) is flight:
                     del self.inflight[key]
                 flight.done.set()
+
+    def give_back(self, wants: list[Want]) -> None:
+        """The RAM reserved for wants not kept goes back to the budget."""
+        for want in wants:
+            if want.reserved:
+                self.ram.unreserve(want.reserved)
+                want.reserved = 0
 
     async def read_source(self, relpath: bytes, ranges: list[tuple[int, int]], *,
                           demand: bool):

@@ -197,10 +197,7 @@ class RangeReader:
             finally:
                 # a span that failed (the source's error, a changed file) leaves the RAM
                 # reserved for the spans after it: given back, or the budget shrank for good
-                for want in wants:
-                    if want.reserved:
-                        self._ranking.ram.unreserve(want.reserved)
-                        want.reserved = 0
+                self._cache.give_back(wants)
         waited_s = now_s() - started_s
         for index, item in enumerate(missing):
             self._touch(item, stats_mod.ORIGIN_MISS, waited_s if index == 0 else 0.0)
