@@ -31,7 +31,7 @@ from cachefs import __version__, errors, mount_helper, stats_table
 from cachefs.client import abort_fuse_connection, daemon_killed, process_exited
 from cachefs.config import (DATA_PLANES, MISS_BATCH_ITEMS, SOURCE_THREADS, CacheConfig, MountConfig,
                             PrefetchConfig, default_state_dir, parse_address, parse_size)
-from cachefs.mountinfo import listed_path, mounted_paths
+from cachefs.mountinfo import CACHEFS_FSTYPE, listed_path, mount_at, mounted_paths
 
 if TYPE_CHECKING:
     import numpy as np  # numpy is imported where it is used: `cachefs --help` stays quick
@@ -249,8 +249,14 @@ def _mount_daemon(config: MountConfig) -> None:
 def umount(mountpoint, state_dir):
     """Unmount MOUNTPOINT, also one whose daemon died."""
     real = listed_path(mountpoint)  # no realpath: it would stat a possibly stuck mount
-    if real not in mounted_paths():
+    mount = mount_at(real)
+    if mount is None:
         _fail(f"{mountpoint} is not mounted")
+    if mount.fstype != CACHEFS_FSTYPE:
+        # as root, fusermount3 unmounts any mount at all (it checks the owner of FUSE mounts
+        # only for other users), and the fallback below would detach a busy one
+        _fail(f"{mountpoint} is not a cachefs mount (a {os.fsdecode(mount.fstype)} mount); "
+              "use umount(8) for it")
     pid = _daemon_pid(state_dir or default_state_dir(mountpoint))
     if pid is not None and daemon_killed(pid) and not process_exited(pid):
         # killed while a thread waited in the kernel on a READ it can no longer answer: the

@@ -15,6 +15,10 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
+# the type of a cachefs mount in mountinfo: FUSE's, with the subtype the daemon mounts with
+# (cachefs/mount.py, "subtype=cachefs")
+CACHEFS_FSTYPE = b"fuse.cachefs"
+
 
 def unescape_mountinfo(field: bytes) -> bytes:
     """Undo mountinfo's octal escapes (space, tab, newline, backslash)."""
@@ -64,6 +68,17 @@ def listed_path(path: str | os.PathLike, links_left: int = 40) -> str:
 def mounted_paths() -> set[str]:
     """Mount points of this mount namespace (see `mountinfo`)."""
     return {os.fsdecode(mount.point) for mount in mountinfo()}
+
+
+def mount_at(path: str) -> MountInfo | None:
+    """The mount a path lookup of `path` (as `listed_path` spells it) finds: the last one
+    mounted on it, over any others; None if nothing is mounted there."""
+    point = os.fsencode(path)
+    found = None
+    for mount in mountinfo():
+        if mount.point == point:
+            found = mount  # mountinfo lists mounts in the order they were stacked
+    return found
 
 
 def filesystem_type(path: bytes) -> bytes:

@@ -460,3 +460,19 @@ def test_the_source_scan_counts_the_files_under_a_directory(tmp_path):
     assert manifest.files_in(b"ab") == 1 and manifest.files_in(b"a0") == 1
     assert manifest.files_in(b"missing") == 0
     assert manifest.files_in(b"") == 7
+
+
+def test_umount_leaves_a_mount_of_another_file_system_alone(tmp_path):
+    """`cachefs umount` of a path where something else is mounted (the source typed for the
+    mount point): as root, fusermount3 unmounts any mount, and the lazy fallback would
+    detach a busy one. Refused with exit 1, the mount still there."""
+    point = tmp_path / "other"
+    point.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(point)], check=True)
+    try:
+        done = run_cachefs("umount", point)
+        assert done.returncode == 1, done.stderr
+        assert "is not a cachefs mount (a tmpfs mount)" in done.stderr
+        assert str(point) in mounted_paths()
+    finally:
+        subprocess.run(["umount", "-l", str(point)], check=False)
