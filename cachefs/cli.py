@@ -29,8 +29,9 @@ import click
 
 from cachefs import __version__, errors, mount_helper, stats_table
 from cachefs.client import abort_fuse_connection, daemon_killed, process_exited
-from cachefs.config import (DATA_PLANES, MISS_BATCH_ITEMS, SOURCE_THREADS, CacheConfig, MountConfig,
-                            PrefetchConfig, default_state_dir, parse_address, parse_size)
+from cachefs.config import (DATA_PLANES, INT64_MAX, MISS_BATCH_ITEMS, SOURCE_THREADS, CacheConfig,
+                            MountConfig, PrefetchConfig, default_state_dir, parse_address,
+                            parse_size)
 from cachefs.mountinfo import CACHEFS_FSTYPE, listed_path, mount_at, mounted_paths
 
 if TYPE_CHECKING:
@@ -290,8 +291,10 @@ def _wait_for_exit(pid: int, timeout_s: float) -> None:
 # -- publish -----------------------------------------------------------------------------------
 
 @cli.command()
-@click.argument("mountpoint", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--epoch", type=click.IntRange(min=0), required=True,
+# MOUNTPOINT is not checked to exist here: the mount's own calls say what is wrong with it (a
+# dead daemon's mount point fails to stat, and click called that "does not exist", exit 2)
+@click.argument("mountpoint", type=click.Path(path_type=Path))
+@click.option("--epoch", type=click.IntRange(min=0, max=INT64_MAX), required=True,
               help="The epoch that --current describes.")
 @click.option("--current", type=click.Path(dir_okay=False, path_type=Path),
               help="This epoch's order: .npy or text, one index per line.")
@@ -320,6 +323,8 @@ def publish(mountpoint, epoch, current, next, files, items, seed, rank, world_si
         raise click.UsageError("--seed draws the orders itself: do not give --current or --next")
     if seed is None and current is None:
         raise click.UsageError("give --current (and optionally --next), or --seed")
+    if (rank is None) != (world_size is None):
+        raise click.UsageError("give --rank and --world-size together, or neither")
     try:
         manifest, ranges = publishing.read_inputs(files, items)
         if seed is not None:
@@ -333,8 +338,10 @@ def publish(mountpoint, epoch, current, next, files, items, seed, rank, world_si
         status = publishing.publish(mountpoint, epoch, current_order, next=next_order,
                                     files=manifest, rank=rank, world_size=world_size,
                                     timeout_s=timeout, targets=placement, items=ranges)
-    except errors.OrderError as exc:
+    except errors.OrderRejected as exc:
         _fail(f"order rejected: {exc}")
+    except errors.OrderError as exc:  # the mount, a timeout, an input file: not the order's fault
+        _fail(f"publish failed: {exc}")
     click.echo(f"epoch {status['epoch']}: {status['length']} of {status['total_length']} "
                f"items accepted{stats_table.merged_ranks(status)}")
 
@@ -351,7 +358,7 @@ def read_stats(mountpoint: Path) -> dict:
 
 
 @cli.command()
-@click.argument("mountpoint", type=click.Path(exists=True, path_type=Path))
+@click.argument("mountpoint", type=click.Path(path_type=Path))  # see publish's
 @click.option("--json", "as_json", is_flag=True, help="Print the full JSON snapshot.")
 @click.option("--watch", is_flag=True,
               help="Show rates per interval, redrawn in place, until interrupted.")
@@ -419,7 +426,7 @@ def _watch_stats(mountpoint: Path, interval_s: float, count: int | None) -> None
 # -- warm --------------------------------------------------------------------------------------
 
 @cli.command()
-@click.argument("mountpoint", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("mountpoint", type=click.Path(path_type=Path))  # see publish's
 @click.option("--files", type=click.Path(exists=True, dir_okay=False, readable=True,
                                         path_type=Path),
               help="Warm these files (relative paths, one per line), in this order.")

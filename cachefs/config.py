@@ -9,10 +9,15 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from fractions import Fraction
 from dataclasses import dataclass
 from pathlib import Path
 
 from cachefs.mountinfo import listed_path
+
+# order files store epochs, ranks and indices as int64 (man/cachefs-order.5): the CLI's bound
+# on --epoch, and cachefs/order.py's on every integer it writes
+INT64_MAX = 2**63 - 1
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -36,7 +41,11 @@ def parse_size(text: str | int) -> int:
     if not match:
         raise ValueError(f"not a size: {text!r} (examples: 4096, 512M, 8GiB)")
     number, unit, _suffix = match.groups()
-    return int(float(number) * 1024 ** _SIZE_UNITS[unit.lower()])
+    # exact (a float of a 400-digit number is inf), and within what the tiers count in
+    size = int(Fraction(number) * 1024 ** _SIZE_UNITS[unit.lower()])
+    if size > INT64_MAX:
+        raise ValueError(f"size too large: {text!r}")
+    return size
 
 
 def parse_address(text: str) -> tuple[str, int]:

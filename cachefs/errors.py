@@ -33,6 +33,11 @@ class OrderError(CachefsError):
     file: FileIdentity | None = None  # identity of the order file read, when there was one
 
 
+class OrderRejected(OrderError):
+    """The order itself is wrong: the checks before it is written, or the daemon, refused it
+    (an OrderError of another kind is a failure to publish: the mount, a timeout, a file)."""
+
+
 class StaleFileError(CachefsError):
     """The source file changed since the kernel was given its attributes: the version a reader
     holds is gone, and serving the new bytes under the old size would hand it a mix of the two

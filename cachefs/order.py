@@ -61,6 +61,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from cachefs.config import INT64_MAX
 from cachefs.errors import OrderError
 from cachefs.manifest import Manifest, check_relpaths, check_unique_paths, quote_path
 from cachefs.placement import MAX_TARGETS, Placement
@@ -209,6 +210,7 @@ def rank_slice(order: np.ndarray, rank: int, world_size: int) -> np.ndarray:
 
 
 def _as_int_scalar(key: str, value) -> int:
+    """`value` as an int that the order file can store (int64)."""
     if isinstance(value, np.ndarray):
         if value.shape != ():
             raise OrderError(f"{key} must be a scalar integer, got an array of shape "
@@ -216,6 +218,8 @@ def _as_int_scalar(key: str, value) -> int:
         value = value[()]
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise OrderError(f"{key} must be an integer, got {type(value).__name__} {value!r}")
+    if not -INT64_MAX - 1 <= int(value) <= INT64_MAX:
+        raise OrderError(f"{key} must fit in 64 bits, got {value}")
     return int(value)
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from cachefs import ctrl
-from cachefs.errors import OrderError
+from cachefs.errors import OrderError, OrderRejected
 from cachefs.order import (NPY_MAGIC, check_arrays, check_indices, check_targets, rank_order_path,
                            write_checked)
 from cachefs.order_items import ITEM_KEYS, ItemArrays, as_int_array, check_item_files
@@ -168,8 +168,11 @@ def publish(mount: Path, epoch: int, current, next=None, files=None, rank=None,
     storage target of each manifest item (man/cachefs-order.5), None to let the daemon go by
     the files' devices.
     """
-    checked = check_arrays(epoch, current, next, files, rank, world_size, targets=targets,
-                           items=items)
+    try:
+        checked = check_arrays(epoch, current, next, files, rank, world_size, targets=targets,
+                               items=items)
+    except OrderError as exc:
+        raise OrderRejected(str(exc)) from None
     mount = Path(mount)
     order_path = Path(os.fsdecode(ctrl.read_attr(mount, ctrl.ORDER_FILE, OrderError)))
     if checked.rank is not None:  # (and world_size: check_arrays takes both or neither)
@@ -198,8 +201,8 @@ def publish(mount: Path, epoch: int, current, next=None, files=None, rank=None,
         # find their own; a daemon older than the merge has `last_rejection` only
         for rejection in stats.get("rejections") or [stats.get("last_rejection") or {}]:
             if rejection.get("file") == identity:
-                raise OrderError(rejection.get("reason")
-                                 or "the daemon rejected the order file")
+                raise OrderRejected(rejection.get("reason")
+                                    or "the daemon rejected the order file")
         for publication in stats.get("publications") or ():
             if publication.get("file") == identity and publication.get("left_out"):
                 log.warning("%s was accepted but is not merged into the order in force: %s",

@@ -280,6 +280,12 @@ def test_kill_9_then_umount_recovers_the_mountpoint(tree, mounter):
     mount.process.kill()
     mount.process.wait()
     assert mount.mounted  # the kernel mount outlives the daemon
+    # the commands that talk to the daemon say so, with exit 1 (click's check that the path
+    # exists failed first on the dead mount: "does not exist", the usage code 2)
+    for command in (["stats"], ["publish", "--epoch", "0", "--seed", "1"], ["warm"]):
+        done = run_cachefs(command[0], mount.mountpoint, *command[1:])
+        assert done.returncode == 1, (command, done.stderr)
+        assert "the cachefs daemon is not running" in done.stderr, (command, done.stderr)
     done = run_cachefs("umount", mount.mountpoint, "--state-dir", mount.state_dir)
     assert done.returncode == 0, done.stderr
     assert not mount.mounted
@@ -439,6 +445,8 @@ def test_startup_errors_have_documented_exit_codes(tree, tmp_path, mounter):
     assert done.returncode == 6 and "fusermount3" in done.stderr
     done = run_cachefs("mount", tree, mnt, "--ram-cache", "lots")
     assert done.returncode == 2 and "not a size" in done.stderr
+    done = run_cachefs("mount", tree, mnt, "--ram-cache", "9" * 40)  # a float's inf: a traceback
+    assert done.returncode == 2 and "size too large" in done.stderr
     done = run_cachefs("umount", mnt)
     assert done.returncode == 1 and "not mounted" in done.stderr
 

@@ -118,8 +118,17 @@ def test_python_publish_raises_the_daemon_reason(dataset, mounter):
 def test_publish_to_a_directory_that_is_not_a_mount(tmp_path):
     done = run_cachefs("publish", tmp_path, "--epoch", 0, "--seed", 1)
     assert done.returncode == 1 and "not a cachefs mount" in done.stderr
+    assert "order rejected" not in done.stderr  # nothing is wrong with the order
     done = run_cachefs("publish", tmp_path, "--epoch", 0, "--seed", 1, "--current", "x")
     assert done.returncode == 2
+    # usage errors, exit 2, before anything is read: a rank needs its world size, and an
+    # epoch must fit the order file's int64
+    done = run_cachefs("publish", tmp_path, "--epoch", 0, "--seed", 1, "--rank", 1)
+    assert done.returncode == 2 and "--world-size" in done.stderr
+    done = run_cachefs("publish", tmp_path, "--epoch", 2**63, "--seed", 1)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    done = run_cachefs("publish", tmp_path / "absent", "--epoch", 0, "--seed", 1)
+    assert done.returncode == 1 and "No such file or directory" in done.stderr
 
 
 @pytest.mark.parametrize("option, content, message", [
