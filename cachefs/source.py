@@ -18,7 +18,11 @@ read only from regular files, opened non-blocking so that a FIFO cannot hold a w
 
 A block read opens, fstats, preads and closes in one thread call: the identity returned with
 the data comes from the same open file, so data and identity always belong together (a cached
-block is served only while the source still has that identity; see `SourceIdentity`).
+block is served only while the source still has that identity; see `SourceIdentity`). The
+file is fstat'ed again after its bytes are read (`_one_version`): a rewrite in place
+(`np.save`, `torch.save` and cp truncate, then write) between the fstat and the pread gave
+bytes cut short, or of the new version, labelled with the old identity, which the RAM and
+SSD tiers then kept and served; such a read is made again, with the identity after it.
 Identities are made only by `identity_of`, which leaves the inode number out on FUSE sources
 (sshfs, rclone, s3fs...): those number inodes per mount and renumber them whenever the kernel
 forgets one (after `drop_caches`, or a remount), which would make every cached copy look stale.
@@ -51,6 +55,7 @@ import os
 import stat
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -71,6 +76,9 @@ DEMAND_THREADS = 8
 # Paths whose latest stat is remembered: a read-ahead window is tens of files, and a lookup
 # follows its prefetch within a window's time, so a few thousand covers any window with room.
 RECENT_STATS = 8192
+# reads of a file that changed while it was read, before the file's read fails with EIO
+# (`_one_version`); a file rewritten that often is not one a cache can hold
+READ_ATTEMPTS = 3
 
 
 class SourceIdentity(NamedTuple):
@@ -296,16 +304,36 @@ class Source:
     def read_block_sync(self, relpath: bytes, block_index: int, block_bytes: int) -> BlockData:
         started_s = time.monotonic()
         fd, st = self._open(relpath)
-        try:
-            identity = self.identity_of(st)
+
+        def read(st: os.stat_result) -> tuple[bytes, bool]:
             offset = block_index * block_bytes
-            want = max(0, min(block_bytes, identity.size - offset))
+            want = max(0, min(block_bytes, st.st_size - offset))
+            data = _pread_full(fd, want, offset)
+            return data, len(data) == want
+
+        try:
             if self.delay_s:
                 time.sleep(self.delay_s)
-            data = _pread_full(fd, want, offset)
+            data, st = self._one_version(relpath, fd, st, read)
         finally:
             os.close(fd)
-        return BlockData(data, identity, st, time.monotonic() - started_s)
+        return BlockData(data, self.identity_of(st), st, time.monotonic() - started_s)
+
+    def _one_version(self, relpath: bytes, fd: int, st: os.stat_result,
+                     read: Callable[[os.stat_result], tuple[bytes, bool]]
+                     ) -> tuple[bytes, os.stat_result]:
+        """`read(st)` of the open file `fd` (its bytes, and whether it got all it asked for
+        at `st`'s size), with the fstat after it that says they are all of `st`'s version;
+        else read again at the version after it (module docstring)."""
+        for _ in range(READ_ATTEMPTS):
+            data, complete = read(st)
+            after = os.fstat(fd)
+            if complete and self.identity_of(after) == self.identity_of(st):
+                return data, st
+            log.info("source file changed while it was read: %r", relpath)
+            st = after
+        raise OSError(errno.EIO, f"the file changed each of the {READ_ATTEMPTS} times it was "
+                                 "read", relpath)
 
     async def read_block(self, relpath: bytes, block_index: int, block_bytes: int, *,
                          background: bool = False) -> BlockData:
@@ -331,8 +359,14 @@ class Source:
             st = st if st is not None else os.fstat(fd)
             if self.delay_s:
                 time.sleep(self.delay_s)
-            return b"".join(_pread_full(fd, max(0, min(length, st.st_size - offset)), offset)
-                            for offset, length in ranges), st
+
+            def at(st: os.stat_result) -> tuple[bytes, bool]:
+                wants = [(offset, max(0, min(length, st.st_size - offset)))
+                         for offset, length in ranges]
+                parts = [_pread_full(fd, want, offset) for offset, want in wants]
+                return b"".join(parts), all(len(part) == want
+                                            for part, (_, want) in zip(parts, wants, strict=True))
+            return self._one_version(relpath, fd, st, at)
 
         if hold_s > 0:
             data, st = self._held.use(relpath, hold_s, read)

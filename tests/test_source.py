@@ -290,3 +290,49 @@ def test_a_fifo_in_the_source_is_refused_not_waited_on(tmp_path, resolution):
     finally:
         done.set()
         helper.join()
+
+
+@pytest.mark.parametrize("new_size", [300, 2000], ids=["shorter", "same-size"])
+@pytest.mark.parametrize("ranged", [False, True], ids=["block", "ranges"])
+def test_a_file_rewritten_while_it_is_read_is_read_again(tmp_path, monkeypatch, new_size,
+                                                         ranged):
+    """A rewrite in place (truncate, then write: np.save, torch.save, cp) between a read's
+    fstat and its pread gave bytes cut short, or of the new version, with the old identity,
+    which the tiers then kept and served: the bytes returned are always of the identity
+    returned with them."""
+    path = tmp_path / "f"
+    path.write_bytes(b"o" * 2000)
+    old_ns = path.stat().st_mtime_ns
+    real_pread = source_mod._pread_full
+    rewrites = []
+
+    def pread_racing_a_writer(fd, size, offset):
+        if not rewrites:
+            rewrites.append(1)
+            path.write_bytes(b"n" * new_size)
+            os.utime(path, ns=(old_ns + 10**9, old_ns + 10**9))
+        return real_pread(fd, size, offset)
+
+    monkeypatch.setattr(source_mod, "_pread_full", pread_racing_a_writer)
+    source = source_mod.Source(tmp_path, threads=1)
+    block = (source.read_ranges_sync(b"f", [(0, 4096)]) if ranged
+             else source.read_block_sync(b"f", 0, 4096))
+    assert block.data == b"n" * new_size
+    assert block.identity == source.identity_of(os.stat(path))
+
+
+def test_a_file_that_keeps_changing_while_read_fails_with_eio(tmp_path, monkeypatch):
+    path = tmp_path / "f"
+    path.write_bytes(b"o" * 2000)
+    real_pread = source_mod._pread_full
+
+    def pread_racing_a_writer(fd, size, offset):
+        stamp = path.stat().st_mtime_ns + 10**9
+        os.utime(path, ns=(stamp, stamp))
+        return real_pread(fd, size, offset)
+
+    monkeypatch.setattr(source_mod, "_pread_full", pread_racing_a_writer)
+    source = source_mod.Source(tmp_path, threads=1)
+    with pytest.raises(OSError) as caught:
+        source.read_block_sync(b"f", 0, 4096)
+    assert caught.value.errno == errno.EIO and "changed each of the 3 times" in str(caught.value)

@@ -189,6 +189,10 @@ class TieredCache:
             result = flight.result
             if result is None:
                 continue  # a prefetch that found no room: fetch it ourselves
+            if identity is not None and result.identity != identity:
+                # a fetch of another version (read ahead before the file changed): not the
+                # bytes asked for; fetch them ourselves, at the version the source has now
+                continue
             if demand and result.from_source:
                 # the reader waited for a source read started by someone else: still a stall
                 return Fetched(result.data, result.identity, stats_mod.ORIGIN_MISS, True)

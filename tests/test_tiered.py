@@ -1,0 +1,69 @@
+"""The tiered cache's fetches, with fakes for the source and the SSD tier (no FUSE)."""
+
+from __future__ import annotations
+
+import trio
+
+from cachefs import stats as stats_mod
+from cachefs.cache.ram import RamTier
+from cachefs.cache.tiered import TieredCache
+from cachefs.source import BlockData, SourceIdentity
+
+OLD = SourceIdentity(10, 1, 5)
+NEW = SourceIdentity(10, 2, 5)  # the same file rewritten: same size, a later mtime
+
+
+class Ranking:
+    def priority_of(self, item, block_index, identity):
+        return 1.0
+
+    def item_now(self, relpath, item, manifest):
+        return item, manifest
+
+
+class SlowSsdOfTheOldVersion:
+    """Holds the old version's block, and takes a while to read it."""
+
+    def contains(self, key, identity):
+        return identity == OLD
+
+    def holds_other_version(self, key, identity):
+        return identity != OLD
+
+    def read(self, key, identity):
+        return b"o" * 10 if identity == OLD else None
+
+    def has_room(self, nbytes):
+        return False
+
+
+class SourceOfTheNewVersion:
+    async def read_block(self, relpath, block_index, block_bytes, background=False):
+        return BlockData(b"n" * 10, NEW, None, 0.0)
+
+
+def test_a_read_of_a_new_version_does_not_take_a_fetch_of_the_old_in_flight():
+    """A read-ahead of the old version is in flight (from the SSD tier) when a reader of the
+    new version, which an open has just learnt, asks for the same block: it joined that
+    fetch and was handed the old bytes (and the daemon recorded the old identity as fresh
+    again). It fetches the block of its own version."""
+    async def slow_ssd_call(fn, *args):
+        await trio.sleep(0.05)
+        return fn(*args)
+
+    tiered = TieredCache(RamTier(1 << 20, block_bytes=4096), SourceOfTheNewVersion(),
+                         stats_mod.Stats(), 4096, Ranking(), ssd=SlowSsdOfTheOldVersion(),
+                         run_ssd=slow_ssd_call)
+    got = {}
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            async def read_ahead():
+                got["read-ahead"] = await tiered.fetch((b"f", 0), OLD, 0, None, demand=False)
+            nursery.start_soon(read_ahead)
+            await trio.sleep(0.01)  # the read-ahead's fetch is in flight
+            got["reader"] = await tiered.fetch((b"f", 0), NEW, 0, None, demand=True)
+
+    trio.run(main)
+    assert (got["read-ahead"].identity, got["read-ahead"].data) == (OLD, b"o" * 10)
+    assert (got["reader"].identity, got["reader"].data) == (NEW, b"n" * 10)
