@@ -158,7 +158,8 @@ class Operations(pyfuse3.Operations):
         # a file just read ahead is answered from the fstat of that read: no round trip
         st, stat_time_s = await self.source.lstat_recent(relpath, self.freshness)
         inode = self.inodes.remember(relpath, st, lookup=True, stat_time_s=stat_time_s)
-        return self._attrs(inode, st)
+        # the table's stat: a newer one than the memo's stays there (InodeTable.remember)
+        return self._attrs(inode, self.inodes.get(inode).stat)
 
     @_guarded
     async def getattr(self, inode, ctx=None):

@@ -238,6 +238,13 @@ class Source:
                                         entry.stat(follow_symlinks=False)))
                     except FileNotFoundError:
                         continue  # vanished between readdir and stat: not listed
+                    except OSError as exc:
+                        # one entry the source cannot stat (EIO of an object store, a
+                        # stale NFS handle) left the whole directory unlistable; as ls
+                        # does, the others are listed, and a lookup of it gets its errno
+                        log.warning("%r in %r left out of its listing: %s", entry.name,
+                                    relpath, exc)
+                        continue
         finally:
             os.close(fd)
         entries.sort()

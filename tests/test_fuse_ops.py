@@ -215,3 +215,24 @@ def test_an_older_stat_does_not_replace_a_newer_one(tmp_path):
     assert inodes.get(inode).stat.st_size == 20 and inodes.get(inode).stat_time_s == 10.0
     inodes.remember(b"a", old, lookup=False, stat_time_s=11.0)  # newer: it is the file now
     assert inodes.get(inode).stat.st_size == 10
+
+
+def test_a_lookup_tells_the_kernel_the_newest_stat_the_table_holds(tmp_path):
+    """A lookup answered from the source's memo of an older stat, while the inode table held
+    a newer one (a directory listing since): the kernel was told the old size, and its
+    READs cut or padded at it."""
+    src = tmp_path / "src"
+    write_file(src / "a", 10)
+    ops = operations(src)
+    clock = trio.testing.MockClock()
+
+    async def main():
+        inode = (await ops.lookup(ROOT_INODE, b"a", None)).st_ino  # the memo: 10 bytes
+        write_file(src / "a", 20)
+        clock.jump(1.0)
+        ops.inodes.remember(b"a", os.lstat(src / "a"), lookup=False,
+                            stat_time_s=trio.current_time())  # as a listing does
+        attrs = await ops.lookup(ROOT_INODE, b"a", None)
+        assert (attrs.st_ino, attrs.st_size) == (inode, 20)
+
+    trio.run(main, clock=clock)

@@ -336,3 +336,32 @@ def test_a_file_that_keeps_changing_while_read_fails_with_eio(tmp_path, monkeypa
     with pytest.raises(OSError) as caught:
         source.read_block_sync(b"f", 0, 4096)
     assert caught.value.errno == errno.EIO and "changed each of the 3 times" in str(caught.value)
+
+
+def test_an_entry_the_source_cannot_stat_leaves_the_others_listed(tmp_path, monkeypatch):
+    """One entry whose lstat fails (EIO of an object store, a stale NFS handle) made the
+    whole directory unlistable; it is left out, as ls leaves it."""
+    for name in ("a", "bad", "c"):
+        write_file(tmp_path / name, 10)
+    real_scandir = os.scandir
+
+    class Unstattable:
+        def __init__(self, entry):
+            self.name = entry.name
+
+        def stat(self, follow_symlinks=True):
+            raise OSError(errno.EIO, "Input/output error")
+
+    class Listing:
+        def __init__(self, it):
+            self._it = it
+
+        def __enter__(self):
+            return (Unstattable(e) if e.name == "bad" else e for e in self._it)
+
+        def __exit__(self, *exc):
+            self._it.close()
+
+    monkeypatch.setattr(os, "scandir", lambda fd: Listing(real_scandir(fd)))
+    source = source_mod.Source(tmp_path, threads=1)
+    assert [name for name, _ in source._scandir(b"")] == [b"a", b"c"]
