@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import errno as errno_mod
+import fcntl
 import json
 import logging
 import os
 import shutil
 import signal
+import stat
 import threading
 import time
 from pathlib import Path
@@ -509,6 +511,8 @@ def run(config: MountConfig) -> int:
     check_startup(config)
     config.state_dir.mkdir(parents=True, exist_ok=True)
     config.order_file.parent.mkdir(parents=True, exist_ok=True)
+    _check_order_directory(config.order_file.parent)
+    state_lock = _lock_state_dir(config.state_dir)
     pid_file = config.state_dir / "pid"
     exporter = None
     if config.metrics_address is not None:
@@ -527,5 +531,30 @@ def run(config: MountConfig) -> int:
     finally:
         if exporter is not None:
             exporter.close()
+        os.close(state_lock)
     return errors.EXIT_OK
+
+
+def _check_order_directory(directory: Path) -> None:
+    """Publishing is writing a file in the order file's directory (man/cachefs-mount.1,
+    "Other users"): one that every user may write (/tmp) lets any of them publish orders to
+    this mount, sticky bit or not (a rank's file is a new name)."""
+    if os.stat(directory).st_mode & stat.S_IWOTH:
+        raise errors.StartupError(
+            f"the order file's directory {directory} is writable by every user, who could all "
+            f"publish orders to this mount; use one only the mount's users may write "
+            f"(chmod o-w, --state-dir or --order-file)")
+
+
+def _lock_state_dir(state_dir: Path) -> int:
+    """One mount per state directory: two would watch one order file (a publication to one
+    steered the other) and overwrite each other's pid file (which `cachefs umount` waits on)."""
+    fd = os.open(state_dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise errors.StartupError(f"state directory {state_dir} is in use by another cachefs "
+                                  f"mount; give this one its own (--state-dir)") from None
+    return fd
 

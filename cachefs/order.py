@@ -49,6 +49,7 @@ This module imports neither pyfuse3 nor torch: trainers import it.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -71,6 +72,9 @@ from cachefs.order_items import ITEM_KEYS, Items, as_int_array, check_item_files
 ORDER_VERSION = 1
 
 
+# the most an order file's arrays may take unpacked: a files list of 10 million paths of
+# 200 bytes, with both orders (`_read_npz`)
+MAX_UNPACKED_BYTES = 2 << 30
 _KNOWN_KEYS = frozenset({"version", "epoch", "current", "next", "files", "rank", "world_size",
                          "targets", *ITEM_KEYS})
 _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip with members / an empty zip
@@ -380,8 +384,13 @@ def _open_regular(path: Path):
     O_NONBLOCK changes nothing for the reads of a regular file.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        # no link is followed: whoever may write the order's directory (a group's) could
+        # point one at a file only the daemon's user may read
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise OrderError("a symbolic link, not the order file: publish by renaming a "
+                             "complete file into place") from None
         raise OrderError(f"cannot open the order file: {err.strerror}") from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
@@ -411,6 +420,13 @@ def _read_npz(path: Path) -> tuple[dict[str, np.ndarray], FileIdentity]:
             except (zipfile.BadZipFile, EOFError, ValueError, OSError) as err:
                 raise OrderError(f"truncated or corrupt npz archive: {err}") from None
             with npz:
+                # the arrays' size as the archive states it, before any is read: a small
+                # compressed file (or a forged size) made the daemon take gigabytes, or die
+                unpacked_bytes = sum(info.file_size for info in npz.zip.infolist())
+                if unpacked_bytes > MAX_UNPACKED_BYTES:
+                    raise OrderError(f"the archive's arrays take {unpacked_bytes:,} bytes "
+                                     f"unpacked, more than the {MAX_UNPACKED_BYTES:,} an order "
+                                     f"may (a few hundred MB for millions of files)")
                 unknown = sorted(set(npz.files) - _KNOWN_KEYS)
                 if unknown:
                     # the first few only: a file of thousands of arrays made a reason too long

@@ -265,7 +265,8 @@ class OrderWatcher:
                     if rank is None:
                         continue
                 try:
-                    st = entry.stat()  # follows a symbolic link, as opening the file does
+                    # a link as itself: its load is refused (order.py `_open_regular`)
+                    st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue  # renamed away since the listing
                 except OSError as err:

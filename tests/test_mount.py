@@ -484,3 +484,30 @@ def test_umount_leaves_a_mount_of_another_file_system_alone(tmp_path):
         assert str(point) in mounted_paths()
     finally:
         subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def test_an_order_directory_every_user_may_write_is_refused(tree, tmp_path):
+    """Publishing is writing a file in the order file's directory: one that every user may
+    write (as /tmp) would let any of them steer this mount."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    done = run_cachefs("mount", tree, mnt, "--foreground", "--order-file", shared / "order.npz")
+    assert done.returncode == 1
+    assert "is writable by every user" in done.stderr and str(shared) in done.stderr
+    assert str(mnt) not in mounted_paths()
+
+
+def test_two_mounts_cannot_share_a_state_directory(tree, tmp_path, mounter):
+    """Two mounts on one state directory watched one order file (a publication to one
+    steered the other) and overwrote each other's pid file."""
+    mount = mounter(tree)
+    other = tmp_path / "other"
+    other.mkdir()
+    done = run_cachefs("mount", tree, other, "--foreground", "--state-dir", mount.state_dir)
+    assert done.returncode == 1
+    assert "is in use by another cachefs mount" in done.stderr
+    assert str(other) not in mounted_paths()
+    assert mount.stats()["order"] is None  # the first mount serves on

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import stat
 import subprocess
 import sys
 import threading
@@ -479,7 +480,7 @@ def test_order_file_that_is_not_a_regular_file_is_rejected_at_once(tmp_path, sou
     if kind == "fifo":
         os.mkfifo(path)
     else:
-        path.symlink_to("/dev/zero")  # the watcher follows a symbolic link, as open does
+        os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(1, 5))  # another /dev/zero
     messages = []
     loader = threading.Thread(target=lambda: messages.append(rejection(path, source_manifest)),
                               daemon=True)
@@ -491,6 +492,26 @@ def test_order_file_that_is_not_a_regular_file_is_rejected_at_once(tmp_path, sou
     finally:
         if loader.is_alive():  # unblock the reader's open, as a writer would
             release_fifo_readers(path)
+
+
+def test_an_order_file_that_is_a_symbolic_link_is_rejected(tmp_path, source_manifest):
+    """Whoever may write the order's directory (a group's) must not have the daemon open, and
+    report on, a file it points to: a link is never followed."""
+    save_npz(tmp_path / "elsewhere.npz", epoch=np.int64(3), current=np.arange(12))
+    (tmp_path / "order.npz").symlink_to(tmp_path / "elsewhere.npz")
+    assert "a symbolic link" in rejection(tmp_path / "order.npz", source_manifest)
+
+
+def test_an_order_whose_arrays_would_take_too_much_memory_is_rejected_unread(
+        tmp_path, source_manifest, monkeypatch):
+    """The size the archive states is checked before any array is read: a small compressed
+    file (or a forged size) made the daemon take gigabytes, or die."""
+    from cachefs import order as order_mod
+
+    save_npz(tmp_path / "order.npz", epoch=np.int64(0), current=np.arange(12))
+    assert load_order(tmp_path / "order.npz", source_manifest).epoch == 0
+    monkeypatch.setattr(order_mod, "MAX_UNPACKED_BYTES", 100)
+    assert "more than the 100 an order may" in rejection(tmp_path / "order.npz", source_manifest)
 
 
 def test_reject_rank_at_or_above_world_size(tmp_path, source_manifest):
