@@ -40,7 +40,13 @@ import click
 # Options for mount(8), fstab and the kernel's mount flags, accepted and dropped.
 IGNORED = frozenset({
     "defaults", "rw", "ro", "auto", "noauto", "user", "users", "nouser", "_netdev", "nofail",
-    "dev", "suid", "nodev", "nosuid", "noexec", "exec", "noatime", "atime",
+    "dev", "suid", "nodev", "nosuid", "noexec", "exec",
+    # access times and write modes: nothing to do on a read-only mount, and what fstab lines
+    # copied from other file systems carry
+    "noatime", "atime", "relatime", "norelatime", "strictatime", "nostrictatime", "lazytime",
+    "nolazytime", "nodiratime", "diratime", "sync", "async", "dirsync",
+    # cachefs mounts with it always
+    "default_permissions",
 })
 IGNORED_PREFIXES = ("x-", "X-", "comment=")
 # The file system types that name cachefs (`-t`, passed by mount(8) to /sbin/mount.cachefs).

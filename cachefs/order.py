@@ -558,6 +558,10 @@ def write_checked(path: Path, checked: CheckedArrays) -> FileIdentity:
     descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
                                              suffix=".tmp")
     try:
+        # readable by the daemon's user, whoever publishes (a member of a group that may write
+        # the order's directory): mkstemp makes it 0600. An order is no secret (`cachefs
+        # stats` shows it to anyone who can see the mount).
+        os.fchmod(descriptor, 0o644)
         with os.fdopen(descriptor, "wb") as handle:
             np.savez(handle, **arrays)
             handle.flush()

@@ -757,3 +757,10 @@ def test_ranks_publishing_at_the_same_moment_each_get_their_answer(tmp_path, mon
             thread.join(20)
         assert isinstance(results[1], OrderError) and "gone.jpg" in str(results[1])
         assert results[0]["ranks"] == [0, 1]  # rank 1's previous file is still merged
+
+
+def test_a_published_order_file_is_readable_by_the_daemons_user(tmp_path):
+    """A member of a group that may write the order's directory publishes for a daemon of
+    another user: the file mkstemp made (0600) was rejected with "Permission denied"."""
+    write_order_file(tmp_path / "order.npz", epoch=0, current=np.arange(12))
+    assert stat.S_IMODE(os.stat(tmp_path / "order.npz").st_mode) == 0o644
