@@ -15,6 +15,7 @@ import trio
 import trio.testing
 
 from cachefs import sim_ranges
+from cachefs.cache.ssd_format import disk_bytes
 from cachefs.cache.tiered import SSD_THREADS, block_length
 from cachefs.order import Manifest
 from cachefs.source import BlockData, RequestObserver, SourceIdentity
@@ -128,7 +129,8 @@ class SimKernelInodes:
 
 
 class SimSsd:
-    """Cache-once block store in memory, with `cachefs.cache.ssd.SsdTier`'s methods."""
+    """Cache-once block store in memory, with `cachefs.cache.ssd.SsdTier`'s methods and its
+    charge of an entry against the budget (`disk_bytes`)."""
 
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
@@ -150,7 +152,7 @@ class SimSsd:
     def read(self, key, identity: SourceIdentity) -> bytes | None:
         entry = self.entries.get(key)
         if entry is not None and entry[0] != identity:
-            self.bytes -= len(self.entries.pop(key)[1])  # stale: dropped, as SsdTier does
+            self.bytes -= disk_bytes(len(self.entries.pop(key)[1]))  # stale: as SsdTier does
             return None
         if entry is None:
             return None
@@ -161,17 +163,17 @@ class SimSsd:
         if key in self.entries or not self.has_room(len(data)):
             return False  # cache-once: nothing is ever replaced
         self.entries[key] = (identity, data)
-        self.bytes += len(data)
+        self.bytes += disk_bytes(len(data))
         return True
 
     def has_room(self, size_bytes: int) -> bool:
-        return self.bytes + size_bytes <= self.budget_bytes
+        return self.bytes + disk_bytes(size_bytes) <= self.budget_bytes
 
     def drop_file(self, relpath: bytes, keep: SourceIdentity | None = None) -> int:
         keys = [key for key, (identity, _) in self.entries.items()
                 if key[0] == relpath and identity != keep]
         for key in keys:
-            self.bytes -= len(self.entries.pop(key)[1])
+            self.bytes -= disk_bytes(len(self.entries.pop(key)[1]))
         return len(keys)
 
     def stats(self) -> dict:

@@ -23,11 +23,12 @@ import pytest
 from cachefs.cache import ssd as ssd_module
 from cachefs.cache.append_log import AppendLog
 from cachefs.cache.ssd import SsdTier
-from cachefs.cache.ssd_format import ENTRY_HEADER_BYTES
+from cachefs.cache.ssd_format import ENTRY_HEADER_BYTES, disk_bytes
 from cachefs.errors import EXIT_CACHE_DIR, StartupError
 from cachefs.source import SourceIdentity
 
 BLOCK = 4096
+E = disk_bytes(1000)  # what a test entry of `payload`'s default length takes of a budget
 
 
 def ident(n: int, version: int = 0) -> SourceIdentity:
@@ -64,7 +65,7 @@ def fill(tier: SsdTier, count: int, length: int = 1000) -> None:
 # ----------------------------------------------------------------- cache-once policy
 
 def test_cache_once_fills_budget_then_admits_and_replaces_nothing(cache_dir):
-    with SsdTier(cache_dir, budget_bytes=10_000, block_bytes=BLOCK) as tier:
+    with SsdTier(cache_dir, budget_bytes=10 * E, block_bytes=BLOCK) as tier:
         admitted = [tier.admit(key(n), ident(n), payload(n)) for n in range(25)]
         assert admitted == [True] * 10 + [False] * 15
         assert not tier.has_room(1)
@@ -77,7 +78,7 @@ def test_cache_once_fills_budget_then_admits_and_replaces_nothing(cache_dir):
         # Admitting a resident block again is a no-op.
         assert not tier.admit(key(3), ident(3), payload(3))
         stats = tier.stats()
-        assert (stats["bytes"], stats["entries"], stats["budget"]) == (10_000, 10, 10_000)
+        assert (stats["bytes"], stats["entries"], stats["budget"]) == (10 * E, 10, 10 * E)
         assert len(entry_files(cache_dir)) == 10
 
 
@@ -85,7 +86,7 @@ def test_hit_rate_of_random_epochs_equals_cached_fraction(cache_dir):
     items, cached = 60, 24
     hits_per_epoch = []
     rng = random.Random(4)
-    with SsdTier(cache_dir, budget_bytes=cached * 1000, block_bytes=BLOCK) as tier:
+    with SsdTier(cache_dir, budget_bytes=cached * E, block_bytes=BLOCK) as tier:
         for _epoch in range(4):
             order = list(range(items))
             rng.shuffle(order)
@@ -102,13 +103,13 @@ def test_hit_rate_of_random_epochs_equals_cached_fraction(cache_dir):
 
 
 def test_dropping_frees_budget_for_new_admissions(cache_dir):
-    with SsdTier(cache_dir, budget_bytes=3000, block_bytes=BLOCK) as tier:
+    with SsdTier(cache_dir, budget_bytes=3 * E, block_bytes=BLOCK) as tier:
         fill(tier, 3)
         assert not tier.admit(key(9), ident(9), payload(9))
         assert tier.drop_file(key(1)[0]) == 1
         assert tier.has_room(1000)
         assert tier.admit(key(9), ident(9), payload(9))
-        assert tier.stats()["bytes"] == 3000
+        assert tier.stats()["bytes"] == 3 * E
 
 
 def test_drop_file_drops_every_block_of_that_file_only(cache_dir):
@@ -193,7 +194,7 @@ def test_crash_reconciles_lagging_index_and_removes_tmp(cache_dir):
         assert present == set(range(20)) - {2}  # adopted from files; the drop is kept
         assert all(tier.read(key(n), ident(n)) == payload(n) for n in present)
         assert tier.stats()["entries"] == 19
-        assert tier.stats()["bytes"] == 19_000
+        assert tier.stats()["bytes"] == 19 * E
     assert not list((cache_dir / "entries").rglob("*.tmp"))
 
 
@@ -205,7 +206,7 @@ def test_crash_after_drops_replays_tombstones(cache_dir):
     crash(tier)
     with SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK) as tier:
         assert [tier.contains(key(n), ident(n)) for n in range(6)] == [True] * 4 + [False] * 2
-        assert tier.stats()["bytes"] == 4000
+        assert tier.stats()["bytes"] == 4 * E
 
 
 def test_kill_9_mid_fill_never_serves_bad_bytes(cache_dir):
@@ -248,14 +249,14 @@ def test_kill_9_mid_fill_never_serves_bad_bytes(cache_dir):
 # ----------------------------------------------------------------- staleness and corruption
 
 def test_stale_identity_is_dropped_counted_and_replaceable(cache_dir):
-    with SsdTier(cache_dir, budget_bytes=3000, block_bytes=BLOCK) as tier:
+    with SsdTier(cache_dir, budget_bytes=3 * E, block_bytes=BLOCK) as tier:
         fill(tier, 3)
         changed = ident(1, version=1)
         assert not tier.contains(key(1), changed)
         assert tier.read(key(1), changed) is None
         assert tier.stats()["dropped_stale"] == 1
         assert not tier.contains(key(1), ident(1))  # the old entry is gone, not just hidden
-        assert tier.stats()["bytes"] == 2000
+        assert tier.stats()["bytes"] == 2 * E
         assert tier.admit(key(1), changed, payload(101))
         assert tier.read(key(1), changed) == payload(101)
         # Admitting under a new identity replaces the stale entry even with the budget full.
@@ -366,11 +367,11 @@ def test_block_size_change_wipes_entries(cache_dir, caplog):
 
 
 def test_smaller_budget_on_reopen_trims_to_fit(cache_dir):
-    with SsdTier(cache_dir, budget_bytes=10_000, block_bytes=BLOCK) as tier:
+    with SsdTier(cache_dir, budget_bytes=10 * E, block_bytes=BLOCK) as tier:
         fill(tier, 10)
-    with SsdTier(cache_dir, budget_bytes=4_500, block_bytes=BLOCK) as tier:
+    with SsdTier(cache_dir, budget_bytes=4 * E + E // 2, block_bytes=BLOCK) as tier:
         stats = tier.stats()
-        assert (stats["entries"], stats["bytes"]) == (4, 4000)
+        assert (stats["entries"], stats["bytes"]) == (4, 4 * E)
         assert len(entry_files(cache_dir)) == 4
 
 
@@ -426,8 +427,20 @@ def test_full_tmpfs_stops_admission_and_reads_go_on(tmp_path, caplog):
 
 # ----------------------------------------------------------------- threads
 
+def test_a_budget_counts_what_small_and_empty_entries_take_on_disk(cache_dir):
+    """300-byte samples took 14 times a budget of payload bytes on disk (a file's whole
+    block, its header, its index record), and empty files nothing at all."""
+    with SsdTier(cache_dir, budget_bytes=100 * 300, block_bytes=BLOCK) as tier:
+        admitted = 0
+        while tier.admit(key(admitted), ident(admitted), payload(admitted, admitted % 2 * 300)):
+            admitted += 1
+        assert admitted == 100 * 300 // disk_bytes(300) == 7
+        blocks = sum(os.stat(path).st_blocks * 512 for path in entry_files(cache_dir))
+        assert blocks <= tier.stats()["bytes"] <= 100 * 300
+
+
 def test_concurrent_admits_reads_and_drops_keep_exact_accounting(cache_dir):
-    items, budget = 400, 150 * 1000
+    items, budget = 400, 150 * E
     errors = []
     with SsdTier(cache_dir, budget_bytes=budget, block_bytes=BLOCK) as tier:
         def worker(seed: int) -> None:
@@ -455,13 +468,13 @@ def test_concurrent_admits_reads_and_drops_keep_exact_accounting(cache_dir):
         assert errors == []
         stats = tier.stats()
         resident = [n for n in range(items) if tier.contains(key(n), ident(n))]
-        expected = sum(1000 if n % 2 else 500 for n in resident)
+        expected = sum(disk_bytes(1000 if n % 2 else 500) for n in resident)
         assert (stats["bytes"], stats["entries"]) == (expected, len(resident))
         assert stats["bytes"] <= budget
         assert stats["rejected_checksum"] == 0  # drop_file's drops count as dropped_stale
         files = entry_files(cache_dir)
         assert len(files) == len(resident)
-        assert sum(p.stat().st_size - ENTRY_HEADER_BYTES for p in files) == expected
+        assert sum(disk_bytes(p.stat().st_size - ENTRY_HEADER_BYTES) for p in files) == expected
     with SsdTier(cache_dir, budget_bytes=budget, block_bytes=BLOCK) as tier:
         assert tier.stats()["bytes"] == expected
         assert all(tier.read(key(n), ident(n)) is not None for n in resident)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from cachefs.cache.ram import page_bytes
+from cachefs.cache.ssd_format import disk_bytes
 from conftest import (cachefs_cmd, epoch_record, flat_dataset_fixture, read_epoch, run_cachefs,
                       run_in_terminal, sha256, write_file)
 
@@ -19,10 +20,11 @@ N_FILES = 200
 FILE_BYTES = 20_000
 DATA_BYTES = N_FILES * FILE_BYTES
 SSD_BYTES = DATA_BYTES // 2
+SSD_FILES = SSD_BYTES // disk_bytes(FILE_BYTES)  # each file charged what it takes on disk
 RAM_BYTES = 64 * 1024  # a few files: the window only, so the SSD tier's share is what shows
 # the files the two tiers hold: whole files, RAM's charged as whole pages when the kernel's
 # page cache holds them (cachefs.cache.ram.page_bytes)
-BOUND_FILES = SSD_BYTES // FILE_BYTES + RAM_BYTES // page_bytes(FILE_BYTES)
+BOUND_FILES = SSD_FILES + RAM_BYTES // page_bytes(FILE_BYTES)
 
 
 dataset = flat_dataset_fixture(N_FILES, FILE_BYTES, vary=False)
@@ -38,7 +40,7 @@ def wait_ssd_full(mount, timeout_s=20.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         ssd = mount.stats()["ssd"]
-        if ssd["bytes"] + FILE_BYTES > SSD_BYTES or time.monotonic() > deadline:
+        if ssd["bytes"] + disk_bytes(FILE_BYTES) > SSD_BYTES or time.monotonic() > deadline:
             return ssd
         time.sleep(0.05)
 
@@ -56,19 +58,19 @@ def test_cache_once_hits_the_capacity_bound_and_survives_restart(dataset, mounte
     assert mount.stats()["kernel"]["mode"] == "no-open"  # root, the patched pyfuse3
     assert first["misses"] + first["prefetched"] == N_FILES and first["hits_ssd"] == 0
     ssd = wait_ssd_full(mount)
-    assert ssd["entries"] == SSD_BYTES // FILE_BYTES
+    assert ssd["entries"] == SSD_FILES
     for epoch in (1, 2, 3):
         record = read_epoch(mount, relpaths, epoch)
         assert record["hits_ssd"] + record["hits_ram"] >= BOUND_FILES - 2, record  # 1%
         assert record["refetched_blocks"] == 0
         # the source is read only for what neither tier holds
-        assert record["backend_bytes"] <= DATA_BYTES - SSD_BYTES
-    assert mount.stats()["ssd"]["entries"] == SSD_BYTES // FILE_BYTES  # never churned
+        assert record["backend_bytes"] <= DATA_BYTES - SSD_FILES * FILE_BYTES
+    assert mount.stats()["ssd"]["entries"] == SSD_FILES  # never churned
     mount.stop()
 
     again = mounter(src, *ssd_args(ssd_dir))
     record = read_epoch(again, relpaths, 7)
-    assert record["hits_ssd"] / N_FILES >= SSD_BYTES / DATA_BYTES - 0.01
+    assert record["hits_ssd"] / N_FILES >= SSD_FILES / N_FILES - 0.01
     assert again.stats()["ssd"]["rejected_checksum"] == 0
 
 
@@ -86,7 +88,7 @@ def test_no_block_is_read_twice_an_epoch_with_the_kernel_data_plane(dataset, mou
     for epoch in (1, 2):
         record = read_epoch(mount, relpaths, epoch)
         assert record["refetched_blocks"] == 0, record
-        assert record["backend_bytes"] <= DATA_BYTES - SSD_BYTES, record
+        assert record["backend_bytes"] <= DATA_BYTES - SSD_FILES * FILE_BYTES, record
 
 
 def test_changed_source_files_are_served_new_and_dropped(dataset, mounter, tmp_path):
@@ -198,11 +200,11 @@ def test_warm_fills_the_tier_in_order_and_resumes(dataset, mounter, tmp_path):
     done = run_cachefs("warm", mount.mountpoint, "--order")
     assert done.returncode == 0, done.stderr
     assert "the SSD tier is full" in done.stdout
-    assert mount.stats()["ssd"]["bytes"] == SSD_BYTES
+    assert mount.stats()["ssd"]["bytes"] == SSD_FILES * disk_bytes(FILE_BYTES)
     assert mount.stats()["order"]["consumed"] == 0  # warming is not reading
     record = read_epoch(mount, relpaths, 0, seed=3, publish=False)
     # the order's first half came from the SSD tier, in order
-    assert record["hits_ssd"] >= SSD_BYTES // FILE_BYTES - 1
+    assert record["hits_ssd"] >= SSD_FILES - 1
     again = run_cachefs("warm", mount.mountpoint, "--order")
     assert again.returncode == 0 and "0.0 MB written" in again.stdout
 

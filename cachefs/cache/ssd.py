@@ -4,8 +4,10 @@ Policy. Blocks are admitted until the byte budget is full; after that nothing is
 nothing is replaced (seed 004: on a data set larger than the cache, a cache filled once and
 never churned hits size(cache)/size(data) of every later epoch, where LRU gets about half the
 square of that). Dropping an entry whose source changed, or whose bytes fail their checksum,
-frees its budget. The budget counts payload bytes; the 96-byte entry headers and the index
-(72 bytes per entry) are overhead on top (0.15% for 110 KB blocks).
+frees its budget. The budget counts what the entries take on disk
+(`ssd_format.disk_bytes`): each entry file, its 96-byte header and payload rounded up to whole
+4 KiB blocks, and its 72-byte index record (1.1% over the payload for 110 KB blocks; for
+300-byte samples, 14 times it, which a budget of payload bytes let the tier take).
 
 The bytes on disk (the directory's layout, entry headers, the index log and its checks) are
 `cachefs.cache.ssd_format`; this module decides what is kept, recovers after a crash, and
@@ -45,8 +47,8 @@ Invariants, under the lock:
 
 - a key whose entry file is being written or unlinked is in `_busy` and has no live row, so
   two threads never race on one file name and a reader never sees a key mid-change;
-- `_bytes` is the sum of the live rows' payload lengths, and `_bytes + _reserved_bytes`
-  (admissions in flight) never exceeds the budget;
+- `_bytes` is the sum of the live rows' disk bytes (`disk_bytes` of their payload lengths),
+  and `_bytes + _reserved_bytes` (admissions in flight) never exceeds the budget;
 - `close` refuses new work at once, waits for the writes in flight, takes the final copy of
   the index (`_index_final`: a row added later would not be saved, so none is), then compacts.
 
@@ -73,8 +75,8 @@ import xxhash
 from cachefs.cache.append_log import AppendLog
 from cachefs.cache.ssd_format import (
     ENTRY_HEADER_BYTES, FANOUT, FORMAT_VERSION, MASK64, OP_ADD, OP_DROP, RECORD_DTYPE, BlockKey,
-    Corrupt, entry_name, load_index, merge_log, open_private, pack_header, pack_record,
-    unpack_header, write_index,
+    Corrupt, disk_bytes, entry_name, load_index, merge_log, open_private, pack_header,
+    pack_record, unpack_header, write_index,
 )
 from cachefs.errors import EXIT_CACHE_DIR, StartupError
 from cachefs.sorted_arrays import index_left
@@ -196,15 +198,16 @@ class SsdTier:
             if row is not None:
                 if self._same_identity(row, identity):
                     return False
-                replaced_bytes = int(self._length[row])
-            if self._bytes - replaced_bytes + self._reserved_bytes + length > self._budget:
+                replaced_bytes = disk_bytes(int(self._length[row]))
+            charge = disk_bytes(length)
+            if self._bytes - replaced_bytes + self._reserved_bytes + charge > self._budget:
                 return False
             if row is not None:
                 # The old entry is stale; its file is replaced atomically by the rename below.
                 self._dropped_stale += 1
                 self._kill_row(row)
             self._busy.add(k.lo)
-            self._reserved_bytes += length
+            self._reserved_bytes += charge
         self._index_log.flush()
         try:
             self._write_entry(k, identity, data)
@@ -212,12 +215,12 @@ class SsdTier:
             if row is not None:
                 self._unlink_quietly(self._entry_path(k.name))
             with self._lock:
-                self._reserved_bytes -= length
+                self._reserved_bytes -= charge
                 self._release_busy(k.lo)
             self._disable(f"{_errno_name(exc)}: {exc}")
             return False
         with self._lock:
-            self._reserved_bytes -= length
+            self._reserved_bytes -= charge
             self._release_busy(k.lo)
             orphan = self._index_final  # close() gave up waiting for us
             if not orphan:
@@ -231,7 +234,8 @@ class SsdTier:
     def has_room(self, size_bytes: int) -> bool:
         with self._lock:
             return (not self._closed and self._disabled is None
-                    and self._bytes + self._reserved_bytes + size_bytes <= self._budget)
+                    and self._bytes + self._reserved_bytes + disk_bytes(size_bytes)
+                    <= self._budget)
 
     def drop_file(self, relpath: bytes, keep: SourceIdentity | None = None) -> int:
         """Drop every block of a file whose source changed, except those of identity `keep`
@@ -493,7 +497,8 @@ class SsdTier:
         self._base_keys = np.ascontiguousarray(table["key_lo"])
         self._added: dict[int, int] = {}
         self._bind_columns()
-        self._bytes = int(table["length"].sum()) if len(table) else 0
+        self._bytes = (int(disk_bytes(table["length"].astype(np.int64)).sum())
+                       if len(table) else 0)
         self._entries = len(table)
 
     def _bind_columns(self) -> None:
@@ -531,7 +536,7 @@ class SsdTier:
         self._live[row] = True
         self._n += 1
         self._added[k.lo] = row
-        self._bytes += length
+        self._bytes += disk_bytes(length)
         self._entries += 1
         self._append_log(record)
 
@@ -541,7 +546,7 @@ class SsdTier:
         if self._added.get(key_lo) == row:
             del self._added[key_lo]
         length = int(self._length[row])
-        self._bytes -= length
+        self._bytes -= disk_bytes(length)
         self._entries -= 1
         self._append_log(pack_record(OP_DROP, length, key_lo, int(self._key_hi[row]),
                                      int(self._path_lo[row]), int(self._block[row]),
