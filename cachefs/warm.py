@@ -163,6 +163,10 @@ class Warmer:
             if self.ssd.contains(key, identity):
                 self._status["bytes_present"] += length
                 continue
+            if self.ssd.holds_other_version(key, identity):
+                # the file changed since it was cached (a data set regenerated while
+                # unmounted): its old blocks go first, or a full tier stayed full of them
+                await self._run_ssd(self.ssd.drop_file, relpath, identity)
             if not self.ssd.has_room(length):
                 return False
             block = await self.source.read_block(relpath, block_index, self.block_bytes,

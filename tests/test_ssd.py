@@ -591,3 +591,35 @@ def test_the_cache_is_private_and_an_older_cache_is_made_so(cache_dir):
             if (cache_dir / path).is_dir() and mode != 0o700} == {}
     for name in ("lock", "meta", "index"):
         assert found[name] == 0o600, name
+
+
+def test_warm_replaces_the_stale_entries_of_a_full_tier(cache_dir, tmp_path):
+    """The data set was regenerated while unmounted (every file has a new mtime) and the tier
+    is full of the old versions: warm found no room and stopped at once, admitting nothing,
+    although each new block replaces its file's stale one."""
+    import trio
+
+    from cachefs.source import Source
+    from cachefs.warm import Warmer
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for n in range(4):
+        (src / f"f{n}").write_bytes(payload(n))
+    source = Source(src, threads=2)
+    with SsdTier(cache_dir, budget_bytes=4 * E, block_bytes=BLOCK) as tier:
+        for n in range(4):
+            old = source.identity_of(os.stat(src / f"f{n}"))._replace(mtime_ns=1)
+            assert tier.admit((b"f%d" % n, 0), old, payload(n))
+        assert not tier.has_room(1000)
+        warmer = Warmer(source, tier, block_bytes=BLOCK, threads=2, order_paths=lambda: None,
+                        all_paths=lambda: [])
+        warmer._status.update(bytes_admitted=0, bytes_present=0, blocks_admitted=0)
+
+        async def warm_all():
+            return [await warmer._warm_file(b"f%d" % n) for n in range(4)]
+
+        assert trio.run(warm_all) == [True] * 4
+        for n in range(4):
+            assert tier.read((b"f%d" % n, 0),
+                             source.identity_of(os.stat(src / f"f{n}"))) == payload(n)

@@ -427,8 +427,9 @@ class TieredCache:
     # -- SSD admission ---------------------------------------------------------------------
 
     def _queue_admission(self, key: BlockKey, identity: SourceIdentity, data: bytes) -> None:
-        if self.ssd is None or not self.ssd.has_room(len(data)):
-            return
+        if self.ssd is None or not (self.ssd.has_room(len(data))
+                                    or self.ssd.holds_other_version(key, identity)):
+            return  # full (unless the block replaces its own stale entry: `SsdTier.admit`)
         try:
             self._admit_send.send_nowait((key, identity, data))
         except trio.WouldBlock:
