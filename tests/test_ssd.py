@@ -623,3 +623,34 @@ def test_warm_replaces_the_stale_entries_of_a_full_tier(cache_dir, tmp_path):
         for n in range(4):
             assert tier.read((b"f%d" % n, 0),
                              source.identity_of(os.stat(src / f"f{n}"))) == payload(n)
+
+
+def test_a_tier_that_filled_its_device_still_serves_after_a_restart(cache_dir, monkeypatch):
+    """After a crash the index is rewritten compacted at the next start, which needs room
+    for a second copy of it: on the device the tier filled, that failed with ENOSPC at
+    every start, and the whole tier was given up (the mount went on without it), its
+    entries never read again. It now serves them and admits nothing; the half-written
+    copy is removed, not left to take the device's last bytes."""
+    from cachefs.cache import ssd_format
+
+    tier = SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK)
+    fill(tier, 5)
+    crash(tier)
+    real_fsync = os.fsync
+
+    def fsync_of_a_full_device(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("index.tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(ssd_format.os, "fsync", fsync_of_a_full_device)
+    with SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK) as tier:
+        assert all(tier.read(key(n), ident(n)) == payload(n) for n in range(5))
+        assert "ENOSPC" in tier.stats()["admission_disabled"]
+        assert not tier.admit(key(7), ident(7), payload(7))
+        assert not (cache_dir / "index.tmp").exists()
+    monkeypatch.setattr(ssd_format.os, "fsync", real_fsync)  # room again: all as before
+    with SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK) as tier:
+        assert all(tier.read(key(n), ident(n)) == payload(n) for n in range(5))
+        assert tier.stats()["admission_disabled"] is None
+        assert tier.admit(key(7), ident(7), payload(7))

@@ -34,8 +34,11 @@ as stale), never wrong bytes, because every read verifies the header against the
 
 Errors. Any OSError while writing an entry or the index (ENOSPC on a full disk, EIO) removes
 the temporary file, stops admission for the rest of this mount, logs one warning and records
-the reason in `stats()`; reads go on. A read error or a failed check on an entry is a miss:
-the entry is dropped and counted, nothing is raised to the caller.
+the reason in `stats()`; reads go on. So does a start on a device the tier filled, which has
+no room for the compacted index a reconciliation writes: the tier serves what it holds,
+writes nothing (its meta stays unclean, so the next start reconciles again) and admits
+nothing. A read error or a failed check on an entry is a miss: the entry is dropped and
+counted, nothing is raised to the caller.
 
 Threads. Every public method may be called from worker threads at once, and the read-only
 ones (`contains`, `has_entry`, `holds_other_version`, `has_room`, `stats`) from the event loop.
@@ -86,6 +89,7 @@ log = logging.getLogger(__name__)
 
 # What a device fails with when it is full, read-only or failing (`device_failure`)
 DEVICE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # of those, a device with no room left
 
 # How many damaged-entry warnings to log per mount before going quiet (a dying disk would
 # otherwise log one line per block); the count in stats() keeps going.
@@ -332,8 +336,17 @@ class SsdTier:
             if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
                 raise OSError(errno.EPERM, "not a directory of this user", str(directory))
             os.chmod(directory, 0o700)  # private (module docstring), also if made before
+        full = None
         if needs_rewrite:
-            write_index(self._index_path, table, self._block_bytes)
+            try:
+                write_index(self._index_path, table, self._block_bytes)
+            except OSError as exc:
+                if exc.errno not in FULL_ERRNOS or not self._index_path.exists():
+                    raise
+                # A device the tier filled has no room for a second copy of its index: the
+                # tier still serves what it holds (every read is verified against its
+                # header), admits nothing, and the index on disk stays as it was
+                full = f"{_errno_name(exc)} rewriting the index: the device is full"
         self._install_table(table)
         index_fd = os.open(self._index_path,
                            os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -343,7 +356,10 @@ class SsdTier:
             index_fd,
             lambda exc: self._disable(
                 f"{_errno_name(exc)} writing the index: {exc}"))
-        self._write_meta(clean=False)
+        if full is not None:
+            self._disable(full)  # nothing is written from now on, the meta included
+        else:
+            self._write_meta(clean=False)
         self._trim_to_budget()
         self._index_log.flush()
         log.info("ssd cache %s: %d entries, %d of %d bytes", self._dir, self._entries,

@@ -31,6 +31,7 @@ keeps a 1M-entry open well under a second (scripts/bench_ssd_index.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from pathlib import Path
@@ -152,12 +153,18 @@ def write_index(path: Path, live: np.ndarray, block_bytes: int) -> None:
     head = _INDEX_HEADER.pack(*fields, 0)[:-8]
     head += xxhash.xxh3_64_intdigest(head).to_bytes(8, "little")
     tmp = path.with_name(path.name + ".tmp")
-    with open_private(tmp, "wb") as out:
-        out.write(head)
-        records.tofile(out)
-        out.flush()
-        os.fsync(out.fileno())
-    os.rename(tmp, path)
+    try:
+        with open_private(tmp, "wb") as out:
+            out.write(head)
+            records.tofile(out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.rename(tmp, path)
+    except BaseException:
+        # a half-written copy on a full device took its last free bytes from everyone
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def load_index(path: Path, block_bytes: int) -> tuple[np.ndarray, np.ndarray, bool] | None:
