@@ -10,9 +10,13 @@ often they are opened.
 
 A listing is sorted by name, and readdir offsets are positions in it. An opendir of a directory
 whose listing is no longer trusted (cachefs/freshness.py: --metadata-ttl after the listing was
-started) lists it again, and the new listing replaces the old one for every handle: for an
-unchanged directory the positions are the same; for a changed one, POSIX leaves open whether a
-reader sees entries added or removed meanwhile.
+started) lists it again, and the new listing is what later opens share; a handle keeps the
+listing it was opened with (`open` returns it) to its end. When the new listing replaced the
+old one for every handle, a reader part-way through a directory that changed meanwhile had its
+offsets land on other entries: entries before its position added or removed made it skip or
+repeat entries that had not changed (POSIX leaves open only whether the changed ones are
+seen). So two listings of a directory are held at once only while a handle opened before a
+relisting is open.
 
 Used from the trio thread only; the listing itself is read in a worker thread
 (`Source.listdir`).
@@ -25,16 +29,21 @@ from dataclasses import dataclass
 
 import trio
 
-from cachefs.freshness import NEVER_S, Freshness, now_s
+from cachefs.freshness import Freshness, now_s
 
 Entries = list[tuple[bytes, os.stat_result]]
+
+
+@dataclass(frozen=True)
+class Listing:
+    entries: Entries
+    listed_at_s: float  # freshness.now_s() when the listing was started
 
 
 @dataclass
 class _Dir:
     handles: int = 0
-    entries: Entries | None = None
-    listed_at_s: float = NEVER_S  # freshness.now_s() when the listing in `entries` was started
+    listing: Listing | None = None  # the newest, which opens share
     in_flight: trio.Event | None = None  # set when the listing being read is done
 
 
@@ -49,23 +58,17 @@ class DirListings:
         """Directories whose listing is held (for tests and stats)."""
         return len(self._dirs)
 
-    async def open(self, relpath: bytes) -> None:
-        """A handle of `relpath` opens: list it, unless a listing still trusted is held;
-        the listing's error (OSError) is the open's."""
+    async def open(self, relpath: bytes) -> Listing:
+        """A handle of `relpath` opens: its listing, a new one unless one still trusted is
+        held, which the handle keeps to its end (module docstring); the listing's error
+        (OSError) is the open's."""
         held = self._dirs.setdefault(relpath, _Dir())
         held.handles += 1
         try:
-            await self._listed(relpath, held, check=True)
+            return await self._listed(relpath, held)
         except BaseException:
             self.close(relpath)
             raise
-
-    async def entries(self, relpath: bytes) -> tuple[Entries, float]:
-        """The listing of an open directory (the one held, of any age), and when it was
-        started (freshness.now_s(): how old its lstat results are)."""
-        held = self._dirs[relpath]
-        entries = await self._listed(relpath, held, check=False)
-        return entries, held.listed_at_s
 
     def close(self, relpath: bytes) -> None:
         held = self._dirs.get(relpath)
@@ -75,12 +78,12 @@ class DirListings:
         if held.handles <= 0:
             del self._dirs[relpath]  # a listing still in flight completes into nothing
 
-    async def _listed(self, relpath: bytes, held: _Dir, *, check: bool) -> Entries:
-        """`held`'s entries; `check`: from a listing trusted when this call was made (one
-        started since counts, however long it took)."""
+    async def _listed(self, relpath: bytes, held: _Dir) -> Listing:
+        """`held`'s listing, one trusted when this call was made (one started since counts,
+        however long it took)."""
         asked_s = now_s()
-        while held.entries is None or (
-                check and not self._freshness.trusted(held.listed_at_s, at_s=asked_s)):
+        while held.listing is None or not self._freshness.trusted(held.listing.listed_at_s,
+                                                                  at_s=asked_s):
             if held.in_flight is not None:
                 await held.in_flight.wait()  # then look again: it may have failed
                 continue
@@ -91,5 +94,5 @@ class DirListings:
             finally:
                 held.in_flight.set()
                 held.in_flight = None
-            held.entries, held.listed_at_s = entries, started_s
-        return held.entries
+            held.listing = Listing(entries, started_s)
+        return held.listing

@@ -49,7 +49,7 @@ import trio
 
 from cachefs import errors, threads
 from cachefs.ctrl import Control
-from cachefs.dirs import DirListings
+from cachefs.dirs import DirListings, Listing
 from cachefs.freshness import Freshness
 from cachefs.inodes import ROOT_INODE, InodeTable, PackedStat
 from cachefs.pagecache import KernelPages
@@ -116,7 +116,7 @@ class Operations(pyfuse3.Operations):
         self.inodes = inodes
         self._files: dict[int, OpenFile] = {}
         # open directories: fh -> relpath; their listings, one per directory, in _listings
-        self._dirs: dict[int, bytes] = {}
+        self._dirs: dict[int, tuple[bytes, Listing]] = {}  # fh -> directory, its listing
         self._listings = DirListings(source, freshness)
         self._next_fh = 1
         self.no_open = False  # the zero-request mode is on (decide_mode)
@@ -194,17 +194,17 @@ class Operations(pyfuse3.Operations):
     async def opendir(self, inode, ctx):
         relpath = self._entry(inode).relpath
         await self._closes_reported(inode, relpath)  # its READDIRPLUS makes inodes
-        await self._listings.open(relpath)
+        listing = await self._listings.open(relpath)
         fh = self._new_fh()
-        self._dirs[fh] = relpath
+        self._dirs[fh] = (relpath, listing)
         return fh
 
     @_guarded
     async def readdir(self, fh, start_id, token):
         if fh not in self._dirs:
             raise pyfuse3.FUSEError(errno.EBADF)
-        parent = self._dirs[fh]
-        entries, listed_at_s = await self._listings.entries(parent)
+        parent, listing = self._dirs[fh]
+        entries, listed_at_s = listing.entries, listing.listed_at_s
         for index in range(start_id, len(entries)):
             name, st = entries[index]
             relpath = parent + b"/" + name if parent else name
@@ -216,9 +216,9 @@ class Operations(pyfuse3.Operations):
             self.inodes.add_lookup(inode)  # readdirplus: the kernel now holds a reference
 
     async def releasedir(self, fh):
-        relpath = self._dirs.pop(fh, None)
-        if relpath is not None:
-            self._listings.close(relpath)
+        opened = self._dirs.pop(fh, None)
+        if opened is not None:
+            self._listings.close(opened[0])
 
     # -- files -----------------------------------------------------------------------------
 

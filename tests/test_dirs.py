@@ -34,11 +34,17 @@ def test_concurrent_opens_share_one_listing_dropped_with_the_last_handle():
     dirs = DirListings(source, Freshness(60.0))
 
     async def main():
+        listings = []
+
+        async def open_one():
+            listings.append(await dirs.open(b"d"))
+
         async with trio.open_nursery() as nursery:
             for _ in range(50):
-                nursery.start_soon(dirs.open, b"d")  # all before the first listing is done
+                nursery.start_soon(open_one)  # all before the first listing is done
         assert source.listings == 1 and dirs.held == 1
-        (name, _st), = (await dirs.entries(b"d"))[0]
+        assert all(listing is listings[0] for listing in listings)
+        (name, _st), = listings[0].entries
         assert name == b"d-1"
         for _ in range(50):
             dirs.close(b"d")
@@ -49,19 +55,22 @@ def test_concurrent_opens_share_one_listing_dropped_with_the_last_handle():
     trio.run(main)
 
 
-def test_an_open_after_the_ttl_lists_again_for_every_handle():
+def test_an_open_after_the_ttl_lists_again_and_older_handles_keep_theirs():
+    """A handle part-way through a directory whose listing was replaced under it (an open by
+    another process after the TTL) had its offsets land on other entries: it skipped or
+    repeated unchanged ones. It keeps the listing it was opened with."""
     source = SlowSource(delay_s=0)
     dirs = DirListings(source, Freshness(0.05))
 
     async def main():
-        await dirs.open(b"d")
-        await dirs.open(b"d")  # within the TTL: shared
+        first = await dirs.open(b"d")
+        assert await dirs.open(b"d") is first  # within the TTL: shared
         assert source.listings == 1
         await trio.sleep(0.1)
-        await dirs.open(b"d")
+        newer = await dirs.open(b"d")
         assert source.listings == 2
-        entries, _listed_at_s = await dirs.entries(b"d")
-        assert entries[0][0] == b"d-2"  # the older handles see the new listing too
+        assert newer.entries[0][0] == b"d-2" and first.entries[0][0] == b"d-1"
+        assert await dirs.open(b"d") is newer  # what later opens share
 
     trio.run(main)
 

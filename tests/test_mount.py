@@ -511,3 +511,29 @@ def test_two_mounts_cannot_share_a_state_directory(tree, tmp_path, mounter):
     assert "is in use by another cachefs mount" in done.stderr
     assert str(other) not in mounted_paths()
     assert mount.stats()["order"] is None  # the first mount serves on
+
+
+def test_a_directory_read_part_way_is_not_shifted_by_anothers_relisting(tmp_path, mounter):
+    """A reader part-way through a large directory, while another process opens it after
+    the metadata TTL and files are added at its start: the reader's offsets indexed the new
+    listing, and it saw unchanged entries twice. Each handle keeps its own listing."""
+    src = tmp_path / "src"
+    names = [f"m{i:05d}" for i in range(3000)]
+    for name in names:
+        write_file(src / "d" / name, 1)
+    mount = mounter(src, "--metadata-ttl", "0.2")
+    fd = os.open(mount.mountpoint / "d", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        seen = []
+        with os.scandir(fd) as first:
+            for entry in first:
+                seen.append(entry.name)
+                if len(seen) == 100:  # a kernel buffer or more in
+                    for i in range(200):
+                        write_file(src / "d" / f"a{i:05d}", 1)  # sorted before every name
+                    time.sleep(0.4)  # past the TTL
+                    assert len(os.listdir(mount.mountpoint / "d")) == 3200  # relisted
+        assert len(seen) == len(set(seen)), "entries repeated"
+        assert sorted(name for name in seen if name.startswith("m")) == names
+    finally:
+        os.close(fd)
