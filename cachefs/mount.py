@@ -174,7 +174,8 @@ class Mount:
             # only mounts with an SSD tier need it
             from cachefs.cache.ssd import SsdTier, device_failure, tier_stats
             try:
-                self.ssd = SsdTier(cache.ssd_dir, cache.ssd_bytes, cache.block_bytes)
+                self.ssd = SsdTier(cache.ssd_dir, cache.ssd_bytes, cache.block_bytes,
+                                   source=self.source.root)
             except errors.StartupError as exc:
                 failure = device_failure(exc)
                 if failure is None:

@@ -654,3 +654,16 @@ def test_a_tier_that_filled_its_device_still_serves_after_a_restart(cache_dir, m
         assert all(tier.read(key(n), ident(n)) == payload(n) for n in range(5))
         assert tier.stats()["admission_disabled"] is None
         assert tier.admit(key(7), ident(7), payload(7))
+
+
+def test_a_cache_directory_of_another_source_is_emptied(cache_dir):
+    """The cache directory of one data set given to the mount of another: files of the same
+    paths, sizes and times (to the second on an object store's mount, with no inode
+    numbers) were served as this one's. Its entries go; those of the same source stay."""
+    with SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK, source=b"/data/a") as tier:
+        fill(tier, 3)
+    with SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK, source=b"/data/a") as tier:
+        assert tier.stats()["entries"] == 3
+    with SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK, source=b"/data/b") as tier:
+        assert tier.stats()["entries"] == 0
+        assert not any(tier.contains(key(n), ident(n)) for n in range(3))

@@ -101,7 +101,10 @@ _CLOSE_WAIT_S = 30.0
 class SsdTier:
     """A cache-once block store in one directory; see the module docstring."""
 
-    def __init__(self, directory: Path, budget_bytes: int, block_bytes: int):
+    def __init__(self, directory: Path, budget_bytes: int, block_bytes: int,
+                 source: bytes | None = None):
+        """`source`: the source directory's real path, which the entries are of (None: not
+        checked, for tools that open a tier without a mount)."""
         if budget_bytes <= 0 or block_bytes <= 0:
             raise ValueError("budget_bytes and block_bytes must be positive")
         self._dir = Path(directory)
@@ -109,6 +112,7 @@ class SsdTier:
         self._index_path = self._dir / "index"
         self._budget = budget_bytes
         self._block_bytes = block_bytes
+        self._source = None if source is None else os.fsdecode(source)
 
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when _busy shrinks
@@ -323,9 +327,10 @@ class SsdTier:
 
     def _open_state(self) -> None:
         meta = self._read_meta()
+        foreign = None if meta is None else self._foreign_source(meta)
         if meta is None or meta.get("format") != FORMAT_VERSION or (
-                meta.get("block_bytes") != self._block_bytes):
-            self._wipe(meta)
+                meta.get("block_bytes") != self._block_bytes) or foreign is not None:
+            self._wipe(meta, foreign)
             table, needs_rewrite = np.empty(0, RECORD_DTYPE), True
         else:
             table, needs_rewrite = self._load(clean=bool(meta.get("clean")))
@@ -442,9 +447,23 @@ class SsdTier:
         return pack_record(OP_ADD, payload_len, entry_hash & MASK64, entry_hash >> 64,
                            path_hash & MASK64, block, SourceIdentity(size, mtime_ns, ino))
 
-    def _wipe(self, meta: dict | None) -> None:
+    def _foreign_source(self, meta: dict) -> str | None:
+        """The source directory the entries are of, if not this mount's: a cache directory
+        used before for another data set, whose files of the same paths, sizes and
+        modification times (to the second, on an object store's FUSE mount, which has no
+        stable inode numbers) would be served as this one's. A meta of a version that did
+        not record its source is taken as this one's."""
+        cached = meta.get("source")
+        if self._source is None or cached is None or cached == self._source:
+            return None
+        return str(cached)
+
+    def _wipe(self, meta: dict | None, foreign: str | None = None) -> None:
         """Remove our entries and index (only our own names: DIR may hold other files)."""
-        if meta is not None:
+        if foreign is not None:
+            log.warning("ssd cache %s holds blocks of source %s; this mount's source is %s: "
+                        "discarding them", self._dir, foreign, self._source)
+        elif meta is not None:
             log.warning("ssd cache %s holds format %s with %s-byte blocks; this mount uses "
                         "format %d with %d-byte blocks: discarding the cached entries",
                         self._dir, meta.get("format"), meta.get("block_bytes"),
@@ -465,7 +484,10 @@ class SsdTier:
         return meta if isinstance(meta, dict) else {}
 
     def _write_meta(self, clean: bool) -> None:
-        meta = {"format": FORMAT_VERSION, "block_bytes": self._block_bytes, "clean": clean}
+        meta: dict[str, object] = {"format": FORMAT_VERSION, "block_bytes": self._block_bytes,
+                                   "clean": clean}
+        if self._source is not None:
+            meta["source"] = self._source
         tmp = self._dir / "meta.tmp"
         with open_private(tmp, "w") as out:
             json.dump(meta, out)
