@@ -287,6 +287,11 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EBADF)
         return await self.reader.read(handle, offset, size)
 
+    def read_without_open(self) -> list[bytes]:
+        """The files being read with no open (the zero-request mode) and not closed yet:
+        the kernel keeps their READs' pages, which the sweeps re-check (revalidate.py)."""
+        return [handle.relpath for handle in self._without_open.values()]
+
     async def _read_without_open(self, inode: int) -> OpenFile:
         """The handle of a READ that came with no OPEN: `fh` is the inode (patched pyfuse3).
         The first READ of a file the kernel was told of over a TTL ago checks the source, as

@@ -11,7 +11,10 @@ Where the checks happen, so that an open waits for none of them:
 - this task re-checks every other file the RAM tier holds once its identity is due for a
   refresh (`Freshness.refresh_due`, half a TTL old): every quarter of a TTL it collects them
   and lstats them in batches of `BATCH_FILES`, one worker-thread hop per batch (not one per
-  file, and none on an open);
+  file, and none on an open); and the files being read with no open and not closed yet (the
+  zero-request mode, `open_files`): a reader holding a file open (an HDF5 or tar shard) has
+  its READs' pages kept by the kernel while RAM may have let the file go, and other readers
+  opened it on those pages, stale after a change, for as long as it stayed open;
 - in the keep-cache mode, an open of a cached file whose identity has expired anyway (this
   task fell behind, or the TTL is 0) checks it itself, one source round trip (fuse_ops.open,
   reader.Reader.open). The zero-request mode has no open: there the sweeps are the contract
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import trio
 
@@ -49,17 +52,20 @@ GONE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EACCES,
 class Revalidator:
     def __init__(self, source: Source, ram: RamTier, inodes, freshness: Freshness, *,
                  record_identity: Callable[[bytes, SourceIdentity, int | None], None],
-                 source_changed: Callable[[bytes, SourceIdentity], None]):
+                 source_changed: Callable[[bytes, SourceIdentity], None],
+                 open_files: Callable[[], Iterable[bytes]] = tuple):
         """`record_identity(relpath, identity, item)`: a fresh identity, for the read-ahead
         (Prefetcher.record_identity; `item`: the file's, if known, else None);
         `source_changed(relpath, identity)`: the file changed, its cached copies go
-        (Reader.source_changed)."""
+        (Reader.source_changed); `open_files()`: the files being read with no open
+        (module docstring; fuse_ops.Operations.read_without_open)."""
         self.source = source
         self.ram = ram
         self.inodes = inodes
         self.freshness = freshness
         self._record_identity = record_identity
         self._source_changed = source_changed
+        self._open_files = open_files
         self.sweeps = 0
         self.checked = 0
         self.changed = 0
@@ -78,9 +84,8 @@ class Revalidator:
         has no inode for is skipped: the lookup that must come before its open stats it."""
         at_s = now_s()
         due = []
-        for relpath, block_index in list(self.ram.blocks):
-            if block_index:
-                continue
+        held = [relpath for relpath, block_index in list(self.ram.blocks) if not block_index]
+        for relpath in dict.fromkeys([*held, *self._open_files()]):
             inode = self.inodes.inode_of(relpath)
             if inode is not None and self.freshness.refresh_due(
                     self.inodes.get(inode).stat_time_s, at_s=at_s):
@@ -98,8 +103,12 @@ class Revalidator:
         self.checked += len(due)
 
     def _apply(self, relpath: bytes, st, asked_s: float) -> None:
-        """Record one fresh stat; a file that changed or went loses its cached copies."""
+        """Record one fresh stat; a file that changed or went loses its cached copies (those
+        of RAM, or the kernel's pages of a file being read with no open, which RAM may not
+        hold: what it was told of the file is what its pages are of)."""
         block = self.ram.get((relpath, 0))
+        inode = self.inodes.inode_of(relpath)
+        told = None if inode is None else self.source.identity_of(self.inodes.get(inode).stat)
         if isinstance(st, OSError):
             if st.errno not in GONE_ERRNOS:
                 # a failure of the source, not of the file (EIO, a timeout, a stale NFS
@@ -109,9 +118,7 @@ class Revalidator:
             identity = GONE
         else:
             identity = self.source.identity_of(st)
-            inode = self.inodes.inode_of(relpath)
-            if inode is not None and self.source.identity_of(
-                    self.inodes.get(inode).stat) == identity:
+            if inode is not None and told == identity:
                 # still the version the kernel was given: trusted for another TTL. A changed
                 # one is not recorded here: the inode table holds what the kernel was told,
                 # and the kernel learns the new version by its next lookup or stat
@@ -120,7 +127,8 @@ class Revalidator:
             # the block's item is the file's in the manifest in force: no search by path
             # (the sweep checks every file RAM holds, often more than the recent-items memory)
             self._record_identity(relpath, identity, None if block is None else block.item)
-        if block is not None and block.identity != identity:
+        known = block.identity if block is not None else told
+        if known is not None and known != identity:
             log.info("source file changed: %r", relpath)
             self.changed += 1
             self._source_changed(relpath, identity)

@@ -640,3 +640,31 @@ def test_a_close_with_no_read_just_after_its_pages_were_dropped_is_counted(monke
     assert counted == {"reads": 1, "hits_ram": 1}
     assert never_held == {"reads": 0, "hits_ram": 0}
     assert too_late == {"reads": 0, "hits_ram": 0}
+
+
+def test_a_file_read_with_no_open_is_rechecked_though_ram_let_it_go(tmp_path):
+    """The zero-request mode: a reader holds a file open (an HDF5 or tar shard) whose READs'
+    pages the kernel keeps, while RAM let its blocks go. The sweeps checked only what RAM
+    holds, so after the file changed the kernel served its old pages to every reader, for
+    as long as it stayed open; it is re-checked too, and the change reported."""
+    import trio
+
+    from cachefs.cache.ram import RamTier
+    from cachefs.freshness import Freshness
+    from cachefs.inodes import InodeTable
+    from cachefs.revalidate import Revalidator
+    from cachefs.source import Source
+
+    (tmp_path / "shard").write_bytes(b"x" * 10)
+    source = Source(tmp_path, threads=1)
+    inodes = InodeTable(os.lstat(tmp_path), source.identity_of)
+    inodes.remember(b"shard", os.lstat(tmp_path / "shard"), lookup=True, stat_time_s=-100.0)
+    (tmp_path / "shard").write_bytes(b"y" * 20)
+    changed = []
+    revalidator = Revalidator(source, RamTier(1 << 20, block_bytes=1 << 20), inodes,
+                              Freshness(60.0), record_identity=lambda *args: None,
+                              source_changed=lambda relpath, new: changed.append((relpath,
+                                                                                  new.size)),
+                              open_files=lambda: [b"shard"])
+    trio.run(revalidator.sweep)
+    assert changed == [(b"shard", 20)]
