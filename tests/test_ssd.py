@@ -667,3 +667,22 @@ def test_a_cache_directory_of_another_source_is_emptied(cache_dir):
     with SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK, source=b"/data/b") as tier:
         assert tier.stats()["entries"] == 0
         assert not any(tier.contains(key(n), ident(n)) for n in range(3))
+
+
+def test_a_read_failing_for_the_process_keeps_the_entry(cache_dir, monkeypatch):
+    """Out of descriptors (EMFILE) or memory is the process's failure, not the entry's: it
+    dropped good entries of a cache-once tier for good. A miss, and the entry stays."""
+    with SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK) as tier:
+        fill(tier, 2)
+        real_open = os.open
+
+        def out_of_descriptors(path, *args, **kwargs):
+            if "entries" in str(path):
+                raise OSError(errno.EMFILE, "Too many open files")
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(ssd_module.os, "open", out_of_descriptors)
+        assert tier.read(key(0), ident(0)) is None
+        monkeypatch.setattr(ssd_module.os, "open", real_open)
+        assert tier.read(key(0), ident(0)) == payload(0)
+        assert tier.stats()["rejected_checksum"] == 0

@@ -90,6 +90,8 @@ log = logging.getLogger(__name__)
 # What a device fails with when it is full, read-only or failing (`device_failure`)
 DEVICE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # of those, a device with no room left
+# a read failing with one of these says nothing of the entry: it is kept (`read`)
+PASSING_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN})
 
 # How many damaged-entry warnings to log per mount before going quiet (a dying disk would
 # otherwise log one line per block); the count in stats() keeps going.
@@ -187,7 +189,15 @@ class SsdTier:
             return None
         try:
             return self._read_entry(k, identity, length)
-        except (OSError, Corrupt) as exc:
+        except OSError as exc:
+            if exc.errno in PASSING_ERRNOS:
+                # the process's, not the entry's (out of descriptors or memory): a miss,
+                # and the entry stays for the next read
+                log.debug("ssd cache %s: cannot read entry %s now: %s", self._dir, k.name, exc)
+                return None
+            self._reject(k, row, exc)
+            return None
+        except Corrupt as exc:
             self._reject(k, row, exc)
             return None
 
