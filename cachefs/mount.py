@@ -353,7 +353,12 @@ class Mount:
                                        signal.SIGHUP) as signals:
             # the root's stat, taken before trio's clock ran (freshness.py), counts from now
             self.inodes.update_stat(ROOT_INODE, self.inodes.get(ROOT_INODE).stat)
-            pyfuse3.init(self.ops, str(self.config.mountpoint), options)
+            try:
+                pyfuse3.init(self.ops, str(self.config.mountpoint), options)
+            except BaseException:
+                if self.ssd is not None:
+                    self.ssd.close()  # or the next start finds it unclean and reconciles
+                raise
             log.info("mounted %s at %s", self.config.source, self.config.mountpoint)
             if self.kernel is not None:
                 self.kernel.start()
