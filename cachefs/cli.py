@@ -225,9 +225,14 @@ def _mount_daemon(config: MountConfig) -> None:
     with open(log_path, "ab") as log_file:
         child = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log_file,
                                  stderr=subprocess.STDOUT, start_new_session=True)
+    # a daemon that logs is making progress (an SSD tier reconciled after a crash, a few
+    # minutes for millions of entries): the wait ends once it was silent for MOUNT_WAIT_S
     deadline = time.monotonic() + MOUNT_WAIT_S
+    logged_bytes = log_path.stat().st_size
     mountpoint = listed_path(config.mountpoint)
     while time.monotonic() < deadline:
+        if (size := log_path.stat().st_size) != logged_bytes:
+            logged_bytes, deadline = size, time.monotonic() + MOUNT_WAIT_S
         code = child.poll()
         if code is not None:
             tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
@@ -238,7 +243,7 @@ def _mount_daemon(config: MountConfig) -> None:
             return
         time.sleep(0.02)
     child.terminate()
-    _fail(f"mount did not come up within {MOUNT_WAIT_S:.0f} s; see {log_path}")
+    _fail(f"mount did not come up, its daemon silent for {MOUNT_WAIT_S:.0f} s; see {log_path}")
 
 
 # -- umount ------------------------------------------------------------------------------------

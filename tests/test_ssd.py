@@ -686,3 +686,15 @@ def test_a_read_failing_for_the_process_keeps_the_entry(cache_dir, monkeypatch):
         monkeypatch.setattr(ssd_module.os, "open", real_open)
         assert tier.read(key(0), ident(0)) == payload(0)
         assert tier.stats()["rejected_checksum"] == 0
+
+
+def test_a_reconciliation_says_how_far_it_is(cache_dir, monkeypatch, caplog):
+    """`cachefs mount` waits for a daemon as long as it logs: a reconciliation of millions
+    of entries after a crash (minutes) logs its progress, or the mount was given up."""
+    tier = SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK)
+    fill(tier, 3)
+    crash(tier)
+    monkeypatch.setattr(ssd_module, "PROGRESS_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="cachefs.cache.ssd"):
+        SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK).close()
+    assert "reconciling, 1 of 256 directories done" in caplog.text

@@ -70,6 +70,7 @@ import secrets
 import shutil
 import stat
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +91,7 @@ log = logging.getLogger(__name__)
 # What a device fails with when it is full, read-only or failing (`device_failure`)
 DEVICE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # of those, a device with no room left
+PROGRESS_S = 10.0  # how often a reconciliation says how far it is
 # a read failing with one of these says nothing of the entry: it is kept (`read`)
 PASSING_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN})
 
@@ -406,7 +408,13 @@ class SsdTier:
         seen = np.zeros(len(table), dtype=bool)
         adopted = []
         removed = 0
+        said_s = time.monotonic()
         for fan in range(FANOUT):
+            if time.monotonic() - said_s >= PROGRESS_S:
+                # `cachefs mount` waits for a daemon as long as it logs (cachefs/cli.py)
+                said_s = time.monotonic()
+                log.info("ssd cache %s: reconciling, %d of %d directories done", self._dir,
+                         fan, FANOUT)
             sub = self._entries_dir / f"{fan:02x}"
             try:
                 names = os.listdir(sub)
