@@ -167,6 +167,7 @@ class Mount:
         self.targets = Targets()
         self.source = Source(config.source, threads=config.prefetch.source_threads,
                              delay_s=config.source_delay_s, requests=self.targets)
+        self.notifier = Notifier.from_environment() if config.notify_systemd else None
         self.ssd = None
         # `cachefs stats`'s `ssd` of a tier whose device could not be used (full, read-only)
         self.unusable_ssd: dict | None = None
@@ -175,7 +176,7 @@ class Mount:
             from cachefs.cache.ssd import SsdTier, device_failure, tier_stats
             try:
                 self.ssd = SsdTier(cache.ssd_dir, cache.ssd_bytes, cache.block_bytes,
-                                   source=self.source.root)
+                                   source=self.source.root, progress=self._starting)
             except errors.StartupError as exc:
                 failure = device_failure(exc)
                 if failure is None:
@@ -235,7 +236,16 @@ class Mount:
         self.ops = Operations(self.source, self.reader, self.control, self.inodes, self.kernel,
                               self.freshness, kernel_timeout_s=config.kernel_timeout_s)
         self.metrics: Exporter | None = None  # the --metrics server, given by `run`
-        self.notifier = Notifier.from_environment() if config.notify_systemd else None
+
+    def _starting(self, message: str) -> None:
+        """A step of the start that may take minutes goes on (the SSD tier's, every
+        PROGRESS_S): systemd's start timeout (90 s by default) is extended past the next
+        report, as `cachefs mount` waits as long as the daemon logs."""
+        if self.notifier is not None:
+            from cachefs.cache.ssd import PROGRESS_S
+
+            self.notifier.send(f"EXTEND_TIMEOUT_USEC={int(3 * PROGRESS_S * 1e6)}",
+                               f"STATUS={message}")
 
     def _order_paths(self) -> list[bytes] | None:
         """The current order's files from the cursor on, for `cachefs warm --order`."""
@@ -353,12 +363,7 @@ class Mount:
                                        signal.SIGHUP) as signals:
             # the root's stat, taken before trio's clock ran (freshness.py), counts from now
             self.inodes.update_stat(ROOT_INODE, self.inodes.get(ROOT_INODE).stat)
-            try:
-                pyfuse3.init(self.ops, str(self.config.mountpoint), options)
-            except BaseException:
-                if self.ssd is not None:
-                    self.ssd.close()  # or the next start finds it unclean and reconciles
-                raise
+            pyfuse3.init(self.ops, str(self.config.mountpoint), options)  # raises: see `run`
             log.info("mounted %s at %s", self.config.source, self.config.mountpoint)
             if self.kernel is not None:
                 self.kernel.start()
@@ -521,12 +526,12 @@ def run(config: MountConfig) -> int:
     _check_order_directory(config.order_file.parent)
     state_lock = _lock_state_dir(config.state_dir)
     pid_file = config.state_dir / "pid"
-    exporter = None
-    if config.metrics_address is not None:
-        from cachefs.metrics import Exporter
-
-        exporter = Exporter.start(config.metrics_address)
+    exporter = mount = None
     try:
+        if config.metrics_address is not None:
+            from cachefs.metrics import Exporter
+
+            exporter = Exporter.start(config.metrics_address)
         mount = Mount(config)
         mount.metrics = exporter
         pid_file.write_text(json.dumps({"pid": os.getpid(),
@@ -536,6 +541,10 @@ def run(config: MountConfig) -> int:
         finally:
             pid_file.unlink(missing_ok=True)
     finally:
+        if mount is not None and mount.ssd is not None:
+            # closed by `serve` once it ran; else (a start that failed after the tier
+            # opened) here, or the next start finds it unclean and reconciles it
+            mount.ssd.close()
         if exporter is not None:
             exporter.close()
         os.close(state_lock)
@@ -556,7 +565,10 @@ def _check_order_directory(directory: Path) -> None:
 def _lock_state_dir(state_dir: Path) -> int:
     """One mount per state directory: two would watch one order file (a publication to one
     steered the other) and overwrite each other's pid file (which `cachefs umount` waits on)."""
-    fd = os.open(state_dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    # not "lock": the SSD tier's lock file, in a directory given as both (`SsdTier`), whose
+    # flock of another open of the same file would fail in this very process
+    fd = os.open(state_dir / "mount.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -181,14 +181,17 @@ def publish(mount: Path, epoch: int, current, next=None, files=None, rank=None,
         # The daemon knows the source's size once it has scanned it: check the upper bound
         # now, so that a bad index fails before anything is written.
         known = (ctrl.read_stats(mount, OrderError).get("manifest") or {}).get("files")
-        if known is not None and checked.items is not None:
-            check_item_files(checked.items.file, known)
-        elif known is not None:
-            for key, indices in (("current", checked.current), ("next", checked.next)):
-                if indices is not None:
-                    check_indices(key, indices, known)
-        if known is not None and checked.targets is not None:
-            check_targets(checked.targets, known)
+        try:
+            if known is not None and checked.items is not None:
+                check_item_files(checked.items.file, known)
+            elif known is not None:
+                for key, indices in (("current", checked.current), ("next", checked.next)):
+                    if indices is not None:
+                        check_indices(key, indices, known)
+            if known is not None and checked.targets is not None:
+                check_targets(checked.targets, known)
+        except OrderError as exc:
+            raise OrderRejected(str(exc)) from None
     identity = write_checked(order_path, checked).to_json()
     log.debug("wrote %s, waiting for the daemon of %s", order_path, mount)
     deadline = time.monotonic() + timeout_s

@@ -37,11 +37,13 @@ import trio
 
 from cachefs.cache.ram import RamTier
 from cachefs.freshness import Freshness, now_s
+from cachefs.recent import RecentMap
 from cachefs.source import Source, SourceIdentity
 
 log = logging.getLogger(__name__)
 
 BATCH_FILES = 512  # lstats per worker-thread hop
+REPORTED_FILES = 4096  # changes remembered, not to report one twice (`_apply`)
 MIN_INTERVAL_S = 0.25
 GONE = SourceIdentity(-1, 0, 0)  # the identity of a file the source no longer has
 # what an lstat fails with for a file gone (or out of the daemon's reach: the copies go, as
@@ -66,6 +68,10 @@ class Revalidator:
         self._record_identity = record_identity
         self._source_changed = source_changed
         self._open_files = open_files
+        # the new version each file was last reported changed to: a file read with no open
+        # keeps the old version in the inode table until the kernel stats it again, and
+        # every sweep until then found the same change (and dropped its copies again)
+        self._reported: RecentMap[bytes, SourceIdentity] = RecentMap(REPORTED_FILES)
         self.sweeps = 0
         self.checked = 0
         self.changed = 0
@@ -129,6 +135,9 @@ class Revalidator:
             self._record_identity(relpath, identity, None if block is None else block.item)
         known = block.identity if block is not None else told
         if known is not None and known != identity:
+            if block is None and self._reported.get(relpath) == identity:
+                return  # told already: the kernel is told the new version at its next stat
+            self._reported.put(relpath, identity)
             log.info("source file changed: %r", relpath)
             self.changed += 1
             self._source_changed(relpath, identity)

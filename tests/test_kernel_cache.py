@@ -668,3 +668,9 @@ def test_a_file_read_with_no_open_is_rechecked_though_ram_let_it_go(tmp_path):
                               open_files=lambda: [b"shard"])
     trio.run(revalidator.sweep)
     assert changed == [(b"shard", 20)]
+    for _ in range(3):  # until the kernel stats it again, the inode table has the old version
+        trio.run(revalidator.sweep)
+    assert changed == [(b"shard", 20)] and revalidator.changed == 1  # reported once
+    (tmp_path / "shard").write_bytes(b"z" * 30)
+    trio.run(revalidator.sweep)
+    assert changed == [(b"shard", 20), (b"shard", 30)]  # a change after it, reported

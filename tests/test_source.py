@@ -365,3 +365,14 @@ def test_an_entry_the_source_cannot_stat_leaves_the_others_listed(tmp_path, monk
     monkeypatch.setattr(os, "scandir", lambda fd: Listing(real_scandir(fd)))
     source = source_mod.Source(tmp_path, threads=1)
     assert [name for name, _ in source._scandir(b"")] == [b"a", b"c"]
+
+
+def test_a_file_always_shorter_than_its_size_is_served_as_it_reads(tmp_path, monkeypatch):
+    """A source whose sizes are estimates (the read ends before the size, the file never
+    changing) is read as before, not failed with EIO after the re-reads."""
+    (tmp_path / "f").write_bytes(b"x" * 2000)
+    real_pread = source_mod._pread_full
+    monkeypatch.setattr(source_mod, "_pread_full",
+                        lambda fd, size, offset: real_pread(fd, size, offset)[:-10])
+    source = source_mod.Source(tmp_path, threads=1)
+    assert source.read_block_sync(b"f", 0, 4096).data == b"x" * 1990

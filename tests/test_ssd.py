@@ -695,6 +695,35 @@ def test_a_reconciliation_says_how_far_it_is(cache_dir, monkeypatch, caplog):
     fill(tier, 3)
     crash(tier)
     monkeypatch.setattr(ssd_module, "PROGRESS_S", 0.0)
+    reported = []
     with caplog.at_level(logging.INFO, logger="cachefs.cache.ssd"):
-        SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK).close()
-    assert "reconciling, 1 of 256 directories done" in caplog.text
+        SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK,
+                progress=reported.append).close()
+    assert "reconciling the directories, 1 of 256 done" in caplog.text
+    assert len(reported) == 256
+    assert reported[1].endswith("reconciling the directories, 1 of 256 done")
+    # so do a trim to a smaller budget and a wipe (another source's cache directory)
+    reported.clear()
+    with SsdTier(cache_dir, budget_bytes=disk_bytes(1000), block_bytes=BLOCK,
+                 progress=reported.append) as tier:
+        assert tier.stats()["entries"] == 1
+    assert any("trimming to the budget, entries, 1 of 3 done" in m for m in reported)
+    reported.clear()
+    SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK, source=b"/a").close()
+    SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK, source=b"/b",
+            progress=reported.append).close()
+    assert any("discarding the directories, 255 of 256 done" in m for m in reported)
+
+
+def test_a_long_start_extends_systemds_start_timeout():
+    """Under --systemd, a start step's progress extends systemd's start timeout (90 s by
+    default ended a reconciliation of millions of entries, and Restart= began it again)."""
+    from types import SimpleNamespace
+
+    from cachefs.mount import Mount
+
+    sent = []
+    mount = SimpleNamespace(notifier=SimpleNamespace(send=lambda *lines: sent.append(lines)))
+    Mount._starting(mount, "ssd cache /c: reconciling the directories, 9 of 256 done")
+    assert sent == [("EXTEND_TIMEOUT_USEC=30000000",
+                     "STATUS=ssd cache /c: reconciling the directories, 9 of 256 done")]

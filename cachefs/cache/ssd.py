@@ -6,7 +6,7 @@ never churned hits size(cache)/size(data) of every later epoch, where LRU gets a
 square of that). Dropping an entry whose source changed, or whose bytes fail their checksum,
 frees its budget. The budget counts what the entries take on disk
 (`ssd_format.disk_bytes`): each entry file, its 96-byte header and payload rounded up to whole
-4 KiB blocks, and its 72-byte index record (1.1% over the payload for 110 KB blocks; for
+4 KiB blocks, and its 72-byte index record (about 2% over the payload for 110 KB blocks; for
 300-byte samples, 14 times it, which a budget of payload bytes let the tier take).
 
 The bytes on disk (the directory's layout, entry headers, the index log and its checks) are
@@ -71,6 +71,7 @@ import shutil
 import stat
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -91,7 +92,7 @@ log = logging.getLogger(__name__)
 # What a device fails with when it is full, read-only or failing (`device_failure`)
 DEVICE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # of those, a device with no room left
-PROGRESS_S = 10.0  # how often a reconciliation says how far it is
+PROGRESS_S = 10.0  # how often a long step at start says how far it is (`_Progress`)
 # a read failing with one of these says nothing of the entry: it is kept (`read`)
 PASSING_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN})
 
@@ -102,13 +103,35 @@ _MAX_ENTRY_WARNINGS = 10
 _CLOSE_WAIT_S = 30.0
 
 
+class _Progress:
+    """Says how far a step of the tier's start that may take minutes is (a reconciliation, a
+    wipe, a trim of millions of entries), every PROGRESS_S: in the log, which `cachefs mount`
+    watches to go on waiting for its daemon (cachefs/cli.py), and to `report` (systemd's
+    start timeout, extended with each: cachefs/mount.py)."""
+
+    def __init__(self, directory: Path, what: str, total: int,
+                 report: Callable[[str], None] | None):
+        self._directory, self._what, self._total, self._report = directory, what, total, report
+        self._said_s = time.monotonic()
+
+    def done(self, count: int) -> None:
+        if time.monotonic() - self._said_s < PROGRESS_S:
+            return
+        self._said_s = time.monotonic()
+        message = f"ssd cache {self._directory}: {self._what}, {count} of {self._total} done"
+        log.info("%s", message)
+        if self._report is not None:
+            self._report(message)
+
+
 class SsdTier:
     """A cache-once block store in one directory; see the module docstring."""
 
     def __init__(self, directory: Path, budget_bytes: int, block_bytes: int,
-                 source: bytes | None = None):
+                 source: bytes | None = None, progress: Callable[[str], None] | None = None):
         """`source`: the source directory's real path, which the entries are of (None: not
-        checked, for tools that open a tier without a mount)."""
+        checked, for tools that open a tier without a mount); `progress(message)`: told how
+        far a long step of the start is (`_Progress`)."""
         if budget_bytes <= 0 or block_bytes <= 0:
             raise ValueError("budget_bytes and block_bytes must be positive")
         self._dir = Path(directory)
@@ -117,6 +140,7 @@ class SsdTier:
         self._budget = budget_bytes
         self._block_bytes = block_bytes
         self._source = None if source is None else os.fsdecode(source)
+        self._progress = progress
 
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when _busy shrinks
@@ -408,13 +432,9 @@ class SsdTier:
         seen = np.zeros(len(table), dtype=bool)
         adopted = []
         removed = 0
-        said_s = time.monotonic()
+        progress = _Progress(self._dir, "reconciling the directories", FANOUT, self._progress)
         for fan in range(FANOUT):
-            if time.monotonic() - said_s >= PROGRESS_S:
-                # `cachefs mount` waits for a daemon as long as it logs (cachefs/cli.py)
-                said_s = time.monotonic()
-                log.info("ssd cache %s: reconciling, %d of %d directories done", self._dir,
-                         fan, FANOUT)
+            progress.done(fan)
             sub = self._entries_dir / f"{fan:02x}"
             try:
                 names = os.listdir(sub)
@@ -488,6 +508,10 @@ class SsdTier:
                         FORMAT_VERSION, self._block_bytes)
         elif self._entries_dir.exists():
             log.warning("ssd cache %s: entries without a meta file: discarding them", self._dir)
+        progress = _Progress(self._dir, "discarding the directories", FANOUT, self._progress)
+        for fan in range(FANOUT):
+            progress.done(fan)
+            shutil.rmtree(self._entries_dir / f"{fan:02x}", ignore_errors=True)
         shutil.rmtree(self._entries_dir, ignore_errors=True)
         self._unlink_quietly(self._index_path)
 
@@ -520,9 +544,12 @@ class SsdTier:
         if self._bytes <= self._budget:
             return
         dropped = 0
+        progress = _Progress(self._dir, "trimming to the budget, entries", self._n,
+                             self._progress)
         for row in range(self._n - 1, -1, -1):
             if self._bytes <= self._budget:
                 break
+            progress.done(dropped)
             name = entry_name(int(self._key_hi[row]), int(self._key_lo[row]))
             self._kill_row(row)
             self._unlink_quietly(self._entry_path(name))
