@@ -537,3 +537,10 @@ def test_a_directory_read_part_way_is_not_shifted_by_anothers_relisting(tmp_path
         assert sorted(name for name in seen if name.startswith("m")) == names
     finally:
         os.close(fd)
+
+
+def test_one_directory_may_be_both_the_state_and_the_ssd_cache(tree, tmp_path, mounter):
+    """The state directory's lock and the SSD tier's were one file ("lock") in a directory
+    given as both, and the tier's flock failed in the daemon itself (exit 7)."""
+    mount = mounter(tree, "--ssd-cache", tmp_path / "state0", "--ssd-size", "1MiB")
+    assert mount.stats()["ssd"]["budget"] == 1 << 20
