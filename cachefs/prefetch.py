@@ -485,7 +485,10 @@ class Prefetcher:
         return self._first_missing(item) is None
 
     def _room_for(self, nbytes: int, priority: float | None) -> bool:
-        if priority is None:
+        """Whether the RAM tier can make room for `nbytes` at `priority`, as its `reserve`
+        will decide (a block larger than the whole budget never fits: the walk started it
+        again and again while `reserve` refused it)."""
+        if priority is None or self.ram.charge_of(nbytes) > self.ram.budget_bytes:
             return False
         if self.ram.has_room(nbytes):
             return True
@@ -610,9 +613,15 @@ class Prefetcher:
         return key in self.ram or (ssd is not None and ssd.has_entry(key))
 
     def _size_estimate(self, item: int) -> int:
-        """Bytes to reserve for a file not stat'ed yet: its size last time, else the mean."""
+        """Bytes to reserve for a file not stat'ed yet: its size last time, else the mean,
+        else (no size known yet) a block, within a quarter of the RAM budget: a RAM budget
+        smaller than a block could never hold the reservation, and no file was read ahead
+        until the readers' own reads made sizes known (the landed block is charged at its
+        real size: RamTier.insert)."""
         size = int(self.meta.size[item])
-        return size if size >= 0 else self.meta.mean_size(self.block_bytes)
+        if size >= 0:
+            return size
+        return self.meta.mean_size(min(self.block_bytes, self.ram.budget_bytes // 4))
 
     def read_ahead(self, relpath: bytes, identity: SourceIdentity, item: int, manifest,
                    block_indices) -> None:

@@ -249,7 +249,8 @@ class Reader:
         if self._ranged_file(relpath):
             return
         handle = self.handle_without_open(inode, relpath, item, identity)
-        if self._kernel_holds(handle) or self._kernel_dropped_lately(handle):
+        if (identity.size == 0 or self._kernel_holds(handle)
+                or self._kernel_dropped_lately(handle)):
             self.release(handle)
 
     def _ranged_file(self, relpath: bytes) -> bool:
@@ -302,7 +303,12 @@ class Reader:
             parts.append(data if (lo, hi) == (0, len(data)) else data[lo:hi])
         result = parts[0] if len(parts) == 1 else b"".join(parts)
         handle.bytes_served += len(result)
-        if end >= identity.size:
+        if end >= identity.size and len(handle.blocks_read) == block_count(identity.size,
+                                                                             block_bytes):
+            # every block read whole, not only the end: a reader that reads the end first
+            # (a zip-format torch.load, an np.load of an npz, a Parquet footer) had its file
+            # consumed and its blocks dropped at that first READ, and every READ after it
+            # read its block again from the source
             if handle.consume_at_release:
                 self._prefetcher.read_whole(handle.item, handle.manifest, identity.size,
                                             handle.blocks_read)
@@ -375,13 +381,17 @@ class Reader:
         """The reader let go of `handle`; `last`: no other handle of the file is open."""
         if self._ranged_file(handle.relpath):
             return  # its items were counted as they were read (module docstring)
+        empty = handle.identity.size == 0
         if handle.kernel_whole:
             # the kernel served what no READ asked for: the whole file, as far as we can tell
             # (a reader that opens a file and reads nothing is counted as reading it)
             handle.bytes_served = max(handle.bytes_served, handle.identity.size)
-        elif not handle.read_called:
+        elif not handle.read_called and not empty:
             return
-        if handle.bytes_served:
+        if handle.bytes_served or empty:
+            # an empty file is read whole by its open (the kernel sends no READ for it): left
+            # unconsumed, its position held the cursor, and the read-ahead and the epoch's
+            # end with it, for the rest of the order
             self._consume(handle)
         self._stats.file_read(handle.origin, handle.stall_s, handle.bytes_served,
                              record=handle.epoch_record,

@@ -14,6 +14,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from cachefs import stats as stats_mod
 from cachefs.cache.ram import BLOCK_OVERHEAD_BYTES, RamBlock, RamTier
 from cachefs.inodes import InodeTable
 from cachefs.manifest import Manifest
@@ -489,7 +490,7 @@ def test_ram_hand_to_kernel_of_a_block_kept_twice_charges_its_pages_once():
     ram = RamTier(10 * 4096, block_bytes=4096, block_overhead_bytes=0)
     (a,) = fill(ram, [5.0], nbytes=100)
     assert ram.keep_kernel_copies([(a, ram.get(a))])
-    assert ram.hand_to_kernel(a, ram.get(a))
+    assert ram.hand_to_kernel([(a, ram.get(a))])
     assert ram.get(a).data is None and not ram.get(a).kept_twice
     assert ram.used_bytes == 4096 and ram.kernel_bytes == 4096
     ram.drop(a)
@@ -576,3 +577,24 @@ def test_ram_budget_never_exceeded_under_random_traffic(seed):
         assert ram.used_bytes <= ram.budget_bytes
         assert ram.resident_bytes == sum(len(b.data) for b in ram.blocks.values())
         assert ram.reserved_bytes == sum(n for n, _ in reserved)
+
+
+def test_ram_hands_a_file_to_the_kernel_whole_or_not_at_all():
+    """Handed over block by block, a last block whose page rounding found no room left the
+    earlier blocks in the kernel alone; the caller then dropped the file's pages, and the
+    file was in neither copy. Now nothing changes unless all of it fits."""
+    ram = RamTier(10**9, block_bytes=8192, block_overhead_bytes=0)
+    identity = SourceIdentity(2 * 8192 + 100, 1, 1)
+    blocks = []
+    for index, nbytes in enumerate((8192, 8192, 100)):
+        block = RamBlock(bytes(nbytes), identity, 5, stats_mod.ORIGIN_PREFETCHED)
+        block.priority = 1.0
+        assert ram.reserve(ram.charge(block), block.priority)
+        ram.insert((b"f", index), block, ram.charge(block))
+        blocks.append(((b"f", index), block))
+    ram.budget_bytes = ram.used_bytes + 1000  # no room for the last block's 4 KiB page
+    assert not ram.hand_to_kernel(blocks)
+    assert all(block.data is not None for _, block in blocks)
+    ram.budget_bytes += 4096
+    assert ram.hand_to_kernel(blocks)
+    assert all(block.data is None for _, block in blocks)

@@ -260,20 +260,24 @@ class RamTier:
 
     # -- kernel copies ----------------------------------------------------------------------
 
-    def hand_to_kernel(self, key: BlockKey, block: RamBlock) -> bool:
-        """The kernel holds the bytes (a reader read them whole): the daemon's copy goes and
-        the kernel's pages are charged instead. False if the budget has no free room for
-        the pages' rounding (the daemon keeps its copy then)."""
-        if block.data is None:
-            return True
-        extra = self.charge_of(page_bytes(block.nbytes)) - self.charge(block)
+    def hand_to_kernel(self, blocks: list[tuple[BlockKey, RamBlock]]) -> bool:
+        """The kernel holds a file's bytes (a reader read them whole; `blocks`: all of
+        them): the daemon's copies go and the kernel's pages are charged instead. False,
+        changing nothing, if the budget has no free room for the pages' rounding (the
+        daemon keeps its copies then). All blocks or none: handed over one by one, a last
+        block that found no room left the file's earlier blocks in the kernel alone, whose
+        pages the caller then dropped, and the file was in neither."""
+        handed = [(key, block) for key, block in blocks if block.data is not None]
+        extra = sum(self.charge_of(page_bytes(block.nbytes)) - self.charge(block)
+                    for _, block in handed)
         if self.used_bytes + extra > self.budget_bytes:
             # Only into free room: the hand-over saves the daemon work, never at the price
             # of a block someone will read (a file of the read-ahead window read twice)
             return False
         self.resident_bytes += extra
-        self.add_kernel_copy(key, block)
-        block.data, block.kept_twice = None, False
+        for key, block in handed:
+            self.add_kernel_copy(key, block)
+            block.data, block.kept_twice = None, False
         return True
 
     def keep_kernel_copies(self, blocks: list[tuple[BlockKey, RamBlock]]) -> bool:

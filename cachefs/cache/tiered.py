@@ -228,8 +228,12 @@ class TieredCache:
                     demand: bool, expected_bytes: int | None) -> Fetched | None:
         relpath, block_index = key
         item, manifest = self.item_now(relpath, item, manifest)
+        # an estimate of 0 (an empty file's last size) is 0, not "unknown": a whole block
+        # reserved for it took RAM the walk had not found room for, which evicted the kept
+        # head of the next epoch, or failed, and the walk started it again forever
         expected = (block_length(identity, block_index, self.block_bytes) if identity
-                    else min(expected_bytes or self.block_bytes, self.block_bytes))
+                    else self.block_bytes if expected_bytes is None
+                    else min(expected_bytes, self.block_bytes))
         priority = self.priority_of(item, block_index, identity)
         charge = self.ram.charge_of(expected)
         reserved = charge if priority is not None and self.ram.reserve(charge, priority) else 0
@@ -346,8 +350,7 @@ class TieredCache:
         if self.kernel is None:
             return False
         blocks = self._kernel_holds_all(relpath, identity, blocks_read)
-        if blocks is None \
-                or not all(self.ram.hand_to_kernel(key, block) for key, block in blocks):
+        if blocks is None or not self.ram.hand_to_kernel(blocks):
             self.drop_pages(relpath, identity.size)
             return False
         return True
