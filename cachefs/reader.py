@@ -187,9 +187,11 @@ class Reader:
         `recent`, else fresh from the source (`open`); the wait for the source is a stall,
         and a miss if it waited for the file's data."""
         known = self._prefetcher.known_identity(handle.item)
-        if known is not None and recent is not None and known != recent:
+        disagree = known is not None and recent is not None and known != recent
+        if disagree:
             # two versions, both checked within the TTL (the read-ahead's, and one a listing
-            # gave the kernel since): which is newer only the source can say. Taking the
+            # gave the kernel since): which is newer only the source can say, asked now (a
+            # read-ahead in flight may have looked before the listing). Taking the
             # read-ahead's dropped the newer one's copies, and failed the open if the
             # sizes differed
             known = recent = None
@@ -200,7 +202,8 @@ class Reader:
         # not read ahead (or its identity is stale): the batch of its target starts now
         self._prefetcher.demand_miss(handle.item, handle.manifest)
         started_s = now_s()
-        handle.identity, waited_for_data = await self._tiered.fresh_identity(handle.relpath)
+        handle.identity, waited_for_data = await self._tiered.fresh_identity(
+            handle.relpath, join_flight=not disagree)
         handle.stall_s += now_s() - started_s
         if waited_for_data:
             handle.origin = stats_mod.ORIGIN_MISS

@@ -232,14 +232,16 @@ class Run:
                                  f"{len(self.manifest)}: is the source changing?")
             for epoch in range(args.epochs):
                 gap_s = self._drop() if epoch else 0.0
+                # counted from before the publication: the read-ahead it starts is the
+                # epoch's (its source reads landed between a publish and a later snapshot)
+                before = mount.totals()
+                daemon_cpu = benchlib.DaemonCpu(mount)
                 if ordered:
                     try:
                         publish(mountpoint, epoch, self.orders[epoch],
                                 next=self.orders[epoch + 1])
                     except OrderError as exc:
                         raise BenchError(f"{name}: publish failed: {exc}") from None
-                before = mount.totals()
-                daemon_cpu = benchlib.DaemonCpu(mount)
                 result, cpu_ms = self._read_pass(ReadTask(
                     os.fsencode(mountpoint), self.orders[epoch], workers=args.readers,
                     read_bytes=args.read_kb * KIB, batch_files=args.batch_files))

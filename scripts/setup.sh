@@ -18,7 +18,7 @@ pip_install() { python3 -m pip install -q --disable-pip-version-check --root-use
 # start and falls back without it).
 if ! python3 -c "import pyfuse3, sys; sys.exit(not (getattr(pyfuse3, 'READ_FH_IS_INODE_WITHOUT_OPEN', 0) and hasattr(pyfuse3, 'invalidate_inode_range')))" 2>/dev/null; then
   work=$(mktemp -d)
-  python3 -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
+  python3 -m pip download -q --disable-pip-version-check --no-deps --no-binary pyfuse3 \
     -d "$work" "pyfuse3==$PYFUSE3_VERSION"
   tar xzf "$work/pyfuse3-$PYFUSE3_VERSION.tar.gz" -C "$work"
   for fix in read-inode-without-open invalidate-inode-range; do

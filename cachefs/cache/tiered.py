@@ -213,11 +213,14 @@ class TieredCache:
             del self.inflight[key]
             flight.done.set()
 
-    async def fresh_identity(self, relpath: bytes) -> tuple[SourceIdentity, bool]:
+    async def fresh_identity(self, relpath: bytes, *, join_flight: bool = True
+                             ) -> tuple[SourceIdentity, bool]:
         """The file's identity now, and whether that meant waiting for its data: from a source
         read of its first block already in flight, else from an open and fstat at the source
-        (which also checks that it is readable)."""
-        flight = self.inflight.get((relpath, 0))
+        (which also checks that it is readable). `join_flight=False`: always from a new
+        open, for a caller that must know what the source says after it asked (a read in
+        flight may have looked at the file before the version the caller has seen)."""
+        flight = self.inflight.get((relpath, 0)) if join_flight else None
         if flight is not None:
             await flight.done.wait()
             if flight.result is not None and flight.result.from_source:
