@@ -70,6 +70,11 @@ class DirListings:
             self.close(relpath)
             raise
 
+    async def reopened(self, relpath: bytes) -> Listing:
+        """A listing trusted now for a handle of `relpath` already open (`open`), which
+        rewinds (rewinddir(3): the directory as it is then, not as it was at the open)."""
+        return await self._listed(relpath, self._dirs.setdefault(relpath, _Dir(handles=1)))
+
     def close(self, relpath: bytes) -> None:
         held = self._dirs.get(relpath)
         if held is None:

@@ -204,6 +204,11 @@ class Operations(pyfuse3.Operations):
         if fh not in self._dirs:
             raise pyfuse3.FUSEError(errno.EBADF)
         parent, listing = self._dirs[fh]
+        if start_id == 0 and not self.freshness.trusted(listing.listed_at_s):
+            # a rewind of a handle open past the TTL (rewinddir: the directory as it is
+            # now); only a read from the start, whose offsets no earlier reply handed out
+            listing = await self._listings.reopened(parent)
+            self._dirs[fh] = (parent, listing)
         entries, listed_at_s = listing.entries, listing.listed_at_s
         for index in range(start_id, len(entries)):
             name, st = entries[index]

@@ -65,6 +65,8 @@ log = logging.getLogger(__name__)
 READ_AHEAD_KB = 1024  # kernel read-ahead of the mount: 1 MiB requests double large-file MB/s
 # after a signal, how long requests in flight may take before they are given up
 TERMINATE_GRACE_S = 1.0
+# directories a mount creates (its state directory, the order file's): the owner writes them
+STATE_DIR_MODE = 0o755
 
 
 def check_startup(config: MountConfig) -> None:
@@ -184,6 +186,18 @@ class Mount:
                 log.warning("ssd cache %s: %s; the mount goes on without its SSD tier",
                             cache.ssd_dir, failure)
                 self.unusable_ssd = tier_stats(cache.ssd_dir, cache.ssd_bytes, failure)
+        try:
+            self._wire(config)
+        except BaseException:
+            # the tier is open (its meta says unclean): left so, the next start reconciled
+            # every entry of it (`run` closes it only once this returned)
+            if self.ssd is not None:
+                self.ssd.close()
+            raise
+
+    def _wire(self, config: MountConfig) -> None:
+        """Everything after the SSD tier (`__init__`), built in the order each is used."""
+        cache = config.cache
         self.inodes = InodeTable(os.lstat(self.source.root), self.source.identity_of)
         # the kernel data plane; its thread starts once the FUSE session exists (serve)
         mountpoint = os.fsencode(os.path.abspath(config.mountpoint))
@@ -521,8 +535,10 @@ def _set_read_ahead(mountpoint: Path, kb: int) -> None:
 def run(config: MountConfig) -> int:
     """Mount in the foreground until unmounted or signalled; raises StartupError."""
     check_startup(config)
-    config.state_dir.mkdir(parents=True, exist_ok=True)
-    config.order_file.parent.mkdir(parents=True, exist_ok=True)
+    # 0755 whatever the umask: one of 000 (some containers and batch jobs) made the new
+    # directory writable by every user, which _check_order_directory then refused
+    config.state_dir.mkdir(mode=STATE_DIR_MODE, parents=True, exist_ok=True)
+    config.order_file.parent.mkdir(mode=STATE_DIR_MODE, parents=True, exist_ok=True)
     _check_order_directory(config.order_file.parent)
     state_lock = _lock_state_dir(config.state_dir)
     pid_file = config.state_dir / "pid"

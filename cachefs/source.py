@@ -335,14 +335,16 @@ class Source:
         for attempt in range(READ_ATTEMPTS):
             data, complete = read(st)
             after = os.fstat(fd)
-            if self.identity_of(after) == self.identity_of(st):
-                if complete:
-                    return data, st
-                if attempt == READ_ATTEMPTS - 1:
-                    # shorter than its size each time, and never changed: the source's own
-                    # way (a file system whose sizes are estimates), served as it reads
-                    return data, st
-            log.info("source file changed while it was read: %r", relpath)
+            unchanged = self.identity_of(after) == self.identity_of(st)
+            if unchanged and (complete or attempt > 0):
+                # (or shorter than its size twice, and never changed: the source's own way,
+                # a file system whose sizes are estimates, served as it reads; reading it a
+                # third time tripled its reads and logged a change that never was)
+                return data, st
+            if unchanged:
+                log.debug("source file read short of its size; reading it again: %r", relpath)
+            else:
+                log.info("source file changed while it was read: %r", relpath)
             st = after
         raise OSError(errno.EIO, f"the file changed each of the {READ_ATTEMPTS} times it was "
                                  "read", relpath)

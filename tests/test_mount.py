@@ -500,6 +500,22 @@ def test_an_order_directory_every_user_may_write_is_refused(tree, tmp_path):
     assert str(mnt) not in mounted_paths()
 
 
+def test_a_mount_under_umask_000_makes_a_state_directory_it_accepts(tree, tmp_path):
+    """Under umask 000 (some containers and batch jobs) the state directory a mount made was
+    writable by every user, and the mount then refused it as its order directory."""
+    mnt, state = tmp_path / "mnt", tmp_path / "new" / "state"
+    mnt.mkdir()
+    done = run_cachefs("mount", tree, mnt, "--state-dir", state,
+                       preexec_fn=lambda: os.umask(0))
+    try:
+        assert done.returncode == 0, done.stderr
+        assert state.stat().st_mode & 0o777 == 0o755
+        assert (mnt / "with space.bin").read_bytes() == (tree / "with space.bin").read_bytes()
+    finally:
+        run_cachefs("umount", mnt)
+    assert str(mnt) not in mounted_paths()
+
+
 def test_two_mounts_cannot_share_a_state_directory(tree, tmp_path, mounter):
     """Two mounts on one state directory watched one order file (a publication to one
     steered the other) and overwrote each other's pid file."""
@@ -535,6 +551,23 @@ def test_a_directory_read_part_way_is_not_shifted_by_anothers_relisting(tmp_path
                     assert len(os.listdir(mount.mountpoint / "d")) == 3200  # relisted
         assert len(seen) == len(set(seen)), "entries repeated"
         assert sorted(name for name in seen if name.startswith("m")) == names
+    finally:
+        os.close(fd)
+
+
+def test_a_directory_handle_rewound_past_the_ttl_lists_the_directory_anew(tmp_path, mounter):
+    """A handle keeps its listing (above), but a rewind (rewinddir, which os.listdir of a
+    descriptor does at its end) reads the directory as it is then: a handle held open for
+    long saw a file added since never."""
+    src = tmp_path / "src"
+    write_file(src / "d" / "old", 1)
+    mount = mounter(src, "--metadata-ttl", "0.2")
+    fd = os.open(mount.mountpoint / "d", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert os.listdir(fd) == ["old"]
+        write_file(src / "d" / "new", 1)
+        time.sleep(0.4)  # past the TTL
+        assert sorted(os.listdir(fd)) == ["new", "old"]  # the same handle, rewound
     finally:
         os.close(fd)
 

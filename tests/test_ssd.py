@@ -700,7 +700,9 @@ def test_a_reconciliation_says_how_far_it_is(cache_dir, monkeypatch, caplog):
         SsdTier(cache_dir, budget_bytes=1 << 20, block_bytes=BLOCK,
                 progress=reported.append).close()
     assert "reconciling the directories, 1 of 256 done" in caplog.text
-    assert len(reported) == 256
+    # once per directory, and once per entry within it (a directory of a large tier holds
+    # tens of thousands, each read whole when the index is lost)
+    assert len(reported) == 256 + 3
     assert reported[1].endswith("reconciling the directories, 1 of 256 done")
     # so do a trim to a smaller budget and a wipe (another source's cache directory)
     reported.clear()
@@ -727,3 +729,28 @@ def test_a_long_start_extends_systemds_start_timeout():
     Mount._starting(mount, "ssd cache /c: reconciling the directories, 9 of 256 done")
     assert sent == [("EXTEND_TIMEOUT_USEC=30000000",
                      "STATUS=ssd cache /c: reconciling the directories, 9 of 256 done")]
+
+
+def test_a_mount_that_fails_after_its_ssd_tier_opened_closes_it(tmp_path, monkeypatch):
+    """A start that fails after the tier opened (the source's root unreadable, say) left it
+    open, its meta unclean: the next start reconciled every entry of it."""
+    import json
+
+    from cachefs import mount as mount_mod
+    from cachefs.config import CacheConfig, MountConfig
+
+    source, ssd_dir, state = tmp_path / "src", tmp_path / "ssd", tmp_path / "state"
+    source.mkdir()
+    ssd_dir.mkdir(mode=0o700)
+    config = MountConfig(source, tmp_path / "mnt", state, state / "order.npz",
+                         cache=CacheConfig(ram_bytes=1 << 20, ssd_dir=ssd_dir,
+                                           ssd_bytes=1 << 20))
+
+    def broken(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(mount_mod, "InodeTable", broken)
+    with pytest.raises(OSError):
+        mount_mod.Mount(config)
+    assert json.loads((ssd_dir / "meta").read_text())["clean"] is True
+    SsdTier(ssd_dir, 1 << 20, 4 << 20).close()  # the lock was let go too

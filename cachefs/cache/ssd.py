@@ -441,6 +441,10 @@ class SsdTier:
             except FileNotFoundError:
                 continue
             for name in names:
+                # and within a directory: one of a tier of millions holds tens of thousands
+                # of entries, each read whole when the index is lost, which took longer on a
+                # cold disk than the silence `cachefs mount` waits through
+                progress.done(fan)
                 path = sub / name
                 if name.endswith(".tmp"):
                     self._unlink_quietly(path)
