@@ -306,8 +306,7 @@ class Reader:
             parts.append(data if (lo, hi) == (0, len(data)) else data[lo:hi])
         result = parts[0] if len(parts) == 1 else b"".join(parts)
         handle.bytes_served += len(result)
-        if end >= identity.size and len(handle.blocks_read) == block_count(identity.size,
-                                                                             block_bytes):
+        if end >= identity.size and self._read_through(handle):
             # every block read whole, not only the end: a reader that reads the end first
             # (a zip-format torch.load, an np.load of an npz, a Parquet footer) had its file
             # consumed and its blocks dropped at that first READ, and every READ after it
@@ -319,6 +318,29 @@ class Reader:
                 self._consume(handle)
         self._read_ahead(handle, offset // block_bytes, (end - 1) // block_bytes)
         return result
+
+    def _read_through(self, handle: OpenFile) -> bool:
+        """Every block of the handle's version was read: returned by its READs, or, in the
+        zero-request mode, held by the kernel, whose pages the reader reads with no READ (a
+        block pushed ahead of it). Only there: that mode consumes the file at its close and
+        now only gives the blocks their rank after it (`Prefetcher.read_whole`, which keeps
+        the kernel's blocks' rank); without it, a file whose earlier blocks were pushed never
+        counted as read whole, and the walk read its READ blocks again once RAM let them go.
+        The keep-cache mode consumes at once, which would drop pages the reader may not have
+        read yet."""
+        identity = handle.identity
+        count = block_count(identity.size, self.block_bytes)
+        if len(handle.blocks_read) == count:
+            return True
+        if not handle.consume_at_release:
+            return False
+        ram = self._tiered.ram
+        for block_index in range(count):
+            if block_index not in handle.blocks_read:
+                block = ram.get((handle.relpath, block_index))
+                if block is None or not block.in_kernel or block.identity != identity:
+                    return False
+        return True
 
     async def _block(self, handle: OpenFile, block_index: int, may_switch: bool) -> bytes:
         """The block's bytes of the handle's version. `may_switch`: nothing was served from

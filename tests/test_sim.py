@@ -466,3 +466,27 @@ def test_empty_files_neither_take_a_block_of_ram_nor_spin_the_walk(monkeypatch):
                                 metadata_ttl_s=0.02))
     assert [epoch.reads for epoch in result.epochs] == [400, 400, 400]
     assert result.epochs[2].hits_ram >= 140
+
+
+def test_a_file_whose_first_blocks_the_kernel_holds_is_read_whole_at_its_last_read():
+    """The zero-request mode: blocks pushed into the kernel's pages are read there with no
+    READ, so a file whose first blocks were pushed and whose last block a READ returned
+    never counted as read whole (only READ blocks counted), and the walk could read its
+    READ blocks again before its close once RAM let them go."""
+    block = 4 * 1024 * KIB
+    size = 2 * block + 1000
+
+    async def script(sim):
+        sim.prefetcher.set_order(sim.order(0))
+        await trio.sleep(1.0)  # read ahead, and pushed into the kernel's pages
+        relpath = sim.paths[0]
+        identity = sim.prefetcher.known_identity(0)
+        keys = [(relpath, index) for index in range(3)]
+        assert all(sim.ram.get(key).in_kernel for key in keys)
+        sim.ram.drop_kernel_copy(keys[2], sim.ram.get(keys[2]))  # its pages went
+        handle = sim.reader.handle_without_open(2, relpath, 0, identity)
+        data = await sim.reader.read(handle, 2 * block, 128 * KIB)
+        return len(data), 0 in sim.prefetcher._read_whole
+
+    config = SimConfig(items=4, item_bytes=size, block_bytes=block, ram_bytes=64 * block)
+    assert run_script(config, script) == (1000, True)
