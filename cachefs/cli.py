@@ -218,7 +218,7 @@ def _mount_daemon(config: MountConfig) -> None:
         mount_mod.check_startup(config)  # fail fast, in the user's terminal
     except errors.StartupError as exc:
         _fail(str(exc), exc.exit_code)
-    config.state_dir.mkdir(mode=mount_mod.STATE_DIR_MODE, parents=True, exist_ok=True)
+    mount_mod.make_dirs(config.state_dir)
     log_path = config.state_dir / "daemon.log"
     command = click.get_current_context().meta[_ARGV]  # as typed, or read from the helper form
     args = [sys.executable, "-m", "cachefs", *command, "--foreground"]

@@ -11,7 +11,9 @@ often they are opened.
 A listing is sorted by name, and readdir offsets are positions in it. An opendir of a directory
 whose listing is no longer trusted (cachefs/freshness.py: --metadata-ttl after the listing was
 started) lists it again, and the new listing is what later opens share; a handle keeps the
-listing it was opened with (`open` returns it) to its end. When the new listing replaced the
+listing it was opened with (`open` returns it) until it rewinds (a read from offset 0, as
+rewinddir(3) makes, past the TTL: `reopened`, the directory as it is then). When the new
+listing replaced the
 old one for every handle, a reader part-way through a directory that changed meanwhile had its
 offsets land on other entries: entries before its position added or removed made it skip or
 repeat entries that had not changed (POSIX leaves open only whether the changed ones are

@@ -205,10 +205,16 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EBADF)
         parent, listing = self._dirs[fh]
         if start_id == 0 and not self.freshness.trusted(listing.listed_at_s):
-            # a rewind of a handle open past the TTL (rewinddir: the directory as it is
-            # now); only a read from the start, whose offsets no earlier reply handed out
-            listing = await self._listings.reopened(parent)
-            self._dirs[fh] = (parent, listing)
+            # a rewind of a handle whose listing is past the TTL (rewinddir: the directory
+            # as it is now); only a read from the start, whose offsets no earlier reply
+            # handed out. A listing that fails now leaves the handle its own.
+            try:
+                listing = await self._listings.reopened(parent)
+            except OSError as exc:
+                log.debug("relisting %r for a rewind failed: %s", parent, exc)
+            else:
+                if fh in self._dirs:  # not released meanwhile
+                    self._dirs[fh] = (parent, listing)
         entries, listed_at_s = listing.entries, listing.listed_at_s
         for index in range(start_id, len(entries)):
             name, st = entries[index]

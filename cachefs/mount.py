@@ -535,10 +535,8 @@ def _set_read_ahead(mountpoint: Path, kb: int) -> None:
 def run(config: MountConfig) -> int:
     """Mount in the foreground until unmounted or signalled; raises StartupError."""
     check_startup(config)
-    # 0755 whatever the umask: one of 000 (some containers and batch jobs) made the new
-    # directory writable by every user, which _check_order_directory then refused
-    config.state_dir.mkdir(mode=STATE_DIR_MODE, parents=True, exist_ok=True)
-    config.order_file.parent.mkdir(mode=STATE_DIR_MODE, parents=True, exist_ok=True)
+    make_dirs(config.state_dir)
+    make_dirs(config.order_file.parent)
     _check_order_directory(config.order_file.parent)
     state_lock = _lock_state_dir(config.state_dir)
     pid_file = config.state_dir / "pid"
@@ -565,6 +563,21 @@ def run(config: MountConfig) -> int:
             exporter.close()
         os.close(state_lock)
     return errors.EXIT_OK
+
+
+def make_dirs(directory: Path) -> None:
+    """`directory` and its missing parents, each STATE_DIR_MODE at most whatever the umask: under
+    one of 000 (some containers and batch jobs) they were writable by every user, who could
+    rename one and put an order directory of their own in its place, and the mount refused
+    the state directory it had just made (`_check_order_directory`)."""
+    missing = []
+    while not directory.exists():
+        missing.append(directory)
+        if directory.parent == directory:
+            break
+        directory = directory.parent
+    for path in reversed(missing):
+        path.mkdir(mode=STATE_DIR_MODE, exist_ok=True)  # a stricter umask narrows it further
 
 
 def _check_order_directory(directory: Path) -> None:

@@ -510,6 +510,7 @@ def test_a_mount_under_umask_000_makes_a_state_directory_it_accepts(tree, tmp_pa
     try:
         assert done.returncode == 0, done.stderr
         assert state.stat().st_mode & 0o777 == 0o755
+        assert state.parent.stat().st_mode & 0o777 == 0o755  # made with it, so too
         assert (mnt / "with space.bin").read_bytes() == (tree / "with space.bin").read_bytes()
     finally:
         run_cachefs("umount", mnt)
