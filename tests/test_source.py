@@ -382,3 +382,25 @@ def test_a_file_always_shorter_than_its_size_is_served_as_it_reads(tmp_path, mon
     source = source_mod.Source(tmp_path, threads=1)
     assert source.read_block_sync(b"f", 0, 4096).data == b"x" * 1990
     assert len(reads) == 2  # read once more (a rewrite may have raced it), not three times
+
+
+def test_a_short_read_after_a_change_is_read_again(tmp_path, monkeypatch):
+    """A short read counts towards "short twice with no change between" only after another
+    short read of the same version: one that follows a change (a rewrite in flight, which may
+    not be done yet) was served as it read."""
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 2000)
+    real_pread = source_mod._pread_full
+    reads = []
+
+    def short(fd, size, offset):
+        reads.append(offset)
+        if len(reads) == 1:
+            path.write_bytes(b"y" * 3000)  # rewritten in place while the first read ran
+        return real_pread(fd, size, offset)[:-10]
+
+    monkeypatch.setattr(source_mod, "_pread_full", short)
+    source = source_mod.Source(tmp_path, threads=1)
+    block = source.read_block_sync(b"f", 0, 4096)
+    assert block.data == b"y" * 2990 and block.identity.size == 3000
+    assert len(reads) == 3
