@@ -142,8 +142,11 @@ class OrderWatcher:
 
     def __init__(self, order_path: Path, load: Callable[[Path], Order],
                  on_order: Callable[[Order], None], poll_interval_s: float = 0.05,
-                 resume: bool = False):
+                 resume: bool = False, inotify: bool = True):
+        """`inotify=False`: poll, as where inotify is unavailable (scripts/bench_pickup.py
+        measures both)."""
         self.order_path = Path(order_path)
+        self._use_inotify = inotify
         self._load = load
         self._on_order = on_order
         self._poll_interval_s = poll_interval_s
@@ -184,7 +187,7 @@ class OrderWatcher:
         missed) and before existing files are loaded: loading may wait for the source scan,
         and the mount must not wait for it.
         """
-        inotify = _Inotify.open(self.order_path.parent)
+        inotify = _Inotify.open(self.order_path.parent) if self._use_inotify else None
         try:
             task_status.started()
             await self.check()

@@ -251,6 +251,18 @@ def test_bench_offorder_smoke(tmp_path):
     assert_no_mount_under(tmp_path)
 
 
+def test_bench_pickup_smoke(tmp_path):
+    """The order watcher's pickup, with inotify and polling (a measurement: no bar asserted)."""
+    out = tmp_path / "pickup.json"
+    done = run_script("bench_pickup.py", "--smoke", "--json", out)
+    assert done.returncode == 0, done.stderr
+    assert "| watch | publications | median ms | max ms | bar 200 ms |" in done.stdout
+    result = json.loads(out.read_text())
+    assert set(result["seconds"]) == {"inotify", "polling"}
+    assert all(len(values) == 3 and all(value > 0 for value in values)
+               for values in result["seconds"].values())
+
+
 def test_evict_files_drops_only_the_files_pages(tmp_path):
     """bench.py --drop source: the source's pages go, other files' stay."""
     source, other = tmp_path / "src", tmp_path / "other"

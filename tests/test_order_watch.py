@@ -17,9 +17,9 @@ from cachefs.order import FileIdentity, load_order, permutation, rank_order_path
     write_order_file
 from cachefs.order_watch import OrderWatcher
 
-# How long a test waits for the watcher to act. Not its speed (the bar is 200 ms, and
-# inotify or a 50 ms poll meets it on an idle machine): a timed bar here failed a polling test
-# on a loaded 2-core machine running the whole suite, and a test must not fail by the clock.
+# How long a test waits for the watcher to act. Not its speed (the bar is 200 ms,
+# measured by scripts/bench_pickup.py): a timed bar here failed a polling test on a loaded
+# 2-core machine running the whole suite, and a test must not fail by the clock.
 PICKUP_S = 10.0
 SOURCE = Manifest.from_paths([f"img_{i:02d}.jpg" for i in range(8)])
 
