@@ -147,6 +147,7 @@ class OrderWatcher:
         measures both)."""
         self.order_path = Path(order_path)
         self._use_inotify = inotify
+        self.watching: str | None = None  # "inotify" or "polling", once `run` has begun
         self._load = load
         self._on_order = on_order
         self._poll_interval_s = poll_interval_s
@@ -188,6 +189,7 @@ class OrderWatcher:
         and the mount must not wait for it.
         """
         inotify = _Inotify.open(self.order_path.parent) if self._use_inotify else None
+        self.watching = "polling" if inotify is None else "inotify"
         try:
             task_status.started()
             await self.check()
@@ -214,6 +216,7 @@ class OrderWatcher:
                 inotify.close()
                 log.info("inotify watch on %s lost; polling the order files",
                          self.order_path.parent)
+                self.watching = "polling"
                 await self.check()
                 return None
             # a timeout rescan, or an order file landed (not a publisher's temporary file)
