@@ -13,12 +13,11 @@ whose listing is no longer trusted (cachefs/freshness.py: --metadata-ttl after t
 started) lists it again, and the new listing is what later opens share; a handle keeps the
 listing it was opened with (`open` returns it) until it rewinds (a read from offset 0, as
 rewinddir(3) makes, past the TTL: `reopened`, the directory as it is then). When the new
-listing replaced the
-old one for every handle, a reader part-way through a directory that changed meanwhile had its
-offsets land on other entries: entries before its position added or removed made it skip or
-repeat entries that had not changed (POSIX leaves open only whether the changed ones are
-seen). So two listings of a directory are held at once only while a handle opened before a
-relisting is open.
+listing replaced the old one for every handle, a reader part-way through a directory that
+changed meanwhile had its offsets land on other entries: entries before its position added or
+removed made it skip or repeat entries that had not changed (POSIX leaves open only whether
+the changed ones are seen). So two listings of a directory are held at once only while a
+handle opened before a relisting is open.
 
 Used from the trio thread only; the listing itself is read in a worker thread
 (`Source.listdir`).
