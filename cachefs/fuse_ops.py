@@ -50,7 +50,8 @@ import trio
 from cachefs import errors, threads
 from cachefs.ctrl import Control
 from cachefs.dirs import DirListings, Listing
-from cachefs.freshness import Freshness
+from cachefs.cache.ram import page_bytes
+from cachefs.freshness import Freshness, now_s
 from cachefs.inodes import ROOT_INODE, InodeTable, PackedStat
 from cachefs.pagecache import KernelPages
 from cachefs.reader import OpenFile, Reader
@@ -63,6 +64,9 @@ INVALIDATE_THREADS = 4  # invalidate_inode calls at once, with no kernel data pl
 # that cannot be served while every FUSE task waits for the mark, a request waits this long
 # and is answered anyway (closes in that directory may go unreported until the mark lands)
 MARK_WAIT_S = 1.0
+# how long after a file's size changed a READ past the new size's last page is taken for a
+# kernel that still holds the old size (`read`)
+SIZE_CHANGE_S = 10.0
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 _WRITE_OPS = ("setattr", "mknod", "mkdir", "unlink", "rmdir", "symlink", "rename", "link",
@@ -296,6 +300,18 @@ class Operations(pyfuse3.Operations):
         handle = self._files.get(fh) if not self.no_open else await self._read_without_open(fh)
         if handle is None:
             raise pyfuse3.FUSEError(errno.EBADF)
+        told = handle.told or handle.identity  # the size the handle serves
+        if (offset + size > page_bytes(told.size) and now_s() - self.inodes.get(
+                handle.inode).size_changed_s < SIZE_CHANGE_S):
+            # The page cache never reads past the last page of the size the kernel holds:
+            # it holds a larger one than this version's, of a file whose size changed a
+            # moment ago (its update of the attributes lost a race, or has not come). Answered
+            # short, the kernel zero-filled up to its size, and a reader got the new bytes,
+            # then zeros (the soak, once in several runs). ESTALE, and the kernel is told
+            # again. Only just after a change: an O_DIRECT read asks past the end unclamped.
+            self.reader.source_changed(handle.relpath, handle.identity)
+            raise errors.StaleFileError(
+                f"{handle.relpath!r}: the kernel holds a larger size than {told.size}")
         return await self.reader.read(handle, offset, size)
 
     def read_without_open(self) -> list[bytes]:

@@ -95,6 +95,16 @@ class InodeEntry:
     manifest_index: int = -1
     page_identity: object = None  # SourceIdentity of the pages the kernel may hold, or None
     open_handles: int = 0  # opens answered or in progress, not yet released
+    # freshness.now_s() when another size of the file was recorded: the kernel may still hold
+    # the old one for a moment (fuse_ops.read)
+    size_changed_s: float = NEVER_S
+
+
+def _set_stat(entry: InodeEntry, packed: PackedStat, stat_time_s: float) -> None:
+    if packed.st_size != entry.stat.st_size:
+        entry.size_changed_s = stat_time_s
+    entry.stat = packed
+    entry.stat_time_s = stat_time_s
 
 
 class InodeTable:
@@ -136,8 +146,7 @@ class InodeTable:
             if now >= entry.stat_time_s:
                 # not over a newer one: a directory listing of some age (cachefs/dirs.py) would
                 # take the file back to the version it had then
-                entry.stat = PackedStat.of(st)
-                entry.stat_time_s = now
+                _set_stat(entry, PackedStat.of(st), now)
         if lookup:
             self._entries[inode].lookups += 1
         return inode
@@ -148,9 +157,8 @@ class InodeTable:
 
     def update_stat(self, inode: int, st: os.stat_result | PackedStat,
                     stat_time_s: float | None = None) -> None:
-        entry = self._entries[inode]
-        entry.stat = PackedStat.of(st)
-        entry.stat_time_s = now_s() if stat_time_s is None else stat_time_s
+        _set_stat(self._entries[inode], PackedStat.of(st),
+                  now_s() if stat_time_s is None else stat_time_s)
 
     def expire(self, inode: int) -> None:
         """The source file changed: its attributes are no longer trusted, so the next lookup

@@ -16,7 +16,7 @@ import pytest
 import trio
 import trio.testing
 
-from cachefs.cache.ram import RamTier
+from cachefs.cache.ram import RamTier, page_bytes
 from cachefs.ctrl import Control
 from cachefs.freshness import Freshness
 from cachefs.fuse_ops import Operations
@@ -65,8 +65,10 @@ def operations(src: Path, ttl_s: float = TTL_S, changed: list | None = None,
 
 
 async def read_file(ops: Operations, inode: int) -> bytes:
+    """Open, read and release as the kernel would: up to the last page of the size it was
+    told (the inode table's), never past it."""
     info = await ops.open(inode, os.O_RDONLY, None)
-    data = await ops.read(info.fh, 0, 4 * BLOCK_BYTES)
+    data = await ops.read(info.fh, 0, page_bytes(ops.inodes.get(inode).stat.st_size))
     await ops.release(info.fh)
     return data
 
@@ -97,6 +99,44 @@ def test_the_handlers_use_only_the_readers_public_methods(tmp_path):
         assert (await ops.getattr(inode, None)).st_size == 50_000
         assert await read_file(ops, inode) == (src / "a").read_bytes()
         ops.forget([(inode, 1)])
+
+    trio.run(main, clock=clock)
+
+
+def test_a_read_past_the_new_size_of_a_file_just_shrunk_is_refused(tmp_path):
+    """The kernel reads only within the size it holds. Just after a file shrank, a READ past
+    the last page of the new size comes from a kernel that still holds the old one (its
+    update of the attributes lost a race): answered short, the kernel zero-filled the rest up
+    to its size, and a reader got the new bytes, then zeros (the soak, once in several runs).
+    ESTALE, and the kernel is told again; a read past the end of a file whose size did not
+    change (O_DIRECT asks unclamped) is answered as ever."""
+    src = tmp_path / "src"
+    write_file(src / "a", 100_000, seed=1)
+    write_file(src / "b", 30_000, seed=3)
+    changed: list[bytes] = []
+    ops = operations(src, ttl_s=1.0, changed=changed)
+    clock = trio.testing.MockClock()
+
+    async def read(inode: int, size: int) -> bytes:
+        info = await ops.open(inode, os.O_RDONLY, None)
+        try:
+            return await ops.read(info.fh, 0, size)
+        finally:
+            await ops.release(info.fh)
+
+    async def main():
+        a = (await ops.lookup(ROOT_INODE, b"a", None)).st_ino
+        b = (await ops.lookup(ROOT_INODE, b"b", None)).st_ino
+        assert await read(b, 4 * BLOCK_BYTES) == (src / "b").read_bytes()  # unchanged
+        write_file(src / "a", 50_000, seed=2)
+        clock.jump(2.0)  # past the TTL
+        assert (await ops.getattr(a, None)).st_size == 50_000  # the table now holds it
+        with pytest.raises(pyfuse3.FUSEError) as raised:
+            await read(a, page_bytes(100_000))  # a kernel still at the old size
+        assert raised.value.errno == errno.ESTALE and changed == [b"a"]
+        assert await read(a, page_bytes(50_000)) == (src / "a").read_bytes()
+        clock.jump(60.0)  # long after the change: O_DIRECT's unclamped reads are served
+        assert await read(a, 4 * BLOCK_BYTES) == (src / "a").read_bytes()
 
     trio.run(main, clock=clock)
 
