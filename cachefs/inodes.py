@@ -95,8 +95,8 @@ class InodeEntry:
     manifest_index: int = -1
     page_identity: object = None  # SourceIdentity of the pages the kernel may hold, or None
     open_handles: int = 0  # opens answered or in progress, not yet released
-    # freshness.now_s() when another size of the file was recorded: the kernel may still hold
-    # the old one for a moment (fuse_ops.read)
+    # when the stat that recorded another size of the file was taken (freshness.now_s()'s
+    # clock): the kernel may still hold the old size for a moment (fuse_ops.read)
     size_changed_s: float = NEVER_S
 
 

@@ -332,16 +332,17 @@ class Source:
         """`read(st)` of the open file `fd` (its bytes, and whether it got all it asked for
         at `st`'s size), with the fstat after it that says they are all of `st`'s version;
         else read again at the version after it (module docstring)."""
-        short_unchanged = 0  # reads that ended before the size, the file unchanged
+        short_unchanged = 0  # reads that ended before the size, the file unchanged during each
         for _ in range(READ_ATTEMPTS):
             data, complete = read(st)
             after = os.fstat(fd)
             unchanged = self.identity_of(after) == self.identity_of(st)
             short_unchanged += unchanged and not complete
             if unchanged and (complete or short_unchanged == 2):
-                # (or shorter than its size twice with no change between: the source's own
-                # way, a file system whose sizes are estimates, served as it reads; reading it
-                # a third time tripled its reads and logged a change that never was)
+                # (or shorter than its size twice, unchanged during each of those reads: the
+                # source's own way, a file system whose sizes are estimates, served as it
+                # reads; reading it a third time tripled its reads and logged a change that
+                # never was)
                 return data, st
             if unchanged:
                 log.debug("source file read short of its size; reading it again: %r", relpath)
