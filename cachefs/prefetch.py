@@ -253,23 +253,31 @@ class Prefetcher:
         return identity
 
     def record_identity(self, relpath: bytes, identity: SourceIdentity,
-                        item: int | None = None) -> None:
+                        item: int | None = None, seen_s: float | None = None) -> None:
         """A fresh identity of `relpath` learnt outside the read-ahead (a reader's open or
         read, a revalidation): recorded in its item of the manifest in force, found by path
         now, so that one learnt across a manifest change lands in its own file's slot.
         `item`: that item, if the caller has it under the manifest in force (a RAM block's,
-        renumbered with every new manifest), which saves the search by path."""
+        renumbered with every new manifest), which saves the search by path. `seen_s`: when
+        the source was asked (None: now); a look older than the one recorded, at another
+        version, is not recorded (ItemMeta.record)."""
         if item is None:
             item = self.ranking.item_of(relpath)
         if item >= 0:
-            self.meta.record(item, identity)
+            self.meta.record(item, identity, seen_s)
 
-    def _record_checked(self, item: int, identity: SourceIdentity) -> None:
-        """Record a fresh stat; if the file changed since we last saw it, drop its copies."""
+    def _record_checked(self, item: int, identity: SourceIdentity, seen_s: float) -> bool:
+        """Record a fresh stat (asked at `seen_s`); if the file changed since we last saw it,
+        drop its copies. False: a newer look at another version was recorded meanwhile, and
+        this one's copies go instead (the caller's read looked before the change)."""
         known = self.meta.identity(item)
-        self.meta.record(item, identity)
+        relpath = self.ranking.manifest.path(item)
+        if not self.meta.record(item, identity, seen_s):
+            self.tiered.source_changed(relpath, known)
+            return False
         if known is not None and known != identity:
-            self.tiered.source_changed(self.ranking.manifest.path(item), identity)
+            self.tiered.source_changed(relpath, identity)
+        return True
 
     def consumed(self, item: int, size_bytes: int = -1) -> None:
         """A reader has read `item`; `size_bytes`: its size as the reader saw it, for a file
@@ -530,14 +538,19 @@ class Prefetcher:
                     self._revisit(item, 0, None)
                     return
                 identity, first_block = fetched.identity, 1
-                self._record_checked(item, identity)
+                if not self._record_checked(item, identity, fetched.asked_s):
+                    self._revisit(item, 0, None)  # read again, at the version seen since
+                    return
                 self.poke()  # a size is known: the automatic window may change
             elif identity is None:
+                asked_s = now_s()
                 identity = self.source.identity_of(
                     await self.source.lstat(relpath, background=True))
                 if self._superseded(manifest):
                     return
-                self._record_checked(item, identity)
+                if not self._record_checked(item, identity, asked_s):
+                    self._revisit(item, 0, None)
+                    return
                 self.poke()
             for block_index in range(first_block, block_count(identity.size, self.block_bytes)):
                 key = (relpath, block_index)
@@ -551,8 +564,11 @@ class Prefetcher:
                 if fetched is None:
                     self._revisit(item, block_index, identity)
                     break
+                if not self.meta.record(item, fetched.identity, fetched.asked_s):
+                    self.tiered.source_changed(relpath, self.meta.identity(item))
+                    self._revisit(item, 0, None)
+                    break
                 identity = fetched.identity
-                self.meta.record(item, identity)
             else:
                 if self.tiered.kernel is not None:
                     self._push(item, identity)  # a reader is about to open it

@@ -202,12 +202,12 @@ class Reader:
         # not read ahead (or its identity is stale): the batch of its target starts now
         self._prefetcher.demand_miss(handle.item, handle.manifest)
         started_s = now_s()
-        handle.identity, waited_for_data = await self._tiered.fresh_identity(
+        handle.identity, waited_for_data, asked_s = await self._tiered.fresh_identity(
             handle.relpath, join_flight=not disagree)
         handle.stall_s += now_s() - started_s
         if waited_for_data:
             handle.origin = stats_mod.ORIGIN_MISS
-        self._prefetcher.record_identity(handle.relpath, handle.identity)
+        self._prefetcher.record_identity(handle.relpath, handle.identity, seen_s=asked_s)
 
     async def checked_handle_without_open(self, inode: int, relpath: bytes, item: int,
                                           told: SourceIdentity) -> OpenFile:
@@ -369,7 +369,8 @@ class Reader:
         if cached is not None:
             cached.served = True
         if fetched.identity != handle.identity:
-            self._prefetcher.record_identity(handle.relpath, fetched.identity)
+            self._prefetcher.record_identity(handle.relpath, fetched.identity,
+                                             seen_s=fetched.asked_s)
             if not may_switch or fetched.identity.size != handle.identity.size:
                 # One handle, one version: the handle keeps the one the kernel was given, and
                 # its every read fails from now on rather than mix two (errors.StaleFileError)

@@ -562,9 +562,9 @@ def test_a_revalidated_file_is_recorded_under_its_ram_blocks_item(tmp_path):
                               record_identity=lambda *args: recorded.append(args),
                               source_changed=lambda relpath, identity: None)
     revalidator._apply(b"held", st, 0.0)
-    revalidator._apply(b"gone", os.lstat(tmp_path / "gone"), 0.0)
-    assert recorded == [(b"held", identity, 7),
-                        (b"gone", source.identity_of(os.lstat(tmp_path / "gone")), None)]
+    revalidator._apply(b"gone", os.lstat(tmp_path / "gone"), 0.5)
+    assert recorded == [(b"held", identity, 7, 0.0),
+                        (b"gone", source.identity_of(os.lstat(tmp_path / "gone")), None, 0.5)]
 
 
 def test_a_recheck_that_fails_for_the_source_keeps_the_copies(tmp_path):

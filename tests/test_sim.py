@@ -319,6 +319,37 @@ def test_an_open_whose_two_trusted_identities_disagree_asks_the_source():
     assert opened == new
 
 
+def test_a_read_ahead_that_looked_before_a_newer_check_does_not_undo_it():
+    """A read-ahead fetch looked at a file (version A) and was still reading when the file
+    changed and a check (an open's, a revalidation's) saw the new version B. When the fetch
+    landed it recorded A as the file's identity, fresh for a whole TTL, and dropped B's
+    copies as 'changed': the next open was given A's bytes, older than what the mount had
+    already served. The older look now loses: B stays the known identity, A's block goes,
+    and the file is read ahead again at B."""
+    from cachefs.source import SourceIdentity
+
+    latency_s = 0.05
+    config = SimConfig(items=4, item_bytes=5000, ram_bytes=1 << 20, latency_s=latency_s,
+                       epochs=1, check_identity_at_open=False, consume_s=0.0, shuffle=False)
+
+    async def script(sim):
+        relpath = sim.paths[0]
+        old = sim.source.identity(relpath)
+        new = SourceIdentity(old.size + 1, old.mtime_ns + 1, old.ino)
+        sim.prefetcher.set_order(sim.order(0))
+        await trio.sleep(latency_s / 4)  # the read-ahead's read of item 0 looked at `old`
+        assert sim.tiered.inflight.get((relpath, 0)) is not None
+        sim.source.identity = lambda path: new if path == relpath else old
+        sim.prefetcher.record_identity(relpath, new, 0)  # a check saw `new`
+        await trio.sleep(latency_s * 4)  # the first read lands, and the walk reads it again
+        held = [block.identity for key, block in sim.ram.blocks.items() if key[0] == relpath]
+        return sim.prefetcher.known_identity(0), held, new
+
+    known, held, new = run_script(config, script)
+    assert known == new
+    assert held == [new]
+
+
 def test_a_file_read_off_the_order_leaves_no_block_ranked_near_after_it():
     """A reader off the order (directory order) opens multi-block files the read-ahead never
     stat'ed, with the identity its lookup gave: once read, each file's every block takes its

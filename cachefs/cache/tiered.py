@@ -49,6 +49,7 @@ import trio
 from cachefs import stats as stats_mod
 from cachefs import threads
 from cachefs.cache.ram import BlockKey, RamBlock, RamTier, block_count
+from cachefs.freshness import NEVER_S, now_s
 from cachefs.pagecache import KernelPages
 from cachefs.source import Source, SourceIdentity
 
@@ -64,6 +65,9 @@ class Fetched:
     identity: SourceIdentity
     origin: int  # stats.ORIGIN_SSD, ORIGIN_PREFETCHED (from source ahead) or ORIGIN_MISS
     from_source: bool
+    # freshness.now_s() before the source was asked: its look at the file (`identity`) came
+    # after this; NEVER_S for a copy of a version the caller named (the SSD tier's)
+    asked_s: float = NEVER_S
 
 
 class _Flight:
@@ -195,7 +199,8 @@ class TieredCache:
                 continue
             if demand and result.from_source:
                 # the reader waited for a source read started by someone else: still a stall
-                return Fetched(result.data, result.identity, stats_mod.ORIGIN_MISS, True)
+                return Fetched(result.data, result.identity, stats_mod.ORIGIN_MISS, True,
+                               result.asked_s)
             return result
         flight = _Flight()
         self.inflight[key] = flight
@@ -214,18 +219,20 @@ class TieredCache:
             flight.done.set()
 
     async def fresh_identity(self, relpath: bytes, *, join_flight: bool = True
-                             ) -> tuple[SourceIdentity, bool]:
-        """The file's identity now, and whether that meant waiting for its data: from a source
-        read of its first block already in flight, else from an open and fstat at the source
-        (which also checks that it is readable). `join_flight=False`: always from a new
-        open, for a caller that must know what the source says after it asked (a read in
-        flight may have looked at the file before the version the caller has seen)."""
+                             ) -> tuple[SourceIdentity, bool, float]:
+        """The file's identity now, whether that meant waiting for its data, and when the
+        source was asked (freshness.now_s()): from a source read of its first block already
+        in flight, else from an open and fstat at the source (which also checks that it is
+        readable). `join_flight=False`: always from a new open, for a caller that must know
+        what the source says after it asked (a read in flight may have looked at the file
+        before the version the caller has seen)."""
         flight = self.inflight.get((relpath, 0)) if join_flight else None
         if flight is not None:
             await flight.done.wait()
             if flight.result is not None and flight.result.from_source:
-                return flight.result.identity, True
-        return await self.source.check_readable(relpath), False
+                return flight.result.identity, True, flight.result.asked_s
+        asked_s = now_s()
+        return await self.source.check_readable(relpath), False, asked_s
 
     async def _load(self, key: BlockKey, identity: SourceIdentity | None, item: int, manifest,
                     demand: bool, expected_bytes: int | None) -> Fetched | None:
@@ -284,6 +291,7 @@ class TieredCache:
     async def _read_source(self, key: BlockKey, identity: SourceIdentity | None,
                            demand: bool) -> Fetched:
         relpath, block_index = key
+        asked_s = now_s()
         block = await self.source.read_block(relpath, block_index, self.block_bytes,
                                              background=not demand)
         if identity is not None and block.identity != identity:
@@ -291,7 +299,7 @@ class TieredCache:
             self.source_changed(relpath, block.identity)
         self._queue_admission(key, block.identity, block.data)
         origin = stats_mod.ORIGIN_MISS if demand else stats_mod.ORIGIN_PREFETCHED
-        return Fetched(block.data, block.identity, origin, True)
+        return Fetched(block.data, block.identity, origin, True, asked_s)
 
     # -- the kernel's page cache ------------------------------------------------------------
 
