@@ -1,10 +1,15 @@
 """The source identity of every item of the manifest in force, as last seen: numpy arrays
 indexed by item (size, mtime_ns, inode and when each was seen: when the source was asked, on
-cachefs/freshness.py's clock), no object per item. A look asked earlier than the recorded one,
-at another version, does not replace it (`record`): reads in flight land in any order. The prefetcher keeps one per manifest (cachefs/prefetch.py: a new
-manifest renumbers every file, so a new one replaces it) and trusts an identity as long as the
-freshness rule does; the running total of the known sizes sizes the automatic read-ahead
-window."""
+cachefs/freshness.py's clock), no object per item. The prefetcher keeps one per manifest
+(cachefs/prefetch.py: a new manifest renumbers every file, so a new one replaces it) and
+trusts an identity as long as the freshness rule does; the running total of the known sizes
+sizes the automatic read-ahead window.
+
+Looks land in any order (a read-ahead read in flight while a reader's check comes and goes),
+and a look saw the file at some moment between its ask and its landing. So a look asked before
+the recorded one was asked (`asked_s`) never replaces it; if it saw another version, which of
+the two saw the file later cannot be told, and neither is trusted any more (`seen_s` is
+NEVER_S) until a look asked after both settles it (`record`)."""
 
 from __future__ import annotations
 
@@ -21,7 +26,10 @@ class ItemMeta:
         self.size = np.full(manifest_len, -1, np.int64)
         self.mtime_ns = np.zeros(manifest_len, np.int64)
         self.ino = np.zeros(manifest_len, np.int64)
-        self.seen_s = np.full(manifest_len, NEVER_S)  # freshness.now_s() when asked
+        # freshness.now_s() when the recorded look was asked: what the freshness rule trusts
+        # from (NEVER_S: not to be trusted), and what a later look must come after
+        self.seen_s = np.full(manifest_len, NEVER_S)
+        self.asked_s = np.full(manifest_len, NEVER_S)
         # running totals of the known sizes, so that mean_size is O(1): the automatic window
         # is recomputed as sizes become known (see Prefetcher._start_fetches)
         self._known_count = 0
@@ -29,21 +37,24 @@ class ItemMeta:
 
     def record(self, item: int, identity: SourceIdentity, seen_s: float | None = None
                ) -> bool:
-        """Record that the source was seen to hold `identity` at `seen_s` (when it was asked:
-        the look came after; now if None). A look at another version asked before the one
-        recorded loses, and False says so: a read-ahead read that looked at a file before it
-        changed, landing after a check saw the new version, undid that check (the old
-        version trusted for a TTL, and the new one's copies dropped as changed)."""
+        """Record that the source was seen to hold `identity`, asked at `seen_s` (now if
+        None). A look asked before the recorded one changes nothing; False if it saw another
+        version, and the recorded one is no longer trusted (module docstring): a read-ahead
+        read that looked before a file changed, landing after a check saw the new version,
+        undid that check (the old version trusted for a TTL, the new one's copies dropped)."""
         seen_s = now_s() if seen_s is None else seen_s
         previous = int(self.size[item])
-        if previous >= 0 and seen_s < self.seen_s[item] and identity != self.identity(item):
+        if seen_s < self.asked_s[item]:
+            if identity == self.identity(item):
+                return True
+            self.seen_s[item] = NEVER_S
             return False
         if previous < 0:
             self._known_count += 1
             previous = 0
         self._known_bytes += identity.size - previous
         self.size[item], self.mtime_ns[item], self.ino[item] = identity
-        self.seen_s[item] = max(self.seen_s[item], seen_s)
+        self.seen_s[item] = self.asked_s[item] = seen_s
         return True
 
     def identity(self, item: int) -> SourceIdentity | None:

@@ -253,26 +253,27 @@ class Prefetcher:
         return identity
 
     def record_identity(self, relpath: bytes, identity: SourceIdentity,
-                        item: int | None = None, seen_s: float | None = None) -> None:
+                        item: int | None = None, seen_s: float | None = None) -> bool:
         """A fresh identity of `relpath` learnt outside the read-ahead (a reader's open or
         read, a revalidation): recorded in its item of the manifest in force, found by path
         now, so that one learnt across a manifest change lands in its own file's slot.
         `item`: that item, if the caller has it under the manifest in force (a RAM block's,
         renumbered with every new manifest), which saves the search by path. `seen_s`: when
-        the source was asked (None: now); a look older than the one recorded, at another
-        version, is not recorded (ItemMeta.record)."""
+        the source was asked (None: now). False: a look at another version asked before the
+        recorded one, not recorded, and neither trusted now (ItemMeta.record)."""
         if item is None:
             item = self.ranking.item_of(relpath)
-        if item >= 0:
-            self.meta.record(item, identity, seen_s)
+        return item < 0 or self.meta.record(item, identity, seen_s)
 
     def _record_checked(self, item: int, identity: SourceIdentity, seen_s: float) -> bool:
         """Record a fresh stat (asked at `seen_s`); if the file changed since we last saw it,
-        drop its copies. False: a newer look at another version was recorded meanwhile, and
-        this one's copies go instead (the caller's read looked before the change)."""
+        drop its copies. False: a look at another version, asked after this one, was recorded
+        meanwhile (ItemMeta.record: neither is trusted now), and this one's copies go (the
+        caller's read may have looked before the change)."""
         known = self.meta.identity(item)
         relpath = self.ranking.manifest.path(item)
         if not self.meta.record(item, identity, seen_s):
+            assert known is not None  # only a known item has a look to lose to
             self.tiered.source_changed(relpath, known)
             return False
         if known is not None and known != identity:
@@ -564,8 +565,7 @@ class Prefetcher:
                 if fetched is None:
                     self._revisit(item, block_index, identity)
                     break
-                if not self.meta.record(item, fetched.identity, fetched.asked_s):
-                    self.tiered.source_changed(relpath, self.meta.identity(item))
+                if not self._record_checked(item, fetched.identity, fetched.asked_s):
                     self._revisit(item, 0, None)
                     break
                 identity = fetched.identity

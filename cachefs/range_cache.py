@@ -61,7 +61,7 @@ import trio
 from cachefs import stats as stats_mod
 from cachefs.cache.ram import PAGE_BYTES, RamBlock, RamTier
 from cachefs.cache.tiered import KernelInodes
-from cachefs.freshness import REFRESH_AGE_FRACTION, Freshness, now_s
+from cachefs.freshness import NEVER_S, REFRESH_AGE_FRACTION, Freshness, now_s
 from cachefs.order_items import Items
 from cachefs.pagecache import KernelPages
 from cachefs.ranking import Ranking
@@ -177,7 +177,8 @@ class RangeCache:
         self._drop_file_pages = drop_file_pages
         self.inflight: dict[tuple, _Flight] = {}
         # each file's identity as last read, and when (freshness.now_s); by relpath
-        self._identities: dict[bytes, tuple[SourceIdentity, float]] = {}
+        # relpath -> (identity, trusted from (NEVER_S: in doubt), asked at): record_identity
+        self._identities: dict[bytes, tuple[SourceIdentity, float, float]] = {}
         # items whose extent the kernel holds (stored, or queued to be), since the file's
         # pages went whole (`drop_pages`)
         self.pushed: set[int] = set()
@@ -245,18 +246,27 @@ class RangeCache:
             return None
         return known[0]
 
-    def record_identity(self, relpath: bytes, identity: SourceIdentity) -> None:
+    def record_identity(self, relpath: bytes, identity: SourceIdentity, asked_s: float
+                        ) -> None:
+        """A look at the file, asked at `asked_s`. Looks land in any order: one asked before
+        the recorded one changes nothing, and if it saw another version neither is trusted
+        until a look asked after both (cachefs/item_meta.py, the same rule for files)."""
         known = self._identities.get(relpath)
-        self._identities[relpath] = (identity, now_s())
+        if known is not None and asked_s < known[2]:
+            if known[0] != identity:
+                self._identities[relpath] = (known[0], NEVER_S, known[2])
+            return
+        self._identities[relpath] = (identity, asked_s, asked_s)
         if known is not None and known[0] != identity:
             log.info("source file changed: %r", relpath)
             self._source_changed(relpath, identity)
 
     async def refresh_identity(self, relpath: bytes) -> SourceIdentity:
         """A fresh stat of the file (its entries are only good for the identity read)."""
+        asked_s = now_s()
         st = await self.source.lstat(relpath, background=True)
         identity = self.source.identity_of(st)
-        self.record_identity(relpath, identity)
+        self.record_identity(relpath, identity, asked_s)
         return identity
 
     # -- entries ---------------------------------------------------------------------------
@@ -333,9 +343,10 @@ class RangeCache:
             flights.append(flight)
         lo, hi = span[0].extent[0], span[-1].extent[1]
         try:
+            asked_s = now_s()
             block = await self.read_source(relpath, [(lo, hi - lo)], demand=demand)
             identity = block.identity
-            self.record_identity(relpath, identity)  # a change drops the file's copies
+            self.record_identity(relpath, identity, asked_s)  # a change drops its copies
             origin = stats_mod.ORIGIN_MISS if demand else stats_mod.ORIGIN_PREFETCHED
             out: dict[int, bytes] = {}
             for index, (want, key, flight) in enumerate(zip(span, keys, flights, strict=True)):
@@ -400,9 +411,10 @@ class RangeCache:
         offset, length = key[1]
         lo, hi = page_extent(offset, length, identity.size)
         left, right = (lo, offset - lo), (offset + length, hi - offset - length)
+        asked_s = now_s()
         parts = await self.read_source(key[0], [left, right], demand=False)
         if parts.identity != identity:
-            self.record_identity(key[0], parts.identity)
+            self.record_identity(key[0], parts.identity, asked_s)
             return False
         block = self.entry(key, identity)
         if block is None or block.data is None or len(block.data) != length:

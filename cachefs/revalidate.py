@@ -53,12 +53,13 @@ GONE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EACCES,
 
 class Revalidator:
     def __init__(self, source: Source, ram: RamTier, inodes, freshness: Freshness, *,
-                 record_identity: Callable[[bytes, SourceIdentity, int | None, float], None],
+                 record_identity: Callable[[bytes, SourceIdentity, int | None, float], bool],
                  source_changed: Callable[[bytes, SourceIdentity], None],
                  open_files: Callable[[], Iterable[bytes]] = tuple):
         """`record_identity(relpath, identity, item, asked_s)`: a fresh identity, for the
         read-ahead (Prefetcher.record_identity; `item`: the file's, if known, else None;
-        `asked_s`: when the source was asked);
+        `asked_s`: when the source was asked; False: not recorded, an older look than one
+        recorded since);
         `source_changed(relpath, identity)`: the file changed, its cached copies go
         (Reader.source_changed); `open_files()`: the files being read with no open
         (module docstring; fuse_ops.Operations.read_without_open)."""
@@ -125,16 +126,20 @@ class Revalidator:
             identity = GONE
         else:
             identity = self.source.identity_of(st)
+            # the block's item is the file's in the manifest in force: no search by path
+            # (the sweep checks every file RAM holds, often more than the recent-items memory)
+            if not self._record_identity(relpath, identity,
+                                         None if block is None else block.item, asked_s):
+                # a look at another version asked after this lstat landed first (a reader's
+                # check, ItemMeta.record): this one neither renews what the kernel was told
+                # nor drops the other version's copies
+                return
             if inode is not None and told == identity:
                 # still the version the kernel was given: trusted for another TTL. A changed
                 # one is not recorded here: the inode table holds what the kernel was told,
                 # and the kernel learns the new version by its next lookup or stat
                 # (fuse_ops.KernelInvalidation)
                 self.inodes.update_stat(inode, st, asked_s)
-            # the block's item is the file's in the manifest in force: no search by path
-            # (the sweep checks every file RAM holds, often more than the recent-items memory)
-            self._record_identity(relpath, identity, None if block is None else block.item,
-                                  asked_s)
         known = block.identity if block is not None else told
         if known is not None and known != identity:
             if block is None and self._reported.get(relpath) == identity:

@@ -598,3 +598,26 @@ def test_ram_hands_a_file_to_the_kernel_whole_or_not_at_all():
     ram.budget_bytes += 4096
     assert ram.hand_to_kernel(blocks)
     assert all(block.data is None for _, block in blocks)
+
+
+def test_item_identities_keep_the_look_asked_last_and_doubt_a_conflict():
+    """Looks at a file land in any order, each seen somewhere between its ask and its landing
+    (cachefs/item_meta.py). One asked before the recorded one changes nothing; if it saw
+    another version, neither is trusted until a look asked after both settles it."""
+    from cachefs.freshness import NEVER_S
+    from cachefs.item_meta import ItemMeta
+    from cachefs.source import SourceIdentity
+
+    old, new = SourceIdentity(10, 1, 5), SourceIdentity(11, 2, 5)
+    meta = ItemMeta(3)
+    assert meta.record(0, new, seen_s=2.0)
+    assert meta.record(0, new, seen_s=1.0)  # the same version, asked earlier: nothing new
+    assert (meta.identity(0), meta.seen_s[0]) == (new, 2.0)
+    assert not meta.record(0, old, seen_s=1.0)  # the read-ahead's look, asked before
+    assert (meta.identity(0), meta.seen_s[0]) == (new, NEVER_S)  # in doubt: not trusted
+    assert not meta.record(0, old, seen_s=1.5)  # another look asked before: still in doubt
+    assert meta.seen_s[0] == NEVER_S
+    assert meta.record(0, new, seen_s=3.0)  # asked after both: settled
+    assert (meta.identity(0), meta.seen_s[0]) == (new, 3.0)
+    assert meta.record(1, old, seen_s=NEVER_S)  # unknown: any look is news
+    assert meta.mean_size(0) == (11 + 10) // 2

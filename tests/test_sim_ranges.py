@@ -369,3 +369,32 @@ def test_a_read_during_which_the_item_table_changes_returns_its_own_bytes():
 
     data, expected = run_script(config, script)
     assert len(data) == len(expected) and data == expected
+
+
+def test_a_range_look_asked_before_the_recorded_one_does_not_replace_it():
+    """The identities of packed files follow the rule of cachefs/item_meta.py: a look asked
+    before the recorded one (a read in flight across a change) neither replaces it nor
+    drops its copies; if it saw another version, neither is trusted until a look asked
+    after both."""
+    from cachefs.freshness import now_s
+    from cachefs.source import SourceIdentity
+
+    config = SimConfig(items=N, item_bytes=ITEM_BYTES, ram_bytes=RAM_BYTES, epochs=1,
+                       latency_s=0.002, ranges_per_file=N)
+
+    async def script(sim):
+        cache = sim.prefetcher.ranges.cache
+        relpath = b"not/read/by/the/sim"
+        old, new = SourceIdentity(10, 1, 5), SourceIdentity(11, 2, 5)
+        asked_s = now_s()
+        await trio.sleep(0.01)
+        cache.record_identity(relpath, new, now_s())
+        trusted_new = cache.identity(relpath)
+        cache.record_identity(relpath, old, asked_s)  # landed last, asked first
+        in_doubt = cache.identity(relpath)
+        await trio.sleep(0.01)
+        cache.record_identity(relpath, new, now_s())
+        return trusted_new, in_doubt, cache.identity(relpath), new
+
+    trusted_new, in_doubt, settled, new = run_script(config, script)
+    assert (trusted_new, in_doubt, settled) == (new, None, new)
