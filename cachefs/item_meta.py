@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cachefs.freshness import NEVER_S, now_s
+from cachefs.freshness import NEVER_S, Freshness, now_s
 from cachefs.source import SourceIdentity
 
 
@@ -56,6 +56,18 @@ class ItemMeta:
         self.size[item], self.mtime_ns[item], self.ino[item] = identity
         self.seen_s[item] = self.asked_s[item] = seen_s
         return True
+
+    def trusted_identity(self, item: int, freshness: Freshness) -> SourceIdentity | None:
+        """The item's identity, if `freshness` still trusts it."""
+        identity = self.identity(item)
+        return identity if identity is not None and freshness.trusted(self.seen_s[item]) \
+            else None
+
+    def identity_not_due(self, item: int, freshness: Freshness) -> SourceIdentity | None:
+        """The item's identity, unless `freshness` calls it due for a refresh (or unknown)."""
+        identity = self.identity(item)
+        return identity if identity is not None and not freshness.refresh_due(
+            self.seen_s[item]) else None
 
     def identity(self, item: int) -> SourceIdentity | None:
         """The item's identity as last seen, however long ago; None if never seen."""

@@ -240,17 +240,7 @@ class Prefetcher:
         """The item's identity, if still trusted (cachefs/freshness.py)."""
         if item < 0 or self.ranking.manifest is None:
             return None
-        identity = self.meta.identity(item)
-        if identity is None or not self.freshness.trusted(self.meta.seen_s[item]):
-            return None
-        return identity
-
-    def _identity_not_due(self, item: int) -> SourceIdentity | None:
-        """The item's identity, unless it is due for a refresh (or unknown)."""
-        identity = self.meta.identity(item)
-        if identity is None or self.freshness.refresh_due(self.meta.seen_s[item]):
-            return None
-        return identity
+        return self.meta.trusted_identity(item, self.freshness)
 
     def record_identity(self, relpath: bytes, identity: SourceIdentity,
                         item: int | None = None, seen_s: float | None = None) -> bool:
@@ -267,9 +257,8 @@ class Prefetcher:
 
     def _record_checked(self, item: int, identity: SourceIdentity, seen_s: float) -> bool:
         """Record a fresh stat (asked at `seen_s`); if the file changed since we last saw it,
-        drop its copies. False: a look at another version, asked after this one, was recorded
-        meanwhile (ItemMeta.record: neither is trusted now), and this one's copies go (the
-        caller's read may have looked before the change)."""
+        drop its copies. False: a look at another version asked after it was recorded first
+        (ItemMeta.record: neither is trusted now), and this one's copies go instead."""
         known = self.meta.identity(item)
         relpath = self.ranking.manifest.path(item)
         if not self.meta.record(item, identity, seen_s):
@@ -440,7 +429,7 @@ class Prefetcher:
             if item in self._inflight_items or item in self._read_whole:
                 pass
             elif (missing_block := self._first_missing(item)) is None:  # resident
-                identity = self._identity_not_due(item)
+                identity = self.meta.identity_not_due(item, self.freshness)
                 if identity is None:
                     # An item kept in RAM (the next epoch's head) has an identity from
                     # the last epoch; without this re-stat off the reader's path, the reader's
@@ -526,7 +515,7 @@ class Prefetcher:
             if item in self._read_whole:
                 return  # a reader read it whole since the walk started this (`read_whole`)
             first_block = 0
-            identity = self._identity_not_due(item)
+            identity = self.meta.identity_not_due(item, self.freshness)
             if identity is None and not self._needs_stat(relpath):
                 # Nothing cached to validate: read block 0 at once; the fstat of that read is
                 # the fresh identity, so one source round trip does the work of two.

@@ -75,20 +75,25 @@ def rss_bytes(pid: int) -> int:
     raise benchlib.BenchError(f"no VmRSS for process {pid}")
 
 
-def through_mount(args, source: Path, dirs: list[str], ordered: bool) -> tuple[float, dict]:
-    """Seconds of the read, and the daemon's memory (`rss_*` bytes, RAM tier blocks)."""
+def through_mount(args, source: Path, dirs: list[str], ordered: bool
+                  ) -> tuple[float, dict, dict]:
+    """Seconds of the read, the daemon's memory (`rss_*` bytes, RAM tier blocks) and its CPU
+    per file read (`daemon_cpu_ms_per_file`, `trio_cpu_ms_per_file`: the reader reads one file
+    at a time, so what the trio thread spends per file is on its path)."""
     mountpoint, state = args.workdir / "mnt", args.workdir / "state"
     with benchlib.cachefs_mount(source, mountpoint, state, ram_bytes=1 << 30) as mount:
         files = source_file_count(mountpoint, 300)
         pid = benchlib.daemon_pid(mount)
         memory = {"rss_scanned": rss_bytes(pid)}
+        cpu = benchlib.DaemonCpu(mount)
         if ordered:
             publish(mountpoint, 0, permutation(files, 0, 0), next=permutation(files, 0, 1))
         seconds = read_dirs(mountpoint, dirs)
+        cpu_ms = cpu.per_file_ms(len(dirs) * FILES_PER_DIR)
         time.sleep(1.0)  # the read-ahead's last completions
         ram = mount.stats()["ram"]
         memory.update(rss_read=rss_bytes(pid), blocks=ram["blocks"], ram_bytes=ram["bytes"])
-        return seconds, memory
+        return seconds, memory, cpu_ms
 
 
 def main(argv=None) -> int:
@@ -98,23 +103,33 @@ def main(argv=None) -> int:
     dirs = [f"d{index:04d}" for index in range(args.read_dirs)]
     figures = {"direct": [], "no order": [], "order": []}
     memory = {"no order": [], "order": []}
+    cpu: dict[str, list[dict]] = {"no order": [], "order": []}
     try:
         for _ in range(args.passes):
             read_dirs(source, dirs)  # the source in the page cache, as for the mounts
             figures["direct"].append(read_dirs(source, dirs))
             for name in memory:
-                seconds, used = through_mount(args, source, dirs, ordered=name == "order")
+                seconds, used, cpu_ms = through_mount(args, source, dirs,
+                                                      ordered=name == "order")
                 figures[name].append(seconds)
                 memory[name].append(used)
+                cpu[name].append(cpu_ms)
     except benchlib.BenchError as exc:
         print(f"bench_offorder: {exc}", file=sys.stderr)
         return 1
     medians = {name: benchlib.median(values) for name, values in figures.items()}
-    rows = [[name, f"{seconds:.2f}", f"{seconds / medians['no order']:.2f}"]
+    cpu_medians = {name: {key: benchlib.median([round_ms[key] for round_ms in rounds
+                                                if key in round_ms])
+                          for key in ("daemon_cpu_ms_per_file", "trio_cpu_ms_per_file")}
+                   for name, rounds in cpu.items() if all(rounds)}
+    rows = [[name, f"{seconds:.2f}", f"{seconds / medians['no order']:.2f}",
+             *(f"{cpu_medians[name][key]:.3f}" if name in cpu_medians else "-"
+               for key in ("daemon_cpu_ms_per_file", "trio_cpu_ms_per_file"))]
             for name, seconds in medians.items()]
     print(f"{args.read_dirs * FILES_PER_DIR} of {args.files} one-byte files read in directory "
           f"order, medians of {args.passes}\n")
-    print(benchlib.markdown_table(["reader", "seconds", "/ no order"], rows))
+    print(benchlib.markdown_table(["reader", "seconds", "/ no order", "daemon CPU ms/file",
+                                   "trio thread CPU ms/file"], rows))
     rows = []
     for name, rounds in memory.items():
         per_block = benchlib.median([(used["rss_read"] - used["rss_scanned"])
@@ -130,7 +145,7 @@ def main(argv=None) -> int:
     if args.json:
         benchlib.write_json(args.json, {"benchmark": "bench_offorder", "args": vars(args),
                                         "seconds": figures, "medians": medians,
-                                        "memory": memory})
+                                        "memory": memory, "cpu": cpu})
     return 0
 
 
