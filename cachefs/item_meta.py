@@ -38,17 +38,21 @@ class ItemMeta:
     def record(self, item: int, identity: SourceIdentity, seen_s: float | None = None
                ) -> bool:
         """Record that the source was seen to hold `identity`, asked at `seen_s` (now if
-        None). A look asked before the recorded one changes nothing; False if it saw another
-        version, and the recorded one is no longer trusted (module docstring): a read-ahead
+        None). A look asked before the recorded one (or at the same time) changes nothing;
+        False if it saw another version, and neither is trusted now (module docstring): a read-ahead
         read that looked before a file changed, landing after a check saw the new version,
         undid that check (the old version trusted for a TTL, the new one's copies dropped)."""
         seen_s = now_s() if seen_s is None else seen_s
         previous = int(self.size[item])
-        if seen_s < self.asked_s[item]:
-            if identity == self.identity(item):
-                return True
-            self.seen_s[item] = NEVER_S
+        recorded = self.identity(item)
+        if recorded is not None and identity != recorded and seen_s <= self.asked_s[item]:
+            # in doubt, unless it was no look at the source (NEVER_S: a copy of a version the
+            # caller named, the SSD tier's)
+            if seen_s > NEVER_S:
+                self.seen_s[item] = NEVER_S
             return False
+        if seen_s < self.asked_s[item]:
+            return True  # the same version, asked before: nothing new
         if previous < 0:
             self._known_count += 1
             previous = 0

@@ -247,19 +247,21 @@ class RangeCache:
         return known[0]
 
     def record_identity(self, relpath: bytes, identity: SourceIdentity, asked_s: float
-                        ) -> None:
+                        ) -> bool:
         """A look at the file, asked at `asked_s`. Looks land in any order: one asked before
-        the recorded one changes nothing, and if it saw another version neither is trusted
-        until a look asked after both (cachefs/item_meta.py, the same rule for files)."""
+        the recorded one changes nothing, and if it saw another version (False) neither is
+        trusted until a look asked after both (cachefs/item_meta.py, the rule for files)."""
         known = self._identities.get(relpath)
+        if known is not None and known[0] != identity and asked_s <= known[2]:
+            self._identities[relpath] = (known[0], NEVER_S, known[2])
+            return False
         if known is not None and asked_s < known[2]:
-            if known[0] != identity:
-                self._identities[relpath] = (known[0], NEVER_S, known[2])
-            return
+            return True
         self._identities[relpath] = (identity, asked_s, asked_s)
         if known is not None and known[0] != identity:
             log.info("source file changed: %r", relpath)
             self._source_changed(relpath, identity)
+        return True
 
     async def refresh_identity(self, relpath: bytes) -> SourceIdentity:
         """A fresh stat of the file (its entries are only good for the identity read)."""
@@ -346,7 +348,8 @@ class RangeCache:
             asked_s = now_s()
             block = await self.read_source(relpath, [(lo, hi - lo)], demand=demand)
             identity = block.identity
-            self.record_identity(relpath, identity, asked_s)  # a change drops its copies
+            # a change drops the file's copies; a look older than one recorded keeps nothing
+            current = self.record_identity(relpath, identity, asked_s)
             origin = stats_mod.ORIGIN_MISS if demand else stats_mod.ORIGIN_PREFETCHED
             out: dict[int, bytes] = {}
             for index, (want, key, flight) in enumerate(zip(span, keys, flights, strict=True)):
@@ -357,7 +360,7 @@ class RangeCache:
                 data = block.data[want_lo - lo:want_hi - lo]
                 out[want.item] = flight.data = data
                 flight.identity = identity
-                if want.reserved and self.ranking.items is items:
+                if current and want.reserved and self.ranking.items is items:
                     self._keep(key, RamBlock(data, identity, want.item, origin), want)
             return identity, out
         except BaseException as exc:

@@ -619,5 +619,9 @@ def test_item_identities_keep_the_look_asked_last_and_doubt_a_conflict():
     assert meta.seen_s[0] == NEVER_S
     assert meta.record(0, new, seen_s=3.0)  # asked after both: settled
     assert (meta.identity(0), meta.seen_s[0]) == (new, 3.0)
+    assert not meta.record(0, old, seen_s=NEVER_S)  # an SSD copy of the old version:
+    assert (meta.identity(0), meta.seen_s[0]) == (new, 3.0)  # no look at the source, no doubt
+    assert not meta.record(0, old, seen_s=3.0)  # asked at the same time: which is newer?
+    assert meta.seen_s[0] == NEVER_S
     assert meta.record(1, old, seen_s=NEVER_S)  # unknown: any look is news
     assert meta.mean_size(0) == (11 + 10) // 2

@@ -388,9 +388,9 @@ def test_a_range_look_asked_before_the_recorded_one_does_not_replace_it():
         old, new = SourceIdentity(10, 1, 5), SourceIdentity(11, 2, 5)
         asked_s = now_s()
         await trio.sleep(0.01)
-        cache.record_identity(relpath, new, now_s())
+        assert cache.record_identity(relpath, new, now_s())
         trusted_new = cache.identity(relpath)
-        cache.record_identity(relpath, old, asked_s)  # landed last, asked first
+        assert not cache.record_identity(relpath, old, asked_s)  # landed last, asked first
         in_doubt = cache.identity(relpath)
         await trio.sleep(0.01)
         cache.record_identity(relpath, new, now_s())
