@@ -538,29 +538,41 @@ def test_a_mount_without_cap_sys_admin_falls_back_to_the_keep_cache_mode(tmp_pat
     assert "fanotify needs CAP_SYS_ADMIN" in report["log"]
 
 
-def test_a_revalidated_file_is_recorded_under_its_ram_blocks_item(tmp_path):
-    """The sweep hands the read-ahead each fresh identity with the item its RAM block
-    carries (renumbered with every manifest), so a held file is not searched by path; a file
-    RAM no longer holds is left to the search (None)."""
+def _sweeper_holding(tmp_path, source, identity, item: int, record_identity):
+    """A revalidator over `source` (at tmp_path) whose RAM tier holds block 0 of `held` at
+    `identity` for `item`, and the list the identities it reports changed go to."""
     from cachefs import stats as stats_mod
     from cachefs.cache.ram import RamBlock, RamTier
     from cachefs.freshness import Freshness
     from cachefs.inodes import InodeTable
     from cachefs.revalidate import Revalidator
+
+    ram = RamTier(1 << 20, block_bytes=1 << 20)
+    data = b"x" * identity.size
+    assert ram.reserve(len(data), 0.0)
+    ram.insert((b"held", 0), RamBlock(data, identity, item, stats_mod.ORIGIN_PREFETCHED),
+               len(data))
+    changed: list = []
+    revalidator = Revalidator(source, ram, InodeTable(os.lstat(tmp_path)), Freshness(60.0),
+                              record_identity=record_identity,
+                              source_changed=lambda relpath, new: changed.append(new))
+    return ram, revalidator, changed
+
+
+def test_a_revalidated_file_is_recorded_under_its_ram_blocks_item(tmp_path):
+    """The sweep hands the read-ahead each fresh identity with the item its RAM block
+    carries (renumbered with every manifest), so a held file is not searched by path; a file
+    RAM no longer holds is left to the search (None)."""
     from cachefs.source import Source
 
     (tmp_path / "held").write_bytes(b"x" * 10)
     (tmp_path / "gone").write_bytes(b"y" * 20)
     source = Source(tmp_path, threads=1)
-    ram = RamTier(1 << 20, block_bytes=1 << 20)
     st = os.lstat(tmp_path / "held")
     identity = source.identity_of(st)
-    assert ram.reserve(10, 0.0)
-    ram.insert((b"held", 0), RamBlock(b"x" * 10, identity, 7, stats_mod.ORIGIN_PREFETCHED), 10)
     recorded = []
-    revalidator = Revalidator(source, ram, InodeTable(os.lstat(tmp_path)), Freshness(60.0),
-                              record_identity=lambda *args: recorded.append(args) or True,
-                              source_changed=lambda relpath, identity: None)
+    _, revalidator, _ = _sweeper_holding(tmp_path, source, identity, 7,
+                                         lambda *args: recorded.append(args) or True)
     revalidator._apply(b"held", st, 0.0)
     revalidator._apply(b"gone", os.lstat(tmp_path / "gone"), 0.5)
     assert recorded == [(b"held", identity, 7, 0.0),
@@ -571,25 +583,15 @@ def test_a_sweep_look_older_than_a_recorded_one_drops_nothing(tmp_path):
     """A sweep's lstat saw the old version of a file that a reader's check, asked after it,
     saw changed since (the read-ahead refuses the older look: ItemMeta.record). The sweep
     went on as if its look were news: it dropped the newer version's copies as 'changed'."""
-    from cachefs import stats as stats_mod
-    from cachefs.cache.ram import RamBlock, RamTier
-    from cachefs.freshness import Freshness
-    from cachefs.inodes import InodeTable
-    from cachefs.revalidate import Revalidator
     from cachefs.source import Source, SourceIdentity
 
     (tmp_path / "held").write_bytes(b"x" * 10)
     source = Source(tmp_path, threads=1)
-    ram = RamTier(1 << 20, block_bytes=1 << 20)
     st = os.lstat(tmp_path / "held")
     old = source.identity_of(st)
     new = SourceIdentity(old.size + 1, old.mtime_ns + 1, old.ino)
-    assert ram.reserve(11, 0.0)
-    ram.insert((b"held", 0), RamBlock(b"x" * 11, new, 7, stats_mod.ORIGIN_PREFETCHED), 11)
-    changed = []
-    revalidator = Revalidator(source, ram, InodeTable(os.lstat(tmp_path)), Freshness(60.0),
-                              record_identity=lambda *args: False,
-                              source_changed=lambda relpath, identity: changed.append(identity))
+    ram, revalidator, changed = _sweeper_holding(tmp_path, source, new, 7,
+                                                 lambda *args: False)
     revalidator._apply(b"held", st, 0.0)
     assert changed == [] and revalidator.changed == 0
     assert ram.get((b"held", 0)) is not None
@@ -599,23 +601,14 @@ def test_a_recheck_that_fails_for_the_source_keeps_the_copies(tmp_path):
     """A sweep's lstat failing with EIO (a timeout, a stale NFS handle) says nothing of the
     file: its copies stay and it is asked again; ENOENT drops them (it dropped them for any
     error, and a cache-once SSD tier never got them back)."""
-    from cachefs import stats as stats_mod
-    from cachefs.cache.ram import RamBlock, RamTier
-    from cachefs.freshness import Freshness
-    from cachefs.inodes import InodeTable
-    from cachefs.revalidate import GONE, Revalidator
+    from cachefs.revalidate import GONE
     from cachefs.source import Source
 
     (tmp_path / "held").write_bytes(b"x" * 10)
     source = Source(tmp_path, threads=1)
-    ram = RamTier(1 << 20, block_bytes=1 << 20)
     identity = source.identity_of(os.lstat(tmp_path / "held"))
-    assert ram.reserve(10, 0.0)
-    ram.insert((b"held", 0), RamBlock(b"x" * 10, identity, 0, stats_mod.ORIGIN_PREFETCHED), 10)
-    changed = []
-    revalidator = Revalidator(source, ram, InodeTable(os.lstat(tmp_path)), Freshness(60.0),
-                              record_identity=lambda *args: True,
-                              source_changed=lambda relpath, new: changed.append(new))
+    _, revalidator, changed = _sweeper_holding(tmp_path, source, identity, 0,
+                                               lambda *args: True)
     revalidator._apply(b"held", OSError(errno.EIO, "I/O error"), 0.0)
     revalidator._apply(b"held", OSError(errno.ETIMEDOUT, "timed out"), 0.0)
     assert changed == [] and revalidator.changed == 0
