@@ -101,18 +101,6 @@ class CacheConfig:
             raise ValueError("--ssd-cache needs a positive --ssd-size")
 
 
-# How long a Python thread may hold the GIL while another waits for it (sys.setswitchinterval;
-# CPython's default 5 ms). The daemon's trio thread answers every request, and each of its
-# syscalls lets the GIL go to one of the source, page-store and close-event threads; it then
-# waits for it again. With 0.5 ms, a cProfile of the DataLoader bench's mount (8 readers over
-# slowfs, 3 epochs) measured that wait in the trio thread's epoll re-arming at 59 us a call
-# against 116 us, and its wake-up reads at 72 against 120 us; the no-order hot pass of
-# scripts/bench_fuse.py read 48.5-49.3k files/s against 39.1-40.7k (two alternated runs of 3
-# passes), the off-order reader of scripts/bench_offorder.py (15 directories) took a median
-# 12.0 s against 13.3 s (3 alternated rounds), and the DataLoader epochs moved within noise
-# (epoch 1 0.76x against 0.74x, epoch 2 0.96x against 0.90x, medians of 4 rounds) (README)
-GIL_SWITCH_INTERVAL_S = 0.0005
-
 # Reads of the source at once. Over network storage (slowfs: sshfs, 1 ms a packet; 8 DataLoader
 # readers, RAM 25%; `scripts/bench.py --rounds 5`) 64 keep the read-ahead further ahead of the
 # readers than 32: 610-1,020 demand misses an epoch against 920-1,780; epochs 2 and 3 at a median

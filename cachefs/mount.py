@@ -26,7 +26,6 @@ import os
 import shutil
 import signal
 import stat
-import sys
 import threading
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ import trio
 from cachefs import __version__, errors, threads
 from cachefs.cache.ram import RamTier
 from cachefs.mountinfo import listed_path, mounted_paths, mountinfo
-from cachefs.config import GIL_SWITCH_INTERVAL_S, MountConfig
+from cachefs.config import MountConfig
 from cachefs.ctrl import Control
 from cachefs.freshness import Freshness
 from cachefs.fuse_ops import KernelInvalidation, Operations
@@ -328,8 +327,7 @@ class Mount:
             "cachefs_version": __version__,
             "mount": {"source": str(self.config.source), "mountpoint": str(self.config.mountpoint),
                       "pid": os.getpid(), "started_at": self.started_at,
-                      "block_bytes": self.config.cache.block_bytes,
-                      "gil_switch_interval_s": sys.getswitchinterval()},
+                      "block_bytes": self.config.cache.block_bytes},
             "order_file": str(self.config.order_file),
             "order": order,
             "last_rejection": watch.get("last_rejection"),
@@ -550,8 +548,6 @@ def run(config: MountConfig) -> int:
             exporter = Exporter.start(config.metrics_address)
         mount = Mount(config)
         mount.metrics = exporter
-        # the trio thread gets the GIL back sooner from the worker threads (config.py)
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         pid_file.write_text(json.dumps({"pid": os.getpid(),
                                         "mountpoint": str(config.mountpoint)}))
         try:

@@ -63,17 +63,6 @@ def test_every_file_is_byte_identical(tree, mounter):
     assert source_files(mount.mountpoint) == expected
 
 
-def test_the_daemon_hands_the_gil_over_sooner_than_python_does(tree, mounter):
-    """The trio thread answering requests waited for the GIL behind the worker threads up to
-    Python's 5 ms switch interval (cachefs/config.py GIL_SWITCH_INTERVAL_S); the daemon
-    reports the interval it runs with."""
-    from cachefs.config import GIL_SWITCH_INTERVAL_S
-
-    mount = mounter(tree)
-    assert GIL_SWITCH_INTERVAL_S < 0.005
-    assert mount.stats()["mount"]["gil_switch_interval_s"] == GIL_SWITCH_INTERVAL_S
-
-
 def test_four_concurrent_reader_processes(tree, mounter):
     mount = mounter(tree)
     expected = source_files(tree)
