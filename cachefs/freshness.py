@@ -9,6 +9,11 @@ items) stamps it with `now_s()` when it was asked, and asks `Freshness.trusted` 
 still be used; those that re-check ahead of time, so that no reader waits for the check (the
 read-ahead, the revalidation sweeps), ask `refresh_due`.
 
+Answers land in any order (a read-ahead read in flight while a reader's check comes and goes),
+and each saw the file at some moment between its ask and its landing: `compare_look` says what
+a new one is worth beside the one recorded, for every holder that keeps the latest (the
+prefetcher's identities of the order's items, those of packed files' byte ranges).
+
 The clock is trio's (`trio.current_time`): a mount runs it on trio's system clock, the
 simulator (cachefs/sim.py) and tests on a `trio.testing.MockClock`, so that virtual time ages
 identities exactly as real time does in a mount. Stamps and checks therefore happen inside a
@@ -45,3 +50,22 @@ class Freshness:
     def refresh_due(self, seen_s: float, at_s: float | None = None) -> bool:
         """An answer asked at `seen_s` is old enough to be asked again ahead of its use."""
         return (now_s() if at_s is None else at_s) - seen_s > self.ttl_s * REFRESH_AGE_FRACTION
+
+
+# what a look at a file is worth beside the one recorded (`compare_look`)
+LOOK_NEWS = "news"  # asked after the recorded one: it replaces it
+LOOK_OLDER = "older"  # the same version, asked before: tells nothing newer
+LOOK_CONFLICT = "conflict"  # another version, asked before or at the same time
+
+
+def compare_look(recorded: object | None, recorded_asked_s: float, seen: object,
+                 asked_s: float) -> str:
+    """A look that saw `seen`, asked at `asked_s`, beside the recorded one (`recorded`, None if
+    none, asked at `recorded_asked_s`). In a conflict which of the two saw the file later
+    cannot be told: neither is to be trusted until a look asked after both (module docstring).
+    A read-ahead read that looked before a file changed, landing after a check saw the new
+    version, undid that check: the old version trusted for a TTL, the new one's copies
+    dropped."""
+    if recorded is not None and seen != recorded and asked_s <= recorded_asked_s:
+        return LOOK_CONFLICT
+    return LOOK_OLDER if asked_s < recorded_asked_s else LOOK_NEWS

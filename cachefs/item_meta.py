@@ -5,17 +5,15 @@ cachefs/freshness.py's clock), no object per item. The prefetcher keeps one per 
 trusts an identity as long as the freshness rule does; the running total of the known sizes
 sizes the automatic read-ahead window.
 
-Looks land in any order (a read-ahead read in flight while a reader's check comes and goes),
-and a look saw the file at some moment between its ask and its landing. So a look asked before
-the recorded one was asked (`asked_s`) never replaces it; if it saw another version, which of
-the two saw the file later cannot be told, and neither is trusted any more (`seen_s` is
-NEVER_S) until a look asked after both settles it (`record`)."""
+Looks land in any order: a look asked before the recorded one was asked (`asked_s`) never
+replaces it, and one that saw another version leaves neither trusted (`seen_s` is NEVER_S)
+until a look asked after both settles it (`record`, freshness.compare_look)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from cachefs.freshness import NEVER_S, Freshness, now_s
+from cachefs.freshness import LOOK_CONFLICT, LOOK_OLDER, NEVER_S, Freshness, compare_look, now_s
 from cachefs.source import SourceIdentity
 
 
@@ -38,25 +36,22 @@ class ItemMeta:
     def record(self, item: int, identity: SourceIdentity, seen_s: float | None = None
                ) -> bool:
         """Record that the source was seen to hold `identity`, asked at `seen_s` (now if
-        None). A look asked before the recorded one (or at the same time) changes nothing;
-        False if it saw another version, and neither is trusted now (module docstring): a read-ahead
-        read that looked before a file changed, landing after a check saw the new version,
-        undid that check (the old version trusted for a TTL, the new one's copies dropped)."""
+        None). A look asked before the recorded one changes nothing; False if it saw another
+        version (freshness.compare_look), and neither is trusted now."""
         seen_s = now_s() if seen_s is None else seen_s
-        previous = int(self.size[item])
         recorded = self.identity(item)
-        if recorded is not None and identity != recorded and seen_s <= self.asked_s[item]:
+        look = compare_look(recorded, self.asked_s[item], identity, seen_s)
+        if look == LOOK_CONFLICT:
             # in doubt, unless it was no look at the source (NEVER_S: a copy of a version the
             # caller named, the SSD tier's)
             if seen_s > NEVER_S:
                 self.seen_s[item] = NEVER_S
             return False
-        if seen_s < self.asked_s[item]:
-            return True  # the same version, asked before: nothing new
-        if previous < 0:
+        if look == LOOK_OLDER:
+            return True
+        if recorded is None:
             self._known_count += 1
-            previous = 0
-        self._known_bytes += identity.size - previous
+        self._known_bytes += identity.size - (0 if recorded is None else recorded.size)
         self.size[item], self.mtime_ns[item], self.ino[item] = identity
         self.seen_s[item] = self.asked_s[item] = seen_s
         return True

@@ -260,13 +260,12 @@ class Prefetcher:
         drop its copies. False: a look at another version asked after it was recorded first
         (ItemMeta.record: neither is trusted now), and this one's copies go instead."""
         known = self.meta.identity(item)
-        relpath = self.ranking.manifest.path(item)
         if not self.meta.record(item, identity, seen_s):
             assert known is not None  # only a known item has a look to lose to
-            self.tiered.source_changed(relpath, known)
+            self.tiered.source_changed(self.ranking.manifest.path(item), known)
             return False
         if known is not None and known != identity:
-            self.tiered.source_changed(relpath, identity)
+            self.tiered.source_changed(self.ranking.manifest.path(item), identity)
         return True
 
     def consumed(self, item: int, size_bytes: int = -1) -> None:

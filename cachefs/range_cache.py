@@ -61,7 +61,15 @@ import trio
 from cachefs import stats as stats_mod
 from cachefs.cache.ram import PAGE_BYTES, RamBlock, RamTier
 from cachefs.cache.tiered import KernelInodes
-from cachefs.freshness import NEVER_S, REFRESH_AGE_FRACTION, Freshness, now_s
+from cachefs.freshness import (
+    LOOK_CONFLICT,
+    LOOK_OLDER,
+    NEVER_S,
+    REFRESH_AGE_FRACTION,
+    Freshness,
+    compare_look,
+    now_s,
+)
 from cachefs.order_items import Items
 from cachefs.pagecache import KernelPages
 from cachefs.ranking import Ranking
@@ -250,12 +258,15 @@ class RangeCache:
                         ) -> bool:
         """A look at the file, asked at `asked_s`. Looks land in any order: one asked before
         the recorded one changes nothing, and if it saw another version (False) neither is
-        trusted until a look asked after both (cachefs/item_meta.py, the rule for files)."""
+        trusted until a look asked after both (freshness.compare_look)."""
         known = self._identities.get(relpath)
-        if known is not None and known[0] != identity and asked_s <= known[2]:
+        look = compare_look(None if known is None else known[0],
+                            NEVER_S if known is None else known[2], identity, asked_s)
+        if look == LOOK_CONFLICT:
+            assert known is not None  # only a recorded look conflicts
             self._identities[relpath] = (known[0], NEVER_S, known[2])
             return False
-        if known is not None and asked_s < known[2]:
+        if look == LOOK_OLDER:
             return True
         self._identities[relpath] = (identity, asked_s, asked_s)
         if known is not None and known[0] != identity:
