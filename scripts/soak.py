@@ -20,7 +20,8 @@ root, the zero-request "no-open" mode):
 - once, at `kill_at` of the run, the daemon is killed with SIGKILL while the readers read;
   `cachefs umount` must recover the dead mount (exit 0, mount gone); a few files are rewritten
   while nothing is mounted; the mount comes back on the same SSD directory and the readers
-  go on. Errors while the mount is down are expected and counted; any other error fails.
+  go on. Errors while the mount is down are expected and counted, and so is a read the kill
+  cuts short (right bytes, fewer of them); any other error fails.
 
 The contract checked (man/cachefs-mount.1, "Changed source files"): a read may return any
 version of the file that the source held at some moment from `grace_s` before the read began
@@ -226,6 +227,18 @@ def check_read(data: bytes, offset: int, length: int | None, acceptable: list[Ve
     return (f"wrong: {len(data)} bytes where the newest version has {len(want)}; first "
             f"difference at byte {offset + same} of the file; equal to no version of it: "
             f"{describe(data, offset, acceptable + stale)}")
+
+
+def cut_short(data: bytes, offset: int, length: int | None, versions: list[Version]) -> bool:
+    """Whether `data` is a strict prefix of the range read of one of `versions`: what a read
+    returns when the connection is aborted under it (the kernel hands back what it had
+    copied), so a read that spanned the daemon's kill is counted with the failed ones."""
+    def expected(version: Version) -> bytes:
+        end = None if length is None else offset + length
+        return version.data[offset:end]
+
+    return any(len(data) < len(expected(version)) and expected(version).startswith(data)
+               for version in versions)
 
 
 def common_prefix(a: bytes, b: bytes) -> int:
@@ -588,8 +601,12 @@ class Soak:
                 except (OrderError, OSError) as exc:
                     self._failed_read(generation, f"publishing an order: {exc}", exc)
 
+    def _went_down(self, generation: int) -> bool:
+        """Whether the mount was killed since `generation` was read, or is down now."""
+        return generation != self._generation or not self._serving.is_set()
+
     def _failed_read(self, generation: int, message: str, exc: Exception) -> None:
-        if generation != self._generation or not self._serving.is_set():
+        if self._went_down(generation):
             with self._report_lock:
                 self.report.errors_while_down += 1
             return
@@ -616,7 +633,7 @@ class Soak:
 
     def _read_and_check(self, path: Path, relpath: str, offset: int, length: int | None,
                         final: bool = False) -> None:
-        started_s = time.monotonic()
+        started_s, generation = time.monotonic(), self._generation
         if length is None:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -632,6 +649,12 @@ class Soak:
         acceptable, stale = self.model.versions(relpath, started_s, ended_s,
                                                 self.config.grace_s)
         problem = check_read(data, offset, length, acceptable, stale)
+        if problem is not None and self._went_down(generation) and cut_short(
+                data, offset, length, acceptable):
+            # The kill aborted the read midway: what it returned is right, only short.
+            with self._report_lock:
+                self.report.errors_while_down += 1
+            return
         if problem is None and size is not None and size not in {len(v.data)
                                                                  for v in acceptable}:
             problem = (f"st_size {size}, where the versions it may be have "
