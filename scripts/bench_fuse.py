@@ -22,7 +22,9 @@ Reported per contender: the medians, the ratio to direct reads, the ratio to bot
 passthroughs when they ran, the daemon's resident memory (VmRSS) and the page cache the kernel
 holds for the mount after the passes (mincore(2) over every file through the mount, which opens
 each file once more), and for cachefs what its stats say of the timed passes (RAM hits, files
-the kernel served whole).
+the kernel served whole) and the CPU its daemon, and its trio thread alone, spent per file in
+the timed passes of small files (median of the passes): what the mount costs beyond the
+kernel's own path.
 
 Usage:
     python scripts/bench_fuse.py [--files 10000] [--file-kb 110] [--big-mb 1024] [--passes 5]
@@ -190,6 +192,7 @@ def measure(args, cases: Cases, manifest: Manifest, source: Path, ram_bytes: int
         before = (mount.settled_totals(start, sum(map(cases.files, cases.names())))
                   if cachefs else None)
         timed_files = 0
+        small_cpu: list[dict] = []  # the daemon's CPU over each timed pass of small files
         for round_index in range(args.passes):
             for case in cases.names():
                 sides = ["direct", "mount"] if round_index % 2 == 0 else ["mount", "direct"]
@@ -197,8 +200,11 @@ def measure(args, cases: Cases, manifest: Manifest, source: Path, ram_bytes: int
                     if side == "direct":
                         figure = cases.run(case, source, passes)
                     else:
+                        cpu = benchlib.DaemonCpu(mount) if cachefs else None
                         figure = pass_through(case)
                         timed_files += cases.files(case)
+                        if cpu is not None and case.startswith("files/s"):
+                            small_cpu.append(cpu.per_file_ms(cases.files(case)))
                     figures[case][side].append(figure)
         result = {"contender": contender, "cases": figures}
         if cachefs:
@@ -207,6 +213,10 @@ def measure(args, cases: Cases, manifest: Manifest, source: Path, ram_bytes: int
             snapshot = mount.stats()
             result["kernel"] = snapshot.get("kernel")
             result["ram"] = snapshot["ram"]
+            if small_cpu and all(small_cpu):  # {} where the daemon's CPU could not be read
+                result["small_files_cpu_ms_per_file"] = {
+                    key: benchlib.median([figures[key] for figures in small_cpu])
+                    for key in benchlib.DAEMON_CPU_KEYS}
         result["daemon_rss_bytes"] = rss_bytes(pid)
         result["page_cache_bytes"] = page_cache_bytes(os.fsencode(mountpoint),
                                                       manifest.relpaths)
@@ -242,6 +252,7 @@ def report_table(results: list[dict], ram_bytes: int) -> str:
     for result in results:
         delta = result.get("stats_delta_timed")
         kernel = result.get("kernel") or {}
+        cpu_ms = result.get("small_files_cpu_ms_per_file", {})
         reads = delta["reads"] if delta else 0
         memory_rows.append([
             result["contender"], kernel.get("mode", "-"),
@@ -249,11 +260,13 @@ def report_table(results: list[dict], ram_bytes: int) -> str:
             f"{result['page_cache_bytes'] / MIB:.0f}",
             f"{(result['daemon_rss_bytes'] + result['page_cache_bytes']) / MIB:.0f}",
             f"{delta['hits_ram'] / reads:.3f}" if reads else "-",
-            kernel.get("whole_file_opens", "-")])
+            kernel.get("whole_file_opens", "-"),
+            *(f"{cpu_ms[key] * 1e3:.0f}" if key in cpu_ms else "-"
+              for key in benchlib.DAEMON_CPU_KEYS)])
     memory = benchlib.markdown_table(
         ["contender", "data plane", "daemon RSS MiB", "page cache MiB", "sum MiB",
-         "RAM-hit fraction",
-         "opens served whole by the kernel (all passes)"], memory_rows)
+         "RAM-hit fraction", "opens served whole by the kernel (all passes)",
+         "daemon CPU us/small file", "trio thread CPU us/small file"], memory_rows)
     return (f"{table}\n\nData plane (cachefs stats' kernel.mode), memory after the passes "
             f"(--ram-cache {ram_bytes / MIB:.0f} MiB) and "
             f"what cachefs counted in the timed passes:\n\n{memory}")

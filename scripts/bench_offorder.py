@@ -34,7 +34,6 @@ from cachefs.publish import publish, source_file_count  # noqa: E402
 
 FILES_PER_DIR = 1000
 SMOKE = {"files": 2000, "read_dirs": 1, "passes": 1}
-CPU_KEYS = ("daemon_cpu_ms_per_file", "trio_cpu_ms_per_file")  # benchlib.DaemonCpu
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -121,11 +120,11 @@ def main(argv=None) -> int:
     medians = {name: benchlib.median(values) for name, values in figures.items()}
     cpu_medians = {name: {key: benchlib.median([round_ms[key] for round_ms in rounds
                                                 if key in round_ms])
-                          for key in CPU_KEYS}
+                          for key in benchlib.DAEMON_CPU_KEYS}
                    for name, rounds in cpu.items() if all(rounds)}
     rows = [[name, f"{seconds:.2f}", f"{seconds / medians['no order']:.2f}",
              *(f"{cpu_medians[name][key]:.3f}" if name in cpu_medians else "-"
-               for key in CPU_KEYS)]
+               for key in benchlib.DAEMON_CPU_KEYS)]
             for name, seconds in medians.items()]
     print(f"{args.read_dirs * FILES_PER_DIR} of {args.files} one-byte files read in directory "
           f"order, medians of {args.passes}\n")

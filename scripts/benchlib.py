@@ -388,6 +388,10 @@ def process_cpu_s(pid: int, tid: int | None = None) -> float:
     return (int(after_name[11]) + int(after_name[12])) / os.sysconf("SC_CLK_TCK")
 
 
+# the figures DaemonCpu.per_file_ms returns
+DAEMON_CPU_KEYS = ("daemon_cpu_ms_per_file", "trio_cpu_ms_per_file")
+
+
 class DaemonCpu:
     """The daemon's CPU over a stretch of a run, made at its start: all its threads, and its
     trio thread alone (the main thread, which answers every request and does the read path's
@@ -415,8 +419,8 @@ class DaemonCpu:
             return {}
         daemon_s, trio_s = (end - start for end, start in zip(end_s, self._start_s,
                                                               strict=True))
-        return {"daemon_cpu_ms_per_file": round(daemon_s * 1e3 / files, 3),
-                "trio_cpu_ms_per_file": round(trio_s * 1e3 / files, 3)}
+        return {key: round(seconds * 1e3 / files, 3)
+                for key, seconds in zip(DAEMON_CPU_KEYS, (daemon_s, trio_s), strict=True)}
 
 
 def machine_busy_s() -> float:
