@@ -418,6 +418,7 @@ class Soak:
         self._stopping = threading.Event()
         self._died = threading.Event()  # the daemon died by itself
         self._generation = 0  # bumped when the mount goes down
+        self._killed_s = math.inf  # when the daemon was killed (time.monotonic())
         self._started_s = time.monotonic()  # the run's clock; reset once the mount is up
         self.mounts: list = []
         self.mount = None
@@ -489,7 +490,7 @@ class Soak:
         mount = self.mount
         self._record_tiers("mount 0 (until killed)", mount)
         pid = json.loads((Path(mount.state_dir) / "pid").read_text())["pid"]
-        began_s = time.monotonic()
+        began_s = self._killed_s = time.monotonic()
         self._serving.clear()
         self._generation += 1
         os.kill(pid, signal.SIGKILL)
@@ -601,12 +602,8 @@ class Soak:
                 except (OrderError, OSError) as exc:
                     self._failed_read(generation, f"publishing an order: {exc}", exc)
 
-    def _went_down(self, generation: int) -> bool:
-        """Whether the mount was killed since `generation` was read, or is down now."""
-        return generation != self._generation or not self._serving.is_set()
-
     def _failed_read(self, generation: int, message: str, exc: Exception) -> None:
-        if self._went_down(generation):
+        if generation != self._generation or not self._serving.is_set():
             with self._report_lock:
                 self.report.errors_while_down += 1
             return
@@ -633,7 +630,7 @@ class Soak:
 
     def _read_and_check(self, path: Path, relpath: str, offset: int, length: int | None,
                         final: bool = False) -> None:
-        started_s, generation = time.monotonic(), self._generation
+        started_s = time.monotonic()
         if length is None:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -649,8 +646,8 @@ class Soak:
         acceptable, stale = self.model.versions(relpath, started_s, ended_s,
                                                 self.config.grace_s)
         problem = check_read(data, offset, length, acceptable, stale)
-        if problem is not None and self._went_down(generation) and cut_short(
-                data, offset, length, acceptable):
+        if (problem is not None and started_s <= self._killed_s <= ended_s
+                and cut_short(data, offset, length, acceptable)):
             # The kill aborted the read midway: what it returned is right, only short.
             with self._report_lock:
                 self.report.errors_while_down += 1

