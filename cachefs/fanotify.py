@@ -27,9 +27,12 @@ Two ways to be told, the cheaper first (`open_close_events` picks):
 
 One thread reads events in batches (a read of the fanotify fd returns as many as fit in the
 buffer; the thread waits `GATHER_S` between reads, so that a batch holds many) and hands each
-batch of inode numbers to `deliver`, which returns once the trio thread
-has accounted for it; only then are the batch's fds (if any) closed. Directories report nothing
-(no FAN_ONDIR).
+batch of inode numbers to `deliver`; the batch's fds (if any) are closed when it returns.
+By handle, `deliver` returns at once and the trio thread accounts for the batch when it can:
+fanotify merges the queued events of one file, so the kernel's queue must not wait on the
+trio thread (mount.py, `close_delivery`); with fds, it returns once the batch is accounted.
+Directories report nothing (no FAN_ONDIR). Two closes of one file within a batch's gathering
+(two readers of the same file at once) are one event, and count as one read.
 
 fanotify needs CAP_SYS_ADMIN: `open_close_events` raises OSError without it (EPERM), and the
 mount runs in the keep-cache mode instead. Overflowed queues (FAN_Q_OVERFLOW) are counted:
@@ -208,7 +211,8 @@ class CloseWatcher:
         self._fd = fd
         self._marker = marker
         self.by_handle = marker is not None  # events carry file handles (open_close_events)
-        # called in this thread with a batch of inode numbers; returns once they are accounted
+        # called in this thread with a batch of inode numbers; the batch's fds are closed
+        # when it returns (module docstring)
         self._deliver = deliver
         self._thread: threading.Thread | None = None
         self._stop_read, self._stop_write = os.pipe()

@@ -578,3 +578,41 @@ def test_one_directory_may_be_both_the_state_and_the_ssd_cache(tree, tmp_path, m
     given as both, and the tier's flock failed in the daemon itself (exit 7)."""
     mount = mounter(tree, "--ssd-cache", tmp_path / "state0", "--ssd-size", "1MiB")
     assert mount.stats()["ssd"]["budget"] == 1 << 20
+
+
+def test_closes_by_handle_reach_the_trio_thread_without_the_watcher_waiting_for_it():
+    """The close watcher's thread hands a batch of closes by file handle over at once, even
+    while the trio thread is busy, so that it goes back to the kernel's queue, where fanotify
+    merges a file's waiting closes into one (a close lost from the stats); a batch with fds
+    waits until it is accounted, as its fds pin the inodes until then."""
+    import threading
+
+    import trio
+
+    from cachefs.mount import close_delivery
+
+    accounted: list[list[int]] = []
+
+    async def main():
+        token = trio.lowlevel.current_trio_token()
+        handed = {by_handle: threading.Event() for by_handle in (True, False)}
+
+        def watcher(by_handle: bool, inodes: list[int]) -> None:
+            close_delivery(token, accounted.append, by_handle=by_handle)(inodes)
+            handed[by_handle].set()
+
+        by_handle = threading.Thread(target=watcher, args=(True, [1, 2]))
+        by_handle.start()
+        # the trio thread is busy (this blocks it): the hand-over does not wait for it
+        assert handed[True].wait(10)
+        assert accounted == []
+        with_fds = threading.Thread(target=watcher, args=(False, [3]))
+        with_fds.start()
+        time.sleep(0.3)  # busy still: this one waits
+        assert not handed[False].is_set()
+        await trio.to_thread.run_sync(handed[False].wait, 10)
+        by_handle.join()
+        with_fds.join()
+
+    trio.run(main)
+    assert accounted == [[1, 2], [3]]
