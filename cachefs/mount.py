@@ -28,7 +28,6 @@ import signal
 import stat
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,7 +47,7 @@ from cachefs.manifest import Manifest, quote_path, scan_source
 from cachefs.order import load_order
 from cachefs.order_watch import OrderWatcher
 from cachefs import fanotify
-from cachefs.fanotify import CloseWatcher, open_close_events
+from cachefs.fanotify import CloseWatcher, close_delivery, open_close_events
 from cachefs.pagecache import KernelPages, file_pages_dropper, list_entries
 from cachefs.reader import build_read_path
 from cachefs.revalidate import Revalidator
@@ -479,23 +478,6 @@ class Mount:
         log.info("zero-request mode: files the kernel holds are read with no request "
                  "(close events %s)", "by file handle" if marker else "with an fd each")
         return self.close_watcher
-
-
-def close_delivery(trio_token: trio.lowlevel.TrioToken,
-                   closed: Callable[[list[int]], None], *, by_handle: bool
-                   ) -> Callable[[list[int]], None]:
-    """How the close watcher's thread hands a batch of closes to `closed` on the trio thread.
-
-    By file handle (no fd per event), at once: the thread goes back to the kernel's queue
-    while the batch waits its turn. fanotify merges the queued events of one file into one, so
-    a queue left to grow while the thread waited on a busy trio thread lost a close of every
-    file read again before its first close was taken: about 0.2% of them in the hot pass of
-    scripts/bench_fuse.py (111-150 of 70,000 closes never counted; none with this). With an fd
-    per event, once the batch is accounted: the fds pin the inodes until then, and batches
-    piling up would hold fds without bound."""
-    if by_handle:
-        return lambda inodes: trio_token.run_sync_soon(closed, inodes)
-    return lambda inodes: trio.from_thread.run_sync(closed, inodes, trio_token=trio_token)
 
 
 def zero_request_unavailable() -> str | None:

@@ -589,7 +589,7 @@ def test_closes_by_handle_reach_the_trio_thread_without_the_watcher_waiting_for_
 
     import trio
 
-    from cachefs.mount import close_delivery
+    from cachefs.fanotify import close_delivery
 
     accounted: list[list[int]] = []
 
