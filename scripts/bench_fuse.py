@@ -201,20 +201,20 @@ def measure(args, cases: Cases, manifest: Manifest, source: Path, ram_bytes: int
                 for side in sides:
                     if side == "direct":
                         figure = cases.run(case, source, passes)
-                    elif cachefs and case.startswith("files/s"):
-                        counted = mount.totals()
-                        cpu = benchlib.DaemonCpu(mount)
-                        figure = pass_through(case)
-                        timed_files += cases.files(case)
-                        # the pass's last closes are accounted a moment after it ends, which
-                        # is part of what it cost the daemon; no stats request in the window
-                        # (each one costs the daemon a snapshot of its stats)
-                        time.sleep(ACCOUNTING_TAIL_S)
-                        small_cpu.append(cpu.per_file_ms(cases.files(case)))
-                        mount.settled_totals(counted, cases.files(case))
                     else:
+                        small = cachefs and case.startswith("files/s")
+                        if small:
+                            counted = mount.totals()
+                            cpu = benchlib.DaemonCpu(mount)
                         figure = pass_through(case)
                         timed_files += cases.files(case)
+                        if small:
+                            # the pass's last closes are accounted a moment after it ends,
+                            # which is part of what it cost the daemon; no stats request in
+                            # the window (each one costs the daemon a snapshot of its stats)
+                            time.sleep(ACCOUNTING_TAIL_S)
+                            small_cpu.append(cpu.per_file_ms(cases.files(case)))
+                            mount.settled_totals(counted, cases.files(case))
                     figures[case][side].append(figure)
         result = {"contender": contender, "cases": figures}
         if cachefs:

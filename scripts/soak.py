@@ -209,20 +209,21 @@ class SourceModel:
             return list(self._versions[relpath])
 
 
+def expected_range(version: Version, offset: int, length: int | None) -> bytes:
+    """What a read at `offset` of `length` bytes (to the end if None) returns of `version`."""
+    return version.data[offset:None if length is None else offset + length]
+
+
 def check_read(data: bytes, offset: int, length: int | None, acceptable: list[Version],
                stale: list[Version]) -> str | None:
     """None if `data`, read at `offset` (`length` bytes, or to the end if None), is the same
     range of an acceptable version; else why not ("stale: ..." or "wrong: ...")."""
-    def expected(version: Version) -> bytes:
-        end = None if length is None else offset + length
-        return version.data[offset:end]
-
-    if any(data == expected(version) for version in acceptable):
+    if any(data == expected_range(version, offset, length) for version in acceptable):
         return None
     for age, version in enumerate(stale, start=1):
-        if data == expected(version):
+        if data == expected_range(version, offset, length):
             return f"stale: the version {age} rewrite(s) old"
-    want = expected(acceptable[0])
+    want = expected_range(acceptable[0], offset, length)
     same = common_prefix(data, want)
     return (f"wrong: {len(data)} bytes where the newest version has {len(want)}; first "
             f"difference at byte {offset + same} of the file; equal to no version of it: "
@@ -233,12 +234,8 @@ def cut_short(data: bytes, offset: int, length: int | None, versions: list[Versi
     """Whether `data` is a strict prefix of the range read of one of `versions`: what a read
     returns when the connection is aborted under it (the kernel hands back what it had
     copied), so a read that spanned the daemon's kill is counted with the failed ones."""
-    def expected(version: Version) -> bytes:
-        end = None if length is None else offset + length
-        return version.data[offset:end]
-
-    return any(len(data) < len(expected(version)) and expected(version).startswith(data)
-               for version in versions)
+    wants = (expected_range(version, offset, length) for version in versions)
+    return any(len(data) < len(want) and want.startswith(data) for want in wants)
 
 
 def common_prefix(a: bytes, b: bytes) -> int:
