@@ -385,25 +385,35 @@ class Operations(pyfuse3.Operations):
 
     def closed(self, inodes: list[int]) -> None:
         """Files were closed (fanotify, in the zero-request mode): account for each, as a
-        RELEASE would, whether READs came for it or the kernel's pages served it all."""
+        RELEASE would, whether READs came for it or the kernel's pages served it all; the
+        batch's files in one go (`Reader.release_many`)."""
+        handles = []
         for inode in inodes:
             try:
-                self._closed_one(inode)
+                handle = self._closed_one(inode)
             except Exception:  # noqa: BLE001 - one file's accounting must not end all others'
                 log.exception("unexpected error accounting for the close of inode %d", inode)
+                continue
+            if handle is not None:
+                handles.append(handle)
+        try:
+            self.reader.release_many(handles)
+        except Exception:  # noqa: BLE001 - the mount goes on; the next batch is counted
+            log.exception("unexpected error accounting for %d closed files", len(handles))
 
-    def _closed_one(self, inode: int) -> None:
+    def _closed_one(self, inode: int) -> OpenFile | None:
+        """The handle to release for a close of `inode`, if it read anything."""
         handle = self._without_open.pop(inode, None)
         if handle is not None:
-            self.reader.release(handle)
-            return
+            return handle
         try:
             entry = self.inodes.get(inode)
         except KeyError:
-            return  # forgotten since; nothing of it is held
-        if stat.S_ISREG(entry.stat.st_mode):
-            self.reader.closed_without_reads(inode, entry.relpath, self._item_of(entry),
-                                             self.source.identity_of(entry.stat))
+            return None  # forgotten since; nothing of it is held
+        if not stat.S_ISREG(entry.stat.st_mode):
+            return None
+        return self.reader.closed_without_reads(inode, entry.relpath, self._item_of(entry),
+                                                self.source.identity_of(entry.stat))
 
     @_guarded
     async def release(self, fh):

@@ -64,9 +64,9 @@ class ItemMeta:
 
     def identity_not_due(self, item: int, freshness: Freshness) -> SourceIdentity | None:
         """The item's identity, unless `freshness` calls it due for a refresh (or unknown)."""
-        identity = self.identity(item)
-        return identity if identity is not None and not freshness.refresh_due(
-            self.seen_s[item]) else None
+        if freshness.refresh_due(self.seen_s[item]):
+            return None
+        return self.identity(item)
 
     def identity(self, item: int) -> SourceIdentity | None:
         """The item's identity as last seen, however long ago; None if never seen."""

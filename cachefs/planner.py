@@ -361,6 +361,16 @@ class Planner:
 
     # -- consumption -----------------------------------------------------------------------
 
+    def consume_many(self, items: list[int]) -> tuple[int, bool]:
+        """Readers finished `items`, in this order: each is consumed in turn, up to the one
+        that completes the current order. Returns how many were taken (all of them, unless
+        one completed the order) and whether the last one taken completed it."""
+        consume = self.consume
+        for taken, item in enumerate(items, 1):
+            if consume(item):
+                return taken, True
+        return len(items), False
+
     def consume(self, item: int) -> bool:
         """A reader finished `item`. Returns True if that completed the current order."""
         if item < 0 or item >= len(self.pos_cur):

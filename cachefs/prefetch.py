@@ -52,6 +52,10 @@ of the next epoch's head not retained. Readers spread over many positions (a Dat
 workers each read a batch) stretch the window from the cursor to past the furthest read, up to
 a quarter of the RAM budget in all (`planner.max_span_items`); a reader off the order does not
 (planner.py, "Readers off the order").
+
+Why this module is over 600 lines: it is one class, whose walk, consumptions and fetches share
+the window's state (the items in flight and their targets, the miss batches, the files read
+whole and not closed yet); split, each part would reach into the others' sets.
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ from cachefs.targets import Target, Targets
 
 log = logging.getLogger(__name__)
 
+KERNEL_HOLDS = -1  # `_first_missing`: RAM and the kernel's pages both hold every block
 
 
 class Prefetcher:
@@ -269,24 +274,40 @@ class Prefetcher:
         return True
 
     def consumed(self, item: int, size_bytes: int = -1) -> None:
-        """A reader has read `item`; `size_bytes`: its size as the reader saw it, for a file
-        the read-ahead never stat'ed (a reader off the order): every block of it is
-        reranked, where a size unknown reranked block 0 only, and its other blocks kept
-        the rank of their position, the nearest once the cursor passed it, for the rest of
-        the epoch (RAM full of dead blocks, and the read-ahead without room)."""
+        """A reader has read `item` (`consumed_many` of one)."""
+        self.consumed_many([item], [size_bytes])
+
+    def consumed_many(self, items: list[int], sizes_bytes: list[int]) -> int:
+        """Readers have read `items`, in this order (the closes of one fanotify batch, in the
+        zero-request mode; -1: a file in no manifest); `sizes_bytes`: their sizes as the
+        readers saw them, for a file the read-ahead never stat'ed (a reader off the order):
+        every block of it is reranked, where a size unknown reranked block 0 only, and its
+        other blocks kept the rank of their position, the nearest once the cursor passed it,
+        for the rest of the epoch (RAM full of dead blocks, and the read-ahead without room).
+        They are consumed up to the one that completes the order, and the next order is
+        switched to: returns how many were taken (the caller counts the rest in the new
+        epoch, and passes them again). The window is compared and the walk woken once a
+        batch: per file, they were a tenth of the zero-request mode's accounting."""
         planner = self.planner
-        if not planner.active or item < 0:
-            return
-        self.ranking.consumed_at(now_s())
-        self._batched.discard(item)
-        self._read_whole.discard(item)
+        if not planner.active:
+            return len(items)
         window = (planner.cursor, planner.window_end())
-        completed = planner.consume(item)
-        if self.ranges is not None and self.ranking.ranged:
-            self.ranges.rerank(item)
-        else:
-            known_size = int(self.meta.size[item])
-            self.ranking.rerank(item, known_size if known_size >= 0 else size_bytes)
+        taken, completed = planner.consume_many(items)
+        ranges = self.ranges if self.ranges is not None and self.ranking.ranged else None
+        known_sizes = self.meta.size
+        files = 0
+        for item, size_bytes in zip(items[:taken], sizes_bytes, strict=False):
+            if item < 0:
+                continue
+            files += 1
+            self._batched.discard(item)
+            self._read_whole.discard(item)
+            if ranges is not None:
+                ranges.rerank(item)
+            else:
+                known_size = int(known_sizes[item])
+                self.ranking.rerank(item, known_size if known_size >= 0 else size_bytes)
+        self.ranking.consumed_at(now_s(), files)
         if completed and planner.switch_to_next():
             assert planner.epoch is not None  # the switch set it
             self.stats.start_epoch(planner.epoch)
@@ -302,6 +323,7 @@ class Prefetcher:
         if (completed or self._room_wait or self.ranking.ranged or len(self.targets.all) > 1
                 or window != (planner.cursor, planner.window_end())):
             self.poke()
+        return taken
 
     def demand_miss(self, item: int, manifest) -> None:
         """A reader waits for `item` of `manifest`, which RAM does not hold (cachefs/reader.py
@@ -408,7 +430,8 @@ class Prefetcher:
         # queues sized for the latency tail, unless `--lookahead` sets the window (and in the
         # baseline of one list, which sizes its window as the read-ahead before targets did)
         automatic = self.per_target and not self.configured_lookahead
-        targets.size(self.max_inflight, now_s(), self.ranking.s_per_item if automatic else None)
+        walked_s = now_s()
+        targets.size(self.max_inflight, walked_s, self.ranking.s_per_item if automatic else None)
         if self.ranking.read_costs is None and self._price_retention():
             self.ranking.rerank_all()  # the first epoch: costs are known once measured
         heads: list = []  # (position, target number, index, item, the list's entries)
@@ -427,15 +450,16 @@ class Prefetcher:
             target = targets.all[number]
             if item in self._inflight_items or item in self._read_whole:
                 pass
-            elif (missing_block := self._first_missing(item)) is None:  # resident
-                identity = self.meta.identity_not_due(item, self.freshness)
-                if identity is None:
+            elif (missing_block := self._first_missing(item)) in (None, KERNEL_HOLDS):
+                if self.freshness.refresh_due(self.meta.seen_s[item], walked_s):
                     # An item kept in RAM (the next epoch's head) has an identity from
                     # the last epoch; without this re-stat off the reader's path, the reader's
                     # open pays a source round trip for every RAM hit (fuse_ops.open).
                     # _fetch_item stats it, finds its blocks resident and pushes them.
                     self._start_item(item, target, manifest, nursery)
-                elif kernel:
+                elif kernel and missing_block is None:
+                    identity = self.meta.identity(item)
+                    assert identity is not None  # a size is known: RAM holds its blocks
                     self._push(item, identity)
             else:
                 # the room for the first block RAM lacks, at its own rank: block 0's nearer
@@ -468,18 +492,23 @@ class Prefetcher:
 
     def _first_missing(self, item: int) -> int | None:
         """The first block of the item RAM does not hold (0 for a file of unknown size);
-        None if it holds them all."""
+        None if it holds them all, KERNEL_HOLDS if the kernel's pages hold them all too (the
+        walk's usual case once a hot pass reads from the kernel: nothing to push)."""
         size = int(self.meta.size[item])
         if size < 0:
             return 0
         relpath = self.ranking.manifest.path(item)
+        held = self.ram.blocks
+        in_kernel = True
         for block_index in range(block_count(size, self.block_bytes)):
-            if (relpath, block_index) not in self.ram:
+            block = held.get((relpath, block_index))
+            if block is None:
                 return block_index
-        return None
+            in_kernel = in_kernel and block.in_kernel
+        return KERNEL_HOLDS if in_kernel else None
 
     def _resident(self, item: int) -> bool:
-        return self._first_missing(item) is None
+        return self._first_missing(item) in (None, KERNEL_HOLDS)
 
     def _room_for(self, nbytes: int, priority: float | None) -> bool:
         """Whether the RAM tier can make room for `nbytes` at `priority`, as its `reserve`

@@ -136,14 +136,19 @@ class Ranking:
         if next_ is not None:
             self._member[next_] = True
 
-    def consumed_at(self, now_s: float) -> None:
-        """A file of the order was consumed at `now_s`: the rate of consumption (for
-        kernel_may_keep)."""
+    def consumed_at(self, now_s: float, count: int = 1) -> None:
+        """`count` files of the order were consumed at `now_s` (the closes of one batch, in
+        the zero-request mode): the rate of consumption (for kernel_may_keep), each counted
+        as a gap of an equal share of the time since the last."""
+        if count < 1:
+            return
         if self._last_consumed_s is not None:
             # a pause (validation, a checkpoint, the trainer between epochs) is not the rate
-            gap_s = min(now_s - self._last_consumed_s, MAX_GAP_S)
+            gap_s = min(now_s - self._last_consumed_s, MAX_GAP_S) / count
+            # `count` steps of the smoothing, each toward the same gap, in one
             self._s_per_item = (gap_s if self._s_per_item is None
-                                else self._s_per_item + RATE_WEIGHT * (gap_s - self._s_per_item))
+                                else gap_s + (1 - RATE_WEIGHT) ** count
+                                * (self._s_per_item - gap_s))
         self._last_consumed_s = now_s
 
     def set_read_costs(self, costs: list[float] | None) -> None:
@@ -173,10 +178,17 @@ class Ranking:
     def priority_of(self, item: int, block_index: int, identity: SourceIdentity | None
                     ) -> float | None:
         """A block's rank in RAM (smaller = sooner), or None if it should not be kept."""
+        use = self._use_of(item)
+        if use is None:
+            return math.inf  # no known future: plain LRU among such blocks
+        return self._ranked(item, block_index, identity, use)
+
+    def _use_of(self, item: int) -> float | None:
+        """The item's next use, or None if it has no known future (no order, or in none)."""
         planner = self.planner
         if not planner.active or item < 0 or not self._in_orders(item):
-            return math.inf  # no known future: plain LRU among such blocks
-        return self._ranked(item, block_index, identity, planner.next_use(item))
+            return None
+        return planner.next_use(item)
 
     def _ranked(self, item: int, block_index: int, identity: SourceIdentity | None,
                 use: float) -> float | None:
@@ -208,16 +220,19 @@ class Ranking:
         """New priorities for the blocks of one item (of `size_bytes`, -1 if unknown)."""
         assert self._manifest is not None  # an order is in force (consumed)
         relpath = self._manifest.path(item)
+        ram = self.ram
+        use = self._use_of(item)
         for block_index in range(block_count(max(size_bytes, 0), self.block_bytes)):
             key = (relpath, block_index)
-            block = self.ram.get(key)
+            block = ram.blocks.get(key)
             if block is None:
                 continue
-            priority = self.priority_of(item, block_index, block.identity)
+            priority = (math.inf if use is None
+                        else self._ranked(item, block_index, block.identity, use))
             if priority is None:
-                self.ram.drop(key)
+                ram.drop(key)
             else:
-                self.ram.set_priority(key, priority)
+                ram.set_priority(key, priority)
 
     def read_whole(self, item: int, size_bytes: int, blocks_served) -> None:
         """A reader has read to the end of `item` (of `size_bytes`), and is consumed at its

@@ -243,18 +243,20 @@ class Reader:
                         consume_at_release=True, told=identity)
 
     def closed_without_reads(self, inode: int, relpath: bytes, item: int,
-                             identity: SourceIdentity) -> None:
+                             identity: SourceIdentity) -> OpenFile | None:
         """A file was opened and closed with no READ reaching the daemon (the zero-request
-        mode): read from the kernel's pages if it held the whole file, or held it until a
-        moment ago, and counted so; else nothing was read (an open for a stat, or a mapping
-        never touched). A file of byte-range items counts nothing at its close: its items
-        were counted as they were read, and its pages are dropped every few items."""
+        mode): the handle to release (`release_many`) if it was read from the kernel's pages,
+        which held the whole file, or held it until a moment ago; None if nothing was read
+        (an open for a stat, or a mapping never touched). A file of byte-range items counts
+        nothing at its close: its items were counted as they were read, and its pages are
+        dropped every few items."""
         if self._ranged_file(relpath):
-            return
+            return None
         handle = self.handle_without_open(inode, relpath, item, identity)
         if (identity.size == 0 or self._kernel_holds(handle)
                 or self._kernel_dropped_lately(handle)):
-            self.release(handle)
+            return handle
+        return None
 
     def _ranged_file(self, relpath: bytes) -> bool:
         """Its samples are byte-range items of the order in force (module docstring)."""
@@ -392,39 +394,64 @@ class Reader:
         self._tiered.push(handle.relpath, handle.identity, wanted)
 
     def _consume(self, handle: OpenFile) -> None:
-        if handle.consumed:
-            return
-        handle.consumed = True
+        self._consume_many([handle])
+
+    def _consume_many(self, handles: list[OpenFile]) -> None:
+        """The files of `handles` were read, in this order: each counts in the epoch that
+        consumed it (`epoch_record`), which the last file of an order ends."""
         # the same plan: the item numbers are those the handle holds (a manifest with other
-        # paths is always a new plan, planner.set_order)
-        if handle.order_serial == self._planner.order_serial:
-            handle.epoch_record = self._stats.current
-            self._prefetcher.consumed(handle.item, handle.identity.size)
-        # else the order it was read for was replaced while it was open: it counts in the
-        # epoch it was opened in and consumes nothing of the new order
+        # paths is always a new plan, planner.set_order); else the order it was read for was
+        # replaced while it was open: it counts in the epoch it was opened in and consumes
+        # nothing of the new order
+        serial = self._planner.order_serial
+        pending = []
+        for handle in handles:
+            if not handle.consumed:
+                handle.consumed = True
+                if handle.order_serial == serial:
+                    pending.append(handle)
+        while pending:
+            record = self._stats.current
+            taken = self._prefetcher.consumed_many([handle.item for handle in pending],
+                                                   [handle.identity.size for handle in pending])
+            for handle in pending[:taken]:
+                handle.epoch_record = record
+            pending = pending[taken:]
 
     def release(self, handle: OpenFile, last: bool = True) -> None:
         """The reader let go of `handle`; `last`: no other handle of the file is open."""
-        if self._ranged_file(handle.relpath):
-            return  # its items were counted as they were read (module docstring)
-        empty = handle.identity.size == 0
-        if handle.kernel_whole:
-            # the kernel served what no READ asked for: the whole file, as far as we can tell
-            # (a reader that opens a file and reads nothing is counted as reading it)
-            handle.bytes_served = max(handle.bytes_served, handle.identity.size)
-        elif not handle.read_called and not empty:
-            return
-        if handle.bytes_served or empty:
-            # an empty file is read whole by its open (the kernel sends no READ for it): left
-            # unconsumed, its position held the cursor, and the read-ahead and the epoch's
-            # end with it, for the rest of the order
-            self._consume(handle)
-        self._stats.file_read(handle.origin, handle.stall_s, handle.bytes_served,
-                             record=handle.epoch_record,
-                             kernel_reclaimed=handle.kernel_reclaimed)
-        self._prefetcher.file_read(handle.item, handle.manifest, handle.origin, handle.stall_s)
-        if last:
-            self._settle_pages(handle)
+        self.release_many([handle], last)
+
+    def release_many(self, handles: list[OpenFile], last: bool = True) -> None:
+        """Readers let go of `handles`, in this order (the closes of one fanotify batch);
+        `last`: no other handle of their files is open."""
+        done = []
+        for handle in handles:
+            if self._ranged_file(handle.relpath):
+                continue  # its items were counted as they were read (module docstring)
+            if handle.kernel_whole:
+                # the kernel served what no READ asked for: the whole file, as far as we can
+                # tell (a reader that opens a file and reads nothing is counted as reading it)
+                handle.bytes_served = max(handle.bytes_served, handle.identity.size)
+            elif not handle.read_called and handle.identity.size != 0:
+                continue
+            done.append(handle)
+        # an empty file is read whole by its open (the kernel sends no READ for it): left
+        # unconsumed, its position held the cursor, and the read-ahead and the epoch's end
+        # with it, for the rest of the order
+        self._consume_many([handle for handle in done
+                            if handle.bytes_served or handle.identity.size == 0])
+        for handle in done:
+            try:
+                self._stats.file_read(handle.origin, handle.stall_s, handle.bytes_served,
+                                      record=handle.epoch_record,
+                                      kernel_reclaimed=handle.kernel_reclaimed)
+                self._prefetcher.file_read(handle.item, handle.manifest, handle.origin,
+                                           handle.stall_s)
+                if last:
+                    self._settle_pages(handle)
+            except Exception:  # noqa: BLE001 - one file's accounting must not end the others'
+                log.exception("unexpected error accounting for the read of %r", handle.relpath)
 
     def _settle_pages(self, handle: OpenFile) -> None:
         """What the kernel keeps of a file the last reader let go (module docstring)."""

@@ -268,6 +268,8 @@ class RamTier:
         block that found no room left the file's earlier blocks in the kernel alone, whose
         pages the caller then dropped, and the file was in neither."""
         handed = [(key, block) for key, block in blocks if block.data is not None]
+        if not handed:
+            return True  # the kernel's already (a file read again from its pages)
         extra = sum(self.charge_of(page_bytes(block.nbytes)) - self.charge(block)
                     for _, block in handed)
         if self.used_bytes + extra > self.budget_bytes:

@@ -331,6 +331,16 @@ class TieredCache:
         kernel = self.kernel
         if kernel is None:
             return
+        held = self.ram.blocks
+        wanted = []
+        for block_index in block_indices:
+            key = (relpath, block_index)
+            block = held.get(key)
+            if (block is not None and not block.in_kernel and block.data is not None
+                    and block.identity == identity):
+                wanted.append((key, block))
+        if not wanted:
+            return  # the walk's usual case: the kernel has it all, or RAM none of it yet
         inode = self.kernel_inodes.store_target(relpath, identity)
         if inode is None:
             if (not looked_up and kernel.can_look_up and relpath not in self._looking_up
@@ -343,14 +353,9 @@ class TieredCache:
                         self.push(relpath, identity, block_indices, looked_up=True)
                 kernel.look_up(relpath, push_again)
             return
-        for block_index in block_indices:
-            key = (relpath, block_index)
-            block = self.ram.get(key)
-            if (block is None or block.in_kernel or block.data is None
-                    or block.identity != identity):
-                continue
+        for key, block in wanted:
             self.ram.add_kernel_copy(key, block)
-            kernel.store(inode, block_index * self.block_bytes, block.data)
+            kernel.store(inode, key[1] * self.block_bytes, block.data)
 
     def hand_to_kernel(self, relpath: bytes, identity: SourceIdentity,
                        blocks_read: set[int]) -> bool:
