@@ -62,9 +62,11 @@ class ItemMeta:
         return identity if identity is not None and freshness.trusted(self.seen_s[item]) \
             else None
 
-    def identity_not_due(self, item: int, freshness: Freshness) -> SourceIdentity | None:
-        """The item's identity, unless `freshness` calls it due for a refresh (or unknown)."""
-        if freshness.refresh_due(self.seen_s[item]):
+    def identity_not_due(self, item: int, freshness: Freshness, at_s: float | None = None
+                         ) -> SourceIdentity | None:
+        """The item's identity, unless `freshness` calls it due for a refresh at `at_s` (now
+        if None; the walk reads the clock once) (or unknown)."""
+        if freshness.refresh_due(self.seen_s[item], at_s):
             return None
         return self.identity(item)
 

@@ -82,7 +82,6 @@ from cachefs.targets import Target, Targets
 
 log = logging.getLogger(__name__)
 
-KERNEL_HOLDS = -1  # `_first_missing`: RAM and the kernel's pages both hold every block
 
 
 class Prefetcher:
@@ -450,16 +449,15 @@ class Prefetcher:
             target = targets.all[number]
             if item in self._inflight_items or item in self._read_whole:
                 pass
-            elif (missing_block := self._first_missing(item)) in (None, KERNEL_HOLDS):
-                if self.freshness.refresh_due(self.meta.seen_s[item], walked_s):
+            elif (missing_block := self._first_missing(item)) is None:  # resident
+                identity = self.meta.identity_not_due(item, self.freshness, walked_s)
+                if identity is None:
                     # An item kept in RAM (the next epoch's head) has an identity from
                     # the last epoch; without this re-stat off the reader's path, the reader's
                     # open pays a source round trip for every RAM hit (fuse_ops.open).
                     # _fetch_item stats it, finds its blocks resident and pushes them.
                     self._start_item(item, target, manifest, nursery)
-                elif kernel and missing_block is None:
-                    identity = self.meta.identity(item)
-                    assert identity is not None  # a size is known: RAM holds its blocks
+                elif kernel:
                     self._push(item, identity)
             else:
                 # the room for the first block RAM lacks, at its own rank: block 0's nearer
@@ -492,23 +490,18 @@ class Prefetcher:
 
     def _first_missing(self, item: int) -> int | None:
         """The first block of the item RAM does not hold (0 for a file of unknown size);
-        None if it holds them all, KERNEL_HOLDS if the kernel's pages hold them all too (the
-        walk's usual case once a hot pass reads from the kernel: nothing to push)."""
+        None if it holds them all."""
         size = int(self.meta.size[item])
         if size < 0:
             return 0
         relpath = self.ranking.manifest.path(item)
-        held = self.ram.blocks
-        in_kernel = True
         for block_index in range(block_count(size, self.block_bytes)):
-            block = held.get((relpath, block_index))
-            if block is None:
+            if (relpath, block_index) not in self.ram:
                 return block_index
-            in_kernel = in_kernel and block.in_kernel
-        return KERNEL_HOLDS if in_kernel else None
+        return None
 
     def _resident(self, item: int) -> bool:
-        return self._first_missing(item) in (None, KERNEL_HOLDS)
+        return self._first_missing(item) is None
 
     def _room_for(self, nbytes: int, priority: float | None) -> bool:
         """Whether the RAM tier can make room for `nbytes` at `priority`, as its `reserve`

@@ -224,7 +224,7 @@ class Ranking:
         use = self._use_of(item)
         for block_index in range(block_count(max(size_bytes, 0), self.block_bytes)):
             key = (relpath, block_index)
-            block = ram.blocks.get(key)
+            block = ram.get(key)
             if block is None:
                 continue
             priority = (math.inf if use is None
