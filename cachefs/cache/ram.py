@@ -228,9 +228,12 @@ class RamTier:
             self._remove(key)
 
     def rebuild(self, priority_of: Callable[[BlockKey, RamBlock], float | None]) -> None:
-        """Give every block a new priority; `None` drops the block."""
-        self._heap = []
+        """Give every block a new priority; `None` drops the block. The heap is made with one
+        heapify: a push per block was half of an epoch switch's re-rank."""
+        heap: list[tuple[float, int, BlockKey]] = []
+        self._heap = heap
         lru, self._lru = self._lru, OrderedDict()
+        seq = self._seq
         # the blocks with no known future first, least recently used first: their order stays
         for key, block in [*((key, self.blocks[key]) for key in lru),
                            *((key, block) for key, block in self.blocks.items()
@@ -240,9 +243,14 @@ class RamTier:
             priority = priority_of(key, block)
             if priority is None:
                 self._remove(key)
+                continue
+            block.priority = priority
+            if math.isinf(priority):
+                self._lru[key] = None
             else:
-                block.priority = priority
-                self._push(key, block)
+                block.lru_seq = next(seq)
+                heap.append((-priority, block.lru_seq, key))
+        heapq.heapify(heap)
 
     def _push(self, key: BlockKey, block: RamBlock) -> None:
         if math.isinf(block.priority):
