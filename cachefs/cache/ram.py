@@ -230,6 +230,8 @@ class RamTier:
     def rebuild(self, priority_of: Callable[[BlockKey, RamBlock], float | None]) -> None:
         """Give every block a new priority; `None` drops the block. The heap is made with one
         heapify: a push per block was half of an epoch switch's re-rank."""
+        # nothing pushes while this runs (a removal's drop_file_pages only asks the kernel to
+        # drop pages): a `_push` here would compact `self._heap` and lose `heap`'s tuples
         heap: list[tuple[float, int, BlockKey]] = []
         self._heap = heap
         lru, self._lru = self._lru, OrderedDict()
