@@ -229,7 +229,8 @@ class RamTier:
 
     def rebuild(self, priority_of: Callable[[BlockKey, RamBlock], float | None]) -> None:
         """Give every block a new priority; `None` drops the block. The heap is made with one
-        heapify: a push per block was half of an epoch switch's re-rank."""
+        heapify: a push per block was over a third of an epoch switch's re-rank
+        (1,000,000 blocks: 3.7-4.4 s, now 2.6 s)."""
         # nothing pushes while this runs (a removal's drop_file_pages only asks the kernel to
         # drop pages): a `_push` here would compact `self._heap` and lose `heap`'s tuples
         heap: list[tuple[float, int, BlockKey]] = []
