@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+from array import array
 
 import numpy as np
 
@@ -83,6 +84,9 @@ class Ranking:
         # per item of the manifest in force, its read cost against the cheapest storage
         # target's (cachefs/targets.py `read_costs`); None: all alike
         self._read_costs: list[float] | None = None
+        # items whose re-rank is put off (`rerank`), with their sizes
+        self._stale_items = array("q")
+        self._stale_sizes = array("q")
 
     # -- the order in force ------------------------------------------------------------------
 
@@ -111,6 +115,7 @@ class Ranking:
         if changed:
             self._read_costs = None  # numbered by the old manifest's items
         if changed or not same_items:
+            del self._stale_items[:], self._stale_sizes[:]  # numbered as no item is now
             self.numbering += 1
             self._recent_items.clear()
             for key, block in self.ram.blocks.items():
@@ -217,22 +222,36 @@ class Ranking:
         return self.ssd.contains((self._manifest.path(item), block_index), identity)
 
     def rerank(self, item: int, size_bytes: int) -> None:
-        """New priorities for the blocks of one item (of `size_bytes`, -1 if unknown)."""
-        assert self._manifest is not None  # an order is in force (consumed)
-        relpath = self._manifest.path(item)
+        """New priorities for the blocks of one item (of `size_bytes`, -1 if unknown), set
+        when the RAM tier's order is next read (RamTier.defer_ranks), or by the next
+        `rerank_all`."""
+        self._stale_items.append(item)
+        self._stale_sizes.append(size_bytes)
+        self.ram.defer_ranks(self._rerank_stale)
+
+    def _rerank_stale(self) -> None:
+        """The re-ranks `rerank` put off, with the items' next uses as the plan has them now
+        (a later consumption, or a new order, ranks them as `priority_of` would by then)."""
+        assert self._manifest is not None  # use_manifest forgets those of another
+        items, sizes_bytes = self._stale_items.tolist(), self._stale_sizes.tolist()
+        del self._stale_items[:], self._stale_sizes[:]
+        path = self._manifest.path
         ram = self.ram
-        use = self._use_of(item)
-        for block_index in range(block_count(max(size_bytes, 0), self.block_bytes)):
-            key = (relpath, block_index)
-            block = ram.get(key)
-            if block is None:
-                continue
-            priority = (math.inf if use is None
-                        else self._ranked(item, block_index, block.identity, use))
-            if priority is None:
-                ram.drop(key)
-            else:
-                ram.set_priority(key, priority)
+        block_bytes = self.block_bytes
+        for item, size_bytes in zip(items, sizes_bytes, strict=True):
+            relpath = path(item)
+            use = self._use_of(item)
+            for block_index in range(block_count(max(size_bytes, 0), block_bytes)):
+                key = (relpath, block_index)
+                block = ram.get(key)
+                if block is None:
+                    continue
+                priority = (math.inf if use is None
+                            else self._ranked(item, block_index, block.identity, use))
+                if priority is None:
+                    ram.drop(key)
+                else:
+                    ram.set_priority(key, priority)
 
     def read_whole(self, item: int, size_bytes: int, blocks_served) -> None:
         """A reader has read to the end of `item` (of `size_bytes`), and is consumed at its
@@ -264,6 +283,7 @@ class Ranking:
     def rerank_all(self) -> None:
         """Every block's `priority_of`, with the items' next uses and membership read once as
         lists (an epoch switch re-ranks every block: numpy scalars per block cost 5x more)."""
+        del self._stale_items[:], self._stale_sizes[:]  # the rebuild ranks them too
         if not self.planner.active:
             self.ram.rebuild(lambda key, block: math.inf)
             return

@@ -466,8 +466,7 @@ class Reader:
 
     def _settle_pages(self, handle: OpenFile) -> None:
         """What the kernel keeps of a file the last reader let go (module docstring)."""
-        first = self._tiered.ram.get((handle.relpath, 0))
-        priority = first.priority if first is not None else None
+        priority = self._tiered.ram.priority((handle.relpath, 0))
         if self._ranking.kernel_may_keep(handle.item, priority):
             self._tiered.hand_to_kernel(handle.relpath, handle.identity, handle.blocks_read)
         elif handle.read_called or handle.kernel_whole:

@@ -541,6 +541,55 @@ def test_ram_rebuild_sets_new_priorities_and_drops_none():
     assert c in ram and b not in ram
 
 
+def test_ram_a_rerank_put_off_is_applied_before_the_order_is_read():
+    """`defer_ranks`: applied by whatever reads the order next, undone by no later explicit
+    priority, and dropped by a rebuild (which gives every priority anew)."""
+    ram = RamTier(300, block_bytes=4096, block_overhead_bytes=0)
+    a, b, c = fill(ram, [1.0, 2.0, 3.0])
+    applied = []
+    ram.defer_ranks(lambda: applied.append(ram.set_priority(a, 9.0)))
+    assert ram.get(a).priority == 1.0 and not applied  # put off
+    assert ram.reserve(100, 5.0)  # a, 9.0 by then, is the farthest: evicted
+    assert a not in ram and b in ram and c in ram and len(applied) == 1
+    ram.defer_ranks(lambda: ram.set_priority(b, 9.0))
+    ram.set_priority(b, 0.5)  # given after the re-rank put off: it stands
+    assert ram.priority(b) == 0.5 and ram.farthest_priority() == 3.0
+    ram.defer_ranks(lambda: pytest.fail("applied after a rebuild"))
+    ram.rebuild(lambda key, blk: blk.priority)
+    assert ram.farthest_priority() == 3.0
+
+
+def test_a_consumption_reranks_its_blocks_when_room_is_next_needed():
+    """The consumption's re-rank (Ranking.rerank) is put off; the first reservation after it
+    sees the block at its next epoch's rank, the farthest, and evicts it first."""
+    from cachefs.ranking import Ranking
+
+    manifest = Manifest.from_paths([b"f0", b"f1", b"f2"]).prepare()
+    planner = Planner(2)
+    planner.set_order(Order(epoch=0, current=np.array([0, 1, 2]), next=np.array([2, 1, 0]),
+                            manifest=manifest, rank=None, world_size=None, total_length=3,
+                            file=None))
+    ram = RamTier(300, block_bytes=4096, block_overhead_bytes=0)
+    ranking = Ranking(planner, ram, None, block_bytes=4096)
+    ranking.use_manifest(manifest)
+    ranking.set_members(planner.current, planner.next, 3)
+    for item in range(3):
+        assert ram.reserve(100, ranking.priority_of(item, 0, None))
+        b = block(100, item)
+        b.item, b.priority = item, ranking.priority_of(item, 0, None)
+        assert ram.insert((manifest.path(item), 0), b, 100)
+    planner.consume(0)
+    ranking.rerank(0, 100)
+    assert ram.get((b"f0", 0)).priority == 0.0  # put off
+    # f0's next use is position 2 of the next epoch (5), f2's position 2 of this one: room
+    # for a block used between them evicts f0
+    assert ram.reserve(100, 2.5)
+    assert (b"f0", 0) not in ram and (b"f2", 0) in ram
+    planner.consume(1)
+    ranking.rerank(1, 100)
+    assert ram.farthest_priority() == 3 + 1
+
+
 def test_ram_insert_that_no_longer_fits_keeps_nothing():
     ram = RamTier(200, block_bytes=4096, block_overhead_bytes=0)
     assert ram.reserve(100, 5.0)
