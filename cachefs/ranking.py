@@ -84,9 +84,11 @@ class Ranking:
         # per item of the manifest in force, its read cost against the cheapest storage
         # target's (cachefs/targets.py `read_costs`); None: all alike
         self._read_costs: list[float] | None = None
-        # items whose re-rank is put off (`rerank`), with their sizes
+        # items whose re-rank is put off (`rerank`), with their sizes; or every block's
+        # (`rerank_all`), which includes theirs
         self._stale_items = array("q")
         self._stale_sizes = array("q")
+        self._all_stale = False
 
     # -- the order in force ------------------------------------------------------------------
 
@@ -223,15 +225,20 @@ class Ranking:
 
     def rerank(self, item: int, size_bytes: int) -> None:
         """New priorities for the blocks of one item (of `size_bytes`, -1 if unknown), set
-        when the RAM tier's order is next read (RamTier.defer_ranks), or by the next
-        `rerank_all`."""
-        self._stale_items.append(item)
-        self._stale_sizes.append(size_bytes)
+        when the RAM tier's order is next read (RamTier.defer_ranks)."""
+        if not self._all_stale:
+            self._stale_items.append(item)
+            self._stale_sizes.append(size_bytes)
         self.ram.defer_ranks(self._rerank_stale)
 
     def _rerank_stale(self) -> None:
-        """The re-ranks `rerank` put off, with the items' next uses as the plan has them now
-        (a later consumption, or a new order, ranks them as `priority_of` would by then)."""
+        """The re-ranks put off (`rerank`, `rerank_all`), with the items' next uses as the plan
+        has them now (a later consumption, or a new order, ranks them as `priority_of` would
+        by then)."""
+        if self._all_stale:
+            self._all_stale = False
+            self._rerank_all_now()
+            return
         assert self._manifest is not None  # use_manifest forgets those of another
         items, sizes_bytes = self._stale_items.tolist(), self._stale_sizes.tolist()
         del self._stale_items[:], self._stale_sizes[:]
@@ -281,9 +288,17 @@ class Ranking:
                 ram.set_priority(key, math.inf if priority is None else priority)
 
     def rerank_all(self) -> None:
-        """Every block's `priority_of`, with the items' next uses and membership read once as
-        lists (an epoch switch re-ranks every block: numpy scalars per block cost 5x more)."""
-        del self._stale_items[:], self._stale_sizes[:]  # the rebuild ranks them too
+        """Every block's `priority_of`, set when the RAM tier's order is next read
+        (RamTier.defer_ranks): in a pass the kernel serves from its pages, nothing reads it,
+        and an epoch switch re-ranked all of RAM for nothing (a tenth of the daemon's work per
+        file closed, with 10,000 files)."""
+        del self._stale_items[:], self._stale_sizes[:]  # ranked with all the others
+        self._all_stale = True
+        self.ram.defer_ranks(self._rerank_stale)
+
+    def _rerank_all_now(self) -> None:
+        """`rerank_all`'s, with the items' next uses and membership read once as lists
+        (numpy scalars per block cost 5x more)."""
         if not self.planner.active:
             self.ram.rebuild(lambda key, block: math.inf)
             return

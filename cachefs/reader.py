@@ -466,7 +466,12 @@ class Reader:
 
     def _settle_pages(self, handle: OpenFile) -> None:
         """What the kernel keeps of a file the last reader let go (module docstring)."""
-        priority = self._tiered.ram.priority((handle.relpath, 0))
+        # its rank as the plan has it now: the tier's may be a re-rank behind (put off until
+        # room is needed, RamTier.defer_ranks), and settling that here re-ranked all of RAM
+        # after every epoch switch, in a pass the kernel serves from its pages
+        first = self._tiered.ram.get((handle.relpath, 0))
+        priority = (None if first is None
+                    else self._ranking.priority_of(first.item, 0, first.identity))
         if self._ranking.kernel_may_keep(handle.item, priority):
             self._tiered.hand_to_kernel(handle.relpath, handle.identity, handle.blocks_read)
         elif handle.read_called or handle.kernel_whole:

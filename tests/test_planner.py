@@ -553,7 +553,7 @@ def test_ram_a_rerank_put_off_is_applied_before_the_order_is_read():
     assert a not in ram and b in ram and c in ram and len(applied) == 1
     ram.defer_ranks(lambda: ram.set_priority(b, 9.0))
     ram.set_priority(b, 0.5)  # given after the re-rank put off: it stands
-    assert ram.priority(b) == 0.5 and ram.farthest_priority() == 3.0
+    assert ram.farthest_priority() == 3.0 and ram.get(b).priority == 0.5
     ram.defer_ranks(lambda: pytest.fail("applied after a rebuild"))
     ram.rebuild(lambda key, blk: blk.priority)
     assert ram.farthest_priority() == 3.0
@@ -561,7 +561,8 @@ def test_ram_a_rerank_put_off_is_applied_before_the_order_is_read():
 
 def test_a_consumption_reranks_its_blocks_when_room_is_next_needed():
     """The consumption's re-rank (Ranking.rerank) is put off; the first reservation after it
-    sees the block at its next epoch's rank, the farthest, and evicts it first."""
+    sees the block at its next epoch's rank, the farthest, and evicts it first. So is an
+    epoch switch's (Ranking.rerank_all)."""
     from cachefs.ranking import Ranking
 
     manifest = Manifest.from_paths([b"f0", b"f1", b"f2"]).prepare()
@@ -588,6 +589,15 @@ def test_a_consumption_reranks_its_blocks_when_room_is_next_needed():
     planner.consume(1)
     ranking.rerank(1, 100)
     assert ram.farthest_priority() == 3 + 1
+    # the epoch switch's re-rank of every block is put off in the same way
+    planner.consume(2)
+    ranking.rerank(2, 100)
+    assert planner.switch_to_next()
+    ranking.set_members(planner.current, item_count=3)
+    ranking.rerank_all()
+    assert ram.get((b"f2", 0)).priority == 2.0  # put off
+    # f1 at position 1 of the new epoch (it was at 3 + 1), f2 first
+    assert ram.farthest_priority() == 1.0 and ram.get((b"f2", 0)).priority == 0.0
 
 
 def test_ram_insert_that_no_longer_fits_keeps_nothing():

@@ -13,7 +13,7 @@ fetches reserve their bytes before they start, so resident plus reserved bytes n
 budget.
 
 Priorities change when an item is consumed or an epoch switches. A re-rank may be put off
-(`defer_ranks`) until the order is next read: by `reserve`, `farthest_priority`, `priority`,
+(`defer_ranks`) until the order is next read: by `reserve`, `farthest_priority` or
 `set_priority`; a `rebuild` gives every priority anew, and the ones put off are dropped. In a
 pass the kernel serves from its pages nothing reads the order until the epoch switches and
 re-ranks everything, so the re-rank of each consumption (a push into the heap per block, about
@@ -183,12 +183,6 @@ class RamTier:
         self._settle_ranks()
         victim = self._farthest()
         return None if victim is None else victim[1].priority
-
-    def priority(self, key: BlockKey) -> float | None:
-        """The block's priority (None: not resident)."""
-        self._settle_ranks()
-        block = self.blocks.get(key)
-        return None if block is None else block.priority
 
     def defer_ranks(self, apply: Callable[[], None]) -> None:
         """Priorities have changed, and `apply()` sets them (`set_priority`, `drop`): it is
