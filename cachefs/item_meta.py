@@ -66,9 +66,14 @@ class ItemMeta:
                          ) -> SourceIdentity | None:
         """The item's identity, unless `freshness` calls it due for a refresh at `at_s` (now
         if None; the walk reads the clock once) (or unknown)."""
-        if freshness.refresh_due(self.seen_s[item], at_s):
+        if self.refresh_due(item, freshness, at_s):
             return None
         return self.identity(item)
+
+    def refresh_due(self, item: int, freshness: Freshness, at_s: float | None = None) -> bool:
+        """Whether `freshness` calls the item's identity due for a refresh at `at_s` (now if
+        None)."""
+        return freshness.refresh_due(self.seen_s[item], at_s)
 
     def identity(self, item: int) -> SourceIdentity | None:
         """The item's identity as last seen, however long ago; None if never seen."""

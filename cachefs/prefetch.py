@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+from typing import NamedTuple
 
 import numpy as np
 import trio
@@ -82,6 +83,15 @@ from cachefs.targets import Target, Targets
 
 log = logging.getLogger(__name__)
 
+
+class Held(NamedTuple):
+    """What RAM holds of an item (Prefetcher._held)."""
+
+    first_missing: int | None  # the first block RAM lacks (0 if the size is unknown); None: none
+    # every block RAM holds is the kernel's too: the walk has nothing to push (a pass the
+    # kernel serves from its pages: the push's own checks and the identity it compares
+    # were a third of the walk's work per file)
+    all_in_kernel: bool
 
 
 class Prefetcher:
@@ -449,22 +459,23 @@ class Prefetcher:
             target = targets.all[number]
             if item in self._inflight_items or item in self._read_whole:
                 pass
-            elif (missing_block := self._first_missing(item)) is None:  # resident
-                identity = self.meta.identity_not_due(item, self.freshness, walked_s)
-                if identity is None:
+            elif (held := self._held(item)).first_missing is None:  # resident
+                if self.meta.refresh_due(item, self.freshness, walked_s):
                     # An item kept in RAM (the next epoch's head) has an identity from
                     # the last epoch; without this re-stat off the reader's path, the reader's
                     # open pays a source round trip for every RAM hit (fuse_ops.open).
                     # _fetch_item stats it, finds its blocks resident and pushes them.
                     self._start_item(item, target, manifest, nursery)
-                elif kernel:
+                elif kernel and not held.all_in_kernel:
+                    identity = self.meta.identity(item)
+                    assert identity is not None  # resident: its size is known (`_held`)
                     self._push(item, identity)
             else:
                 # the room for the first block RAM lacks, at its own rank: block 0's nearer
                 # rank found room that block 2's fetch then could not take (a file's held
                 # block 1 was RAM's farthest), and the walk started the item again, forever
                 if not self._room_for(self._need_bytes(item),
-                                      self.ranking.priority_of(item, missing_block, None)):
+                                      self.ranking.priority_of(item, held.first_missing, None)):
                     self._room_wait = True
                     return  # RAM holds only nearer uses: wait for a consumption
                 self._start_item(item, target, manifest, nursery)
@@ -488,20 +499,23 @@ class Prefetcher:
         target.inflight_items += 1
         nursery.start_soon(self._fetch_item, item, manifest)
 
-    def _first_missing(self, item: int) -> int | None:
-        """The first block of the item RAM does not hold (0 for a file of unknown size);
-        None if it holds them all."""
+    def _held(self, item: int) -> Held:
+        """What RAM holds of the item (`Held`)."""
         size = int(self.meta.size[item])
         if size < 0:
-            return 0
+            return Held(0, False)
         relpath = self.ranking.manifest.path(item)
+        blocks = self.ram.blocks
+        all_in_kernel = True
         for block_index in range(block_count(size, self.block_bytes)):
-            if (relpath, block_index) not in self.ram:
-                return block_index
-        return None
+            block = blocks.get((relpath, block_index))
+            if block is None:
+                return Held(block_index, False)
+            all_in_kernel = all_in_kernel and block.in_kernel
+        return Held(None, all_in_kernel)
 
     def _resident(self, item: int) -> bool:
-        return self._first_missing(item) is None
+        return self._held(item).first_missing is None
 
     def _room_for(self, nbytes: int, priority: float | None) -> bool:
         """Whether the RAM tier can make room for `nbytes` at `priority`, as its `reserve`
