@@ -435,7 +435,13 @@ class RangeCache:
             return block is not None  # gone, or completed meanwhile
         whole = parts.data[:left[1]] + block.data + parts.data[left[1]:]
         grown = RamBlock(whole, identity, block.item, block.origin, served=block.served)
-        return self._replace(key, grown, block.priority)
+        # its rank as the plan has it now: the tier's may be a re-rank behind (put off until
+        # the tier's order is next read, RamTier.defer_ranks)
+        priority = self.ranking.priority_of(item, 0, identity)
+        if priority is None:
+            self.ram.drop(key)
+            return False
+        return self._replace(key, grown, priority)
 
     # -- the kernel's pages ------------------------------------------------------------------
 

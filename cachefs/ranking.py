@@ -8,7 +8,13 @@ the tiers ask of a block, and nothing else reads the plan for them:
   infinite (LRU among such blocks); one consumed and not read again in the known future, or
   kept only for the next epoch while the SSD tier holds it (the tiers stay disjoint), is not
   kept. The tiered cache ranks every block that lands with it, the prefetcher re-ranks RAM
-  on every consumption and new order (`rerank`, `rerank_all`). One exception, in the
+  on every consumption and new order (`rerank`, `rerank_all`). A block no longer worth
+  keeping goes at once; a new rank is set when the RAM tier's order is next read
+  (RamTier.defer_ranks): in a pass the kernel serves from its pages nothing reads it before
+  the epoch switch, and a push into the eviction heap per consumed block, then a re-rank of
+  all of RAM at the switch, were over a third of the daemon's work per file closed (the
+  stored rank of a block may therefore be a re-rank behind: whoever needs a rank outside the
+  tier asks `priority_of`). One exception, in the
   zero-request mode: the blocks of a file whose READs reached its end take the rank their
   consumption at the close will give them a few milliseconds early (`read_whole`), when RAM
   is full; any re-rank before the close gives them `priority_of`'s again. With storage targets of
@@ -58,6 +64,9 @@ MAX_GAP_S = 0.05  # a longer gap between two consumptions counts as this much
 # tens of files, opened within a window's time of their read-ahead.
 RECENT_ITEMS = 8192
 BLOCK_TIEBREAK = 1e-6  # keeps a file's blocks in order under one item priority
+# Re-ranks put off (`rerank`) are listed up to as many as RAM has blocks, and at least this
+# many: past that, every block is re-ranked instead (a rebuild), which costs no more
+MIN_STALE_ITEMS = 4096
 
 
 class Ranking:
@@ -117,7 +126,10 @@ class Ranking:
         if changed:
             self._read_costs = None  # numbered by the old manifest's items
         if changed or not same_items:
-            del self._stale_items[:], self._stale_sizes[:]  # numbered as no item is now
+            if self._stale_items:  # numbered as no item is now: every block, by its new number
+                del self._stale_items[:], self._stale_sizes[:]
+                self._all_stale = True
+                self.ram.defer_ranks(self._rerank_stale)
             self.numbering += 1
             self._recent_items.clear()
             for key, block in self.ram.blocks.items():
@@ -224,9 +236,20 @@ class Ranking:
         return self.ssd.contains((self._manifest.path(item), block_index), identity)
 
     def rerank(self, item: int, size_bytes: int) -> None:
-        """New priorities for the blocks of one item (of `size_bytes`, -1 if unknown), set
-        when the RAM tier's order is next read (RamTier.defer_ranks)."""
-        if not self._all_stale:
+        """New priorities for the blocks of one item (of `size_bytes`, -1 if unknown). Blocks
+        no longer worth keeping go now, so that what RAM holds and has free stays true, and
+        the tiers disjoint; the others' new rank is set when the RAM tier's order is next read
+        (RamTier.defer_ranks)."""
+        use = self._use_of(item)
+        if use is not None and (use == NEVER or (self.ssd is not None
+                                                 and use >= self.planner.length)):
+            self._rerank_item(item, size_bytes, drops_only=True)  # `_ranked` may say None
+        if self._all_stale:
+            pass  # ranked with all the others
+        elif len(self._stale_items) >= max(len(self.ram.blocks), MIN_STALE_ITEMS):
+            self._all_stale = True  # a rebuild costs less, and holds no list of them
+            del self._stale_items[:], self._stale_sizes[:]
+        else:
             self._stale_items.append(item)
             self._stale_sizes.append(size_bytes)
         self.ram.defer_ranks(self._rerank_stale)
@@ -239,26 +262,29 @@ class Ranking:
             self._all_stale = False
             self._rerank_all_now()
             return
-        assert self._manifest is not None  # use_manifest forgets those of another
         items, sizes_bytes = self._stale_items.tolist(), self._stale_sizes.tolist()
         del self._stale_items[:], self._stale_sizes[:]
-        path = self._manifest.path
-        ram = self.ram
-        block_bytes = self.block_bytes
         for item, size_bytes in zip(items, sizes_bytes, strict=True):
-            relpath = path(item)
-            use = self._use_of(item)
-            for block_index in range(block_count(max(size_bytes, 0), block_bytes)):
-                key = (relpath, block_index)
-                block = ram.get(key)
-                if block is None:
-                    continue
-                priority = (math.inf if use is None
-                            else self._ranked(item, block_index, block.identity, use))
-                if priority is None:
-                    ram.drop(key)
-                else:
-                    ram.set_priority(key, priority)
+            self._rerank_item(item, size_bytes)
+
+    def _rerank_item(self, item: int, size_bytes: int, drops_only: bool = False) -> None:
+        """`priority_of` for each block of the item RAM holds: None drops it; else it takes
+        the rank (unless `drops_only`)."""
+        assert self._manifest is not None  # use_manifest forgets the items of another
+        relpath = self._manifest.path(item)
+        ram = self.ram
+        use = self._use_of(item)
+        for block_index in range(block_count(max(size_bytes, 0), self.block_bytes)):
+            key = (relpath, block_index)
+            block = ram.get(key)
+            if block is None:
+                continue
+            priority = (math.inf if use is None
+                        else self._ranked(item, block_index, block.identity, use))
+            if priority is None:
+                ram.drop(key)
+            elif not drops_only:
+                ram.set_priority(key, priority)
 
     def read_whole(self, item: int, size_bytes: int, blocks_served) -> None:
         """A reader has read to the end of `item` (of `size_bytes`), and is consumed at its

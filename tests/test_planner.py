@@ -600,6 +600,64 @@ def test_a_consumption_reranks_its_blocks_when_room_is_next_needed():
     assert ram.farthest_priority() == 1.0 and ram.get((b"f2", 0)).priority == 0.0
 
 
+def ranked_ram(current, next_, ssd=None):
+    """A planner with the order (`current`, `next_`), and a RAM tier holding one 100-byte
+    block of every item of the manifest (f0, f1, ...), ranked by it."""
+    from cachefs.ranking import Ranking
+
+    count = len(current)
+    manifest = Manifest.from_paths([b"f%d" % i for i in range(count)]).prepare()
+    planner = Planner(2)
+    planner.set_order(Order(epoch=0, current=np.array(current), next=np.array(next_),
+                            manifest=manifest, rank=None, world_size=None, total_length=count,
+                            file=None))
+    ram = RamTier(100 * (count + 1), block_bytes=4096, block_overhead_bytes=0)
+    ranking = Ranking(planner, ram, ssd, block_bytes=4096)
+    ranking.use_manifest(manifest)
+    ranking.set_members(planner.current, planner.next, count)
+    for item in range(count):
+        b = block(100, item)
+        b.item, b.priority = item, ranking.priority_of(item, 0, IDENTITY)
+        assert ram.reserve(100, b.priority) and ram.insert((manifest.path(item), 0), b, 100)
+    return planner, ranking, ram
+
+
+def test_a_consumed_block_not_worth_keeping_goes_at_once():
+    """Only the new rank of a consumed block is put off: one with no further use, or kept
+    only for the next epoch while the SSD holds it (the tiers stay disjoint), goes at its
+    consumption, so that RAM's contents and free room stay true without a read of the order."""
+
+    class Ssd:
+        def contains(self, key, identity):
+            return key == (b"f1", 0)
+
+    planner, ranking, ram = ranked_ram([0, 1, 2], [1, 2], ssd=Ssd())
+    used_bytes = ram.used_bytes
+    for item in (0, 1, 2):
+        planner.consume(item)
+        ranking.rerank(item, 100)
+    assert (b"f0", 0) not in ram  # no further use
+    assert (b"f1", 0) not in ram  # next epoch's, and on the SSD
+    assert (b"f2", 0) in ram and ram.get((b"f2", 0)).priority == 2.0  # its new rank put off
+    assert ram.used_bytes == used_bytes - 200
+    assert ram.farthest_priority() == 3 + 1  # f2 at position 1 of the next epoch
+
+
+def test_reranks_put_off_past_the_blocks_held_become_one_rebuild():
+    """The list of re-ranks put off is bounded (by the blocks RAM holds, and
+    MIN_STALE_ITEMS): past it, every block is re-ranked when the order is next read."""
+    from cachefs.ranking import MIN_STALE_ITEMS
+
+    count = 8
+    planner, ranking, ram = ranked_ram(list(range(count)), list(reversed(range(count))))
+    for _ in range(MIN_STALE_ITEMS + 1):  # consumptions reported again and again
+        ranking.rerank(0, 100)
+    planner.consume(0)
+    ranking.rerank(0, 100)
+    assert len(ranking._stale_items) <= MIN_STALE_ITEMS
+    assert ram.farthest_priority() == count + count - 1  # f0, last of the next epoch
+
+
 def test_ram_insert_that_no_longer_fits_keeps_nothing():
     ram = RamTier(200, block_bytes=4096, block_overhead_bytes=0)
     assert ram.reserve(100, 5.0)

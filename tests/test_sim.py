@@ -376,7 +376,6 @@ def test_a_file_read_off_the_order_leaves_no_block_ranked_near_after_it():
                 offset += len(await sim.reader.read(handle, offset, 2 * block))
             sim.reader.release(handle)
         planner = sim.planner
-        sim.ram.farthest_priority()  # the re-ranks put off until room is needed are made
         return [key for key, held in sim.ram.blocks.items() if held.item >= 0
                 and planner.pos_cur[held.item] < 0 and planner.pos_next[held.item] < 0]
 
