@@ -127,9 +127,7 @@ class Ranking:
             self._read_costs = None  # numbered by the old manifest's items
         if changed or not same_items:
             if self._stale_items:  # numbered as no item is now: every block, by its new number
-                del self._stale_items[:], self._stale_sizes[:]
-                self._all_stale = True
-                self.ram.defer_ranks(self._rerank_stale)
+                self.rerank_all()
             self.numbering += 1
             self._recent_items.clear()
             for key, block in self.ram.blocks.items():
@@ -244,15 +242,12 @@ class Ranking:
         if use is not None and (use == NEVER or (self.ssd is not None
                                                  and use >= self.planner.length)):
             self._rerank_item(item, size_bytes, drops_only=True)  # `_ranked` may say None
-        if self._all_stale:
-            pass  # ranked with all the others
-        elif len(self._stale_items) >= max(len(self.ram.blocks), MIN_STALE_ITEMS):
-            self._all_stale = True  # a rebuild costs less, and holds no list of them
-            del self._stale_items[:], self._stale_sizes[:]
-        else:
+        if len(self._stale_items) >= max(len(self.ram.blocks), MIN_STALE_ITEMS):
+            self.rerank_all()  # a rebuild costs no more, and holds no list of them
+        elif not self._all_stale:  # else ranked with all the others
             self._stale_items.append(item)
             self._stale_sizes.append(size_bytes)
-        self.ram.defer_ranks(self._rerank_stale)
+            self.ram.defer_ranks(self._rerank_stale)
 
     def _rerank_stale(self) -> None:
         """The re-ranks put off (`rerank`, `rerank_all`), with the items' next uses as the plan

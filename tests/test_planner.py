@@ -559,26 +559,35 @@ def test_ram_a_rerank_put_off_is_applied_before_the_order_is_read():
     assert ram.farthest_priority() == 3.0
 
 
+def ranked_ram(current, next_, ssd=None, ram_blocks=None):
+    """A planner with the order (`current`, `next_`), and a RAM tier of `ram_blocks` 100-byte
+    blocks (one more than the items, if None) holding one of every item of the manifest
+    (f0, f1, ...), ranked by it."""
+    from cachefs.ranking import Ranking
+
+    count = len(current)
+    manifest = Manifest.from_paths([b"f%d" % i for i in range(count)]).prepare()
+    planner = Planner(2)
+    planner.set_order(Order(epoch=0, current=np.array(current), next=np.array(next_),
+                            manifest=manifest, rank=None, world_size=None, total_length=count,
+                            file=None))
+    ram = RamTier(100 * (count + 1 if ram_blocks is None else ram_blocks), block_bytes=4096,
+                  block_overhead_bytes=0)
+    ranking = Ranking(planner, ram, ssd, block_bytes=4096)
+    ranking.use_manifest(manifest)
+    ranking.set_members(planner.current, planner.next, count)
+    for item in range(count):
+        b = block(100, item)
+        b.item, b.priority = item, ranking.priority_of(item, 0, IDENTITY)
+        assert ram.reserve(100, b.priority) and ram.insert((manifest.path(item), 0), b, 100)
+    return planner, ranking, ram
+
+
 def test_a_consumption_reranks_its_blocks_when_room_is_next_needed():
     """The consumption's re-rank (Ranking.rerank) is put off; the first reservation after it
     sees the block at its next epoch's rank, the farthest, and evicts it first. So is an
     epoch switch's (Ranking.rerank_all)."""
-    from cachefs.ranking import Ranking
-
-    manifest = Manifest.from_paths([b"f0", b"f1", b"f2"]).prepare()
-    planner = Planner(2)
-    planner.set_order(Order(epoch=0, current=np.array([0, 1, 2]), next=np.array([2, 1, 0]),
-                            manifest=manifest, rank=None, world_size=None, total_length=3,
-                            file=None))
-    ram = RamTier(300, block_bytes=4096, block_overhead_bytes=0)
-    ranking = Ranking(planner, ram, None, block_bytes=4096)
-    ranking.use_manifest(manifest)
-    ranking.set_members(planner.current, planner.next, 3)
-    for item in range(3):
-        assert ram.reserve(100, ranking.priority_of(item, 0, None))
-        b = block(100, item)
-        b.item, b.priority = item, ranking.priority_of(item, 0, None)
-        assert ram.insert((manifest.path(item), 0), b, 100)
+    planner, ranking, ram = ranked_ram([0, 1, 2], [2, 1, 0], ram_blocks=3)
     planner.consume(0)
     ranking.rerank(0, 100)
     assert ram.get((b"f0", 0)).priority == 0.0  # put off
@@ -598,28 +607,6 @@ def test_a_consumption_reranks_its_blocks_when_room_is_next_needed():
     assert ram.get((b"f2", 0)).priority == 2.0  # put off
     # f1 at position 1 of the new epoch (it was at 3 + 1), f2 first
     assert ram.farthest_priority() == 1.0 and ram.get((b"f2", 0)).priority == 0.0
-
-
-def ranked_ram(current, next_, ssd=None):
-    """A planner with the order (`current`, `next_`), and a RAM tier holding one 100-byte
-    block of every item of the manifest (f0, f1, ...), ranked by it."""
-    from cachefs.ranking import Ranking
-
-    count = len(current)
-    manifest = Manifest.from_paths([b"f%d" % i for i in range(count)]).prepare()
-    planner = Planner(2)
-    planner.set_order(Order(epoch=0, current=np.array(current), next=np.array(next_),
-                            manifest=manifest, rank=None, world_size=None, total_length=count,
-                            file=None))
-    ram = RamTier(100 * (count + 1), block_bytes=4096, block_overhead_bytes=0)
-    ranking = Ranking(planner, ram, ssd, block_bytes=4096)
-    ranking.use_manifest(manifest)
-    ranking.set_members(planner.current, planner.next, count)
-    for item in range(count):
-        b = block(100, item)
-        b.item, b.priority = item, ranking.priority_of(item, 0, IDENTITY)
-        assert ram.reserve(100, b.priority) and ram.insert((manifest.path(item), 0), b, 100)
-    return planner, ranking, ram
 
 
 def test_a_consumed_block_not_worth_keeping_goes_at_once():
