@@ -70,9 +70,9 @@ class ItemMeta:
             return None
         return self.identity(item)
 
-    def refresh_due(self, item: int, freshness: Freshness, at_s: float | None = None) -> bool:
+    def refresh_due(self, item, freshness: Freshness, at_s: float | None = None):
         """Whether `freshness` calls the item's identity due for a refresh at `at_s` (now if
-        None)."""
+        None); for an array of items, of each."""
         return freshness.refresh_due(self.seen_s[item], at_s)
 
     def identity(self, item: int) -> SourceIdentity | None:

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import numpy as np
@@ -164,8 +165,9 @@ class Prefetcher:
         else:  # a new next epoch only: the few items whose next use changed
             # and those read whole, whose early rank came from the next order replaced:
             # their rank in force until their close (Ranking.read_whole)
-            for item in {*self.planner.reranked_items.tolist(), *self._read_whole}:
-                self.ranking.rerank(item, int(self.meta.size[item]))
+            items = np.union1d(self.planner.reranked_items,
+                               np.fromiter(self._read_whole, np.int64, len(self._read_whole)))
+            self.ranking.rerank_many(items, self.meta.size[items])
         if started and self.ranges is not None and self.ranking.ranged:
             self.ranges.new_epoch()
         self.poke()
@@ -302,21 +304,21 @@ class Prefetcher:
             return len(items)
         window = (planner.cursor, planner.window_end())
         taken, completed = planner.consume_many(items)
-        ranges = self.ranges if self.ranges is not None and self.ranking.ranged else None
-        known_sizes = self.meta.size
-        files = 0
-        for item, size_bytes in zip(items[:taken], sizes_bytes, strict=False):
-            if item < 0:
-                continue
-            files += 1
-            self._batched.discard(item)
-            self._read_whole.discard(item)
-            if ranges is not None:
-                ranges.rerank(item)
-            else:
-                known_size = int(known_sizes[item])
-                self.ranking.rerank(item, known_size if known_size >= 0 else size_bytes)
-        self.ranking.consumed_at(now_s(), files)
+        read = [item for item in items[:taken] if item >= 0]
+        self._batched.difference_update(read)
+        self._read_whole.difference_update(read)
+        if self.ranges is not None and self.ranking.ranged:
+            for item in read:
+                self.ranges.rerank(item)
+        elif read:
+            batch = np.array(items[:taken], np.int64)
+            in_manifest = batch >= 0
+            batch = batch[in_manifest]
+            known_sizes = self.meta.size[batch]
+            self.ranking.rerank_many(batch, np.where(
+                known_sizes >= 0, known_sizes,
+                np.array(sizes_bytes[:taken], np.int64)[in_manifest]))
+        self.ranking.consumed_at(now_s(), len(read))
         if completed and planner.switch_to_next():
             assert planner.epoch is not None  # the switch set it
             self.stats.start_epoch(planner.epoch)
@@ -447,8 +449,8 @@ class Prefetcher:
         for number, target in enumerate(targets.all):
             targets.advance(target, planner)
             if target.inflight_items < target.slots:
-                entries = planner.entries(target.positions, target.scan,
-                                          targets.window_end(target, planner, self.max_inflight))
+                entries = self._entries_to_walk(
+                    target, targets.window_end(target, planner, self.max_inflight), walked_s)
                 self._push_head(heads, number, entries)
         kernel = self.tiered.kernel is not None
         self._room_wait = False
@@ -482,6 +484,31 @@ class Prefetcher:
             target.scan = index + 1
             if target.inflight_items < target.slots:
                 self._push_head(heads, number, entries)
+
+    def _entries_to_walk(self, target: Target, end: int, walked_s: float
+                         ) -> Iterator[tuple[int, int, int]]:
+        """The entries of the target's list (`Planner.entries`) from its `scan` on, below
+        position `end`, less the files the kernel holds whole whose identity is not due for a
+        re-check at `walked_s`: the walk would find nothing to do for them, and they are gone
+        past (`target.scan`) a stretch at a time. In a pass the kernel serves from its pages
+        that is every file, and a look at each, block by block, was most of the walk."""
+        meta = self.meta
+        kernel = self.tiered.kernel is not None
+        for indices, positions, items, stop in self.planner.entry_chunks(
+                target.positions, target.scan, end):
+            if kernel:
+                sizes = meta.size[items]
+                idle = ((sizes >= 0)
+                        & (self.ram.kernel_blocks_of(items) == block_count(sizes, self.block_bytes))
+                        & ~meta.refresh_due(items, self.freshness, walked_s))
+                indices, positions, items = indices[~idle], positions[~idle], items[~idle]
+            for index, position, item in zip(indices.tolist(), positions.tolist(),
+                                             items.tolist(), strict=True):
+                # every entry before it was walked (those yielded before this one were, when
+                # the walk asks for the next) or needs nothing
+                target.scan = max(target.scan, index)
+                yield index, position, item
+            target.scan = max(target.scan, stop)
 
     @staticmethod
     def _push_head(heads: list, number: int, entries) -> None:

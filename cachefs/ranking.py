@@ -132,6 +132,7 @@ class Ranking:
             self._recent_items.clear()
             for key, block in self.ram.blocks.items():
                 block.item = self._item_of_key(key)
+            self.ram.items_renumbered()
         return changed
 
     def _item_of_key(self, key: BlockKey) -> int:
@@ -234,19 +235,34 @@ class Ranking:
         return self.ssd.contains((self._manifest.path(item), block_index), identity)
 
     def rerank(self, item: int, size_bytes: int) -> None:
-        """New priorities for the blocks of one item (of `size_bytes`, -1 if unknown). Blocks
-        no longer worth keeping go now, so that what RAM holds and has free stays true, and
-        the tiers disjoint; the others' new rank is set when the RAM tier's order is next read
-        (RamTier.defer_ranks)."""
-        use = self._use_of(item)
-        if use is not None and (use == NEVER or (self.ssd is not None
-                                                 and use >= self.planner.length)):
-            self._rerank_item(item, size_bytes, drops_only=True)  # `_ranked` may say None
-        if len(self._stale_items) >= max(len(self.ram.blocks), MIN_STALE_ITEMS):
+        """`rerank_many` of one item."""
+        self.rerank_many(np.array([item], np.int64), np.array([size_bytes], np.int64))
+
+    def rerank_many(self, items: np.ndarray, sizes_bytes: np.ndarray) -> None:
+        """New priorities for the blocks of `items` (of `sizes_bytes`, -1 if unknown), all
+        consumed at once. Blocks no longer worth keeping go now, so that what RAM holds and
+        has free stays true, and the tiers disjoint; the others' new rank is set when the RAM
+        tier's order is next read (RamTier.defer_ranks). The next uses are read as one array:
+        per item, numpy scalars were most of a re-rank."""
+        if len(items) == 0:
+            return
+        planner = self.planner
+        if planner.active:
+            known = (items >= 0) & (items < len(self._member))
+            members = items[known][self._member[items[known]]]
+            uses = planner.next_uses(members)
+            # `_ranked` may say None for these
+            doomed = (uses == NEVER) | ((uses >= planner.length) if self.ssd is not None
+                                        else False)
+            if doomed.any():
+                sizes_of = dict(zip(items.tolist(), sizes_bytes.tolist(), strict=True))
+                for item in members[doomed].tolist():
+                    self._rerank_item(item, sizes_of[item], drops_only=True)
+        if len(self._stale_items) + len(items) > max(len(self.ram.blocks), MIN_STALE_ITEMS):
             self.rerank_all()  # a rebuild costs no more, and holds no list of them
         elif not self._all_stale:  # else ranked with all the others
-            self._stale_items.append(item)
-            self._stale_sizes.append(size_bytes)
+            self._stale_items.extend(items.tolist())
+            self._stale_sizes.extend(sizes_bytes.tolist())
             self.ram.defer_ranks(self._rerank_stale)
 
     def _rerank_stale(self) -> None:

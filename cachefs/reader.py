@@ -227,8 +227,8 @@ class Reader:
     def _kernel_holds(self, handle: OpenFile) -> list | None:
         """If the kernel holds the whole file, mark the handle served from its pages (each
         block counted as a READ would count it) and return the file's blocks; else None."""
-        blocks = self._tiered.file_blocks(handle.relpath, handle.identity)
-        if blocks is None or not all(block.in_kernel for _, block in blocks):
+        blocks = self._tiered.kernel_holds_all(handle.relpath, handle.identity)
+        if blocks is None:
             return None
         handle.kernel_whole = True
         self.kernel_opens += 1
@@ -256,7 +256,9 @@ class Reader:
         if self._ranged_file(relpath):
             return None
         handle = self.handle_without_open(inode, relpath, item, identity)
-        blocks = self._kernel_holds(handle) if identity.size != 0 else None
+        if identity.size == 0:
+            return handle
+        blocks = self._kernel_holds(handle)
         if blocks is not None:
             # A file the kernel alone holds is settled: both ways out of `_settle_pages` leave
             # it as it is (hand_to_kernel has nothing to hand; keep_pages keeps the kernel's
@@ -265,9 +267,7 @@ class Reader:
             # accounting (the simulator's read path, cProfile).
             handle.kernel_alone = all(block.data is None for _, block in blocks)
             return handle
-        if identity.size == 0 or self._kernel_dropped_lately(handle):
-            return handle
-        return None
+        return handle if self._kernel_dropped_lately(handle) else None
 
     def _ranged_file(self, relpath: bytes) -> bool:
         """Its samples are byte-range items of the order in force (module docstring)."""

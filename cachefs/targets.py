@@ -364,8 +364,8 @@ class Targets:
     def file_read(self, item: int, manifest, origin: int, stall_s: float) -> None:
         """A reader is done with a file (cachefs/reader.py): its miss and stall count in its
         target's counters."""
-        if manifest is not self.manifest:
-            return
+        if (origin != stats_mod.ORIGIN_MISS and stall_s == 0) or manifest is not self.manifest:
+            return  # nothing to count (most files: a hit with no wait)
         target = self.target_of(item)
         if target is None:
             return

@@ -119,6 +119,31 @@ def test_cursor_is_lowest_unconsumed_position_under_out_of_order_consumption():
     assert planner.cursor == 5 and planner.consumed_count == 5
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_batch_of_consumptions_is_what_consuming_them_one_by_one_makes(seed):
+    """`consume_many` (vectorised: the closes of one batch) takes the same items, completes
+    the order at the same one and leaves the same plan as `consume` one item at a time;
+    repeats in a batch, items outside the order or the manifest, and -1 included."""
+    rng = np.random.default_rng(seed)
+    current = rng.permutation(200)
+    manifest = Manifest.from_paths([f"f{i}" for i in range(260)])
+    batched, single = Planner(50), Planner(50)
+    for planner in (batched, single):
+        assert planner.set_order(order(1, current, manifest=manifest))
+    while batched.consumed_count < len(current):
+        items = rng.choice(np.r_[current, current[:10], [-1, 250, 300]], 23).tolist()
+        expected = (len(items), False)
+        for index, item in enumerate(items, 1):
+            if single.consume(item):
+                expected = (index, True)
+                break
+        assert batched.consume_many(items) == expected
+        assert batched.cursor == single.cursor
+        assert batched.consumed_count == single.consumed_count
+        assert batched.consumed.tolist() == single.consumed.tolist()
+        assert batched.pos_cur.tolist() == single.pos_cur.tolist()
+
+
 def test_consuming_an_item_twice_or_outside_the_order_changes_nothing():
     planner = planner_with([0, 1, 2])
     planner.consume(1)
@@ -681,6 +706,48 @@ def test_ram_budget_never_exceeded_under_random_traffic(seed):
         assert ram.used_bytes <= ram.budget_bytes
         assert ram.resident_bytes == sum(len(b.data) for b in ram.blocks.values())
         assert ram.reserved_bytes == sum(n for n, _ in reserved)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_ram_counts_per_item_the_blocks_the_kernel_holds_under_random_traffic(seed):
+    """`kernel_blocks_of` (the walk passes over a file on it, cachefs/prefetch.py) stays
+    what the resident blocks say, whichever way a block comes, goes, is handed to the
+    kernel, loses its kernel copy or is numbered anew."""
+    rng = np.random.default_rng(seed)
+    ram = RamTier(30 * 4096, block_bytes=4096, block_overhead_bytes=0)
+    items = np.arange(12)
+
+    def counted() -> list:
+        counts = [0] * len(items)
+        for held in ram.blocks.values():
+            if held.in_kernel and held.item >= 0:
+                counts[held.item] += 1
+        return counts
+
+    for _ in range(3000):
+        action, file = int(rng.integers(7)), int(rng.integers(10))
+        key = (b"f%d" % file, int(rng.integers(3)))
+        held = ram.get(key)
+        if action == 0:
+            new = block(int(rng.integers(1, 4096)), item=file if file < 8 else -1)
+            new.priority = float(rng.integers(0, 50))
+            if ram.reserve(ram.charge(new), new.priority):
+                ram.insert(key, new, ram.charge(new))
+        elif action == 1 and held is not None:
+            ram.add_kernel_copy(key, held)
+        elif action == 2 and held is not None:
+            ram.drop_kernel_copy(key, held)
+        elif action == 3 and held is not None:
+            ram.hand_to_kernel([(key, held)])
+        elif action == 4 and held is not None:
+            ram.keep_kernel_copies([(key, held)])
+        elif action == 5:
+            ram.drop_file_pages(key[0], 3 * 4096) if rng.random() < 0.5 else ram.drop(key)
+        elif action == 6 and rng.random() < 0.05:  # a new manifest numbers the files anew
+            for held in ram.blocks.values():
+                held.item = (held.item + 3) % len(items) if held.item >= 0 else -1
+            ram.items_renumbered()
+        assert ram.kernel_blocks_of(items).tolist() == counted()
 
 
 def test_ram_hands_a_file_to_the_kernel_whole_or_not_at_all():

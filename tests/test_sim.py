@@ -528,3 +528,44 @@ def test_a_file_whose_first_blocks_the_kernel_holds_is_read_whole_at_its_last_re
 
     config = SimConfig(items=4, item_bytes=size, block_bytes=block, ram_bytes=64 * block)
     assert run_script(config, script) == (1000, 0, 0)  # read whole: not read again
+
+
+def test_the_walk_passes_over_the_files_the_kernel_holds_whole(monkeypatch):
+    """A pass the kernel serves from its pages: the read-ahead's walk starts nothing and
+    pushes nothing for the files the kernel holds whole, and its scan goes past them
+    (prefetch.py `_entries_to_walk`); a file one of whose blocks lost its kernel copy is
+    pushed again, and one RAM lost is read again: only those two are looked at."""
+    from cachefs import prefetch
+
+    started: list[int] = []
+    pushed: list[int] = []
+    looked: list[int] = []  # files the walk looked at block by block
+    real_start, real_push = prefetch.Prefetcher._start_item, prefetch.Prefetcher._push
+    real_held = prefetch.Prefetcher._held
+    monkeypatch.setattr(prefetch.Prefetcher, "_held", lambda self, item: (
+        looked.append(item), real_held(self, item))[1])
+    monkeypatch.setattr(prefetch.Prefetcher, "_start_item", lambda self, item, *args: (
+        started.append(item), real_start(self, item, *args))[1])
+    monkeypatch.setattr(prefetch.Prefetcher, "_push", lambda self, item, identity: (
+        pushed.append(item), real_push(self, item, identity))[1])
+
+    async def script(sim):
+        sim.prefetcher.set_order(sim.order(0))
+        await trio.sleep(1.0)  # read ahead, and pushed into the kernel's pages
+        assert all(block.in_kernel for block in sim.ram.blocks.values())
+        kept_from_kernel, lost = (sim.paths[5], 1), (sim.paths[9], 0)
+        sim.ram.drop_kernel_copy(kept_from_kernel, sim.ram.get(kept_from_kernel))
+        sim.ram.drop(lost)
+        started.clear(), pushed.clear(), looked.clear()
+        targets = sim.prefetcher.targets
+        for target in targets.all:  # the walk goes over its whole list again
+            targets.rescan(target)
+        sim.prefetcher.poke()
+        await trio.sleep(1.0)
+        return (sorted(set(looked)), sorted(started), sorted(pushed),
+                all(target.scan == len(target.positions) for target in targets.all))
+
+    config = SimConfig(items=16, item_bytes=300 * KIB, block_bytes=128 * KIB,
+                       ram_bytes=64 * 1024 * KIB, metadata_ttl_s=3600.0)
+    # 9's fetch pushes it once read
+    assert run_script(config, script) == ([5, 9], [9], [5, 9], True)

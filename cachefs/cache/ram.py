@@ -62,6 +62,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from cachefs.source import SourceIdentity
 
 log = logging.getLogger(__name__)
@@ -97,9 +99,11 @@ class RamBlock:
         return self.nbytes + page_bytes(self.nbytes) if self.kept_twice else self.nbytes
 
 
-def block_count(size_bytes: int, block_bytes: int) -> int:
-    """Blocks of a file of `size_bytes` (an empty file has one, empty)."""
-    return max(1, -(-size_bytes // block_bytes))
+def block_count(size_bytes, block_bytes: int):
+    """Blocks of a file of `size_bytes` (an empty file has one, empty); of each file, for an
+    array of sizes."""
+    blocks = -(-size_bytes // block_bytes)
+    return np.maximum(blocks, 1) if isinstance(blocks, np.ndarray) else max(1, blocks)
 
 
 def page_bytes(nbytes: int) -> int:
@@ -134,6 +138,9 @@ class RamTier:
         self._kept_twice: deque[tuple[BlockKey, RamBlock]] = deque()
         # sets the priorities of a re-rank put off (`defer_ranks`), if there is one
         self._deferred_ranks: Callable[[], None] | None = None
+        # per item (a file block's `item`): its blocks resident here that the kernel holds
+        # too (`kernel_blocks_of`)
+        self._kernel_blocks = np.zeros(0, np.int32)
 
     @property
     def used_bytes(self) -> int:
@@ -229,7 +236,9 @@ class RamTier:
         self.resident_bytes += extra
         self.blocks[key] = block
         self._push(key, block)
-        if kernel_keeps:
+        if block.in_kernel:
+            self._count_in_kernel(key, block, 1)
+        elif kernel_keeps:
             self.add_kernel_copy(key, block)
         return True
 
@@ -353,6 +362,8 @@ class RamTier:
         if not block.in_kernel:
             block.in_kernel = True
             self.kernel_bytes += page_bytes(block.nbytes)
+            if self.blocks.get(key) is block:
+                self._count_in_kernel(key, block, 1)
 
     def drop_file_pages(self, relpath: bytes, size_bytes: int | None = None) -> None:
         """Make the kernel drop its pages of a file (there is no dropping a part of them):
@@ -387,15 +398,50 @@ class RamTier:
             block.kept_twice = False
         block.in_kernel = False
         self.kernel_bytes -= page_bytes(block.nbytes)
+        if self.blocks.get(key) is block:
+            self._count_in_kernel(key, block, -1)
 
     def _remove(self, key: BlockKey, notify: bool = True) -> None:
         block = self.blocks.pop(key)
         self._lru.pop(key, None)
         self.resident_bytes -= self.charge(block)
         if block.in_kernel:
+            self._count_in_kernel(key, block, -1)
             self.kernel_bytes -= page_bytes(block.nbytes)
             if notify:
                 self.drop_file_pages(key[0], block.identity.size)
+
+    # -- what the kernel holds, per item ------------------------------------------------------
+
+    def kernel_blocks_of(self, items: np.ndarray) -> np.ndarray:
+        """For each of `items` (manifest items, each >= 0): how many of its file's blocks are
+        resident here with the kernel holding them too. The read-ahead's walk passes over a
+        file the kernel holds whole with one look at this for a whole stretch of its list
+        (cachefs/prefetch.py), where a look per block was most of its work in a hot pass."""
+        counts = self._kernel_blocks
+        held = np.zeros(len(items), np.int32)
+        inside = items < len(counts)
+        held[inside] = counts[items[inside]]
+        return held
+
+    def items_renumbered(self) -> None:
+        """The blocks' `item` numbers changed (a new manifest, Ranking.use_manifest): the
+        counts of `kernel_blocks_of` are made again."""
+        self._kernel_blocks = np.zeros(0, np.int32)
+        for key, block in self.blocks.items():
+            if block.in_kernel:
+                self._count_in_kernel(key, block, 1)
+
+    def _count_in_kernel(self, key: BlockKey, block: RamBlock, change: int) -> None:
+        """A resident block came to be held by the kernel too (1), or stopped (-1)."""
+        item = block.item
+        if item < 0 or not isinstance(key[1], int):
+            return  # in no manifest, or a range entry (cachefs/range_cache.py): no file block
+        if item >= len(self._kernel_blocks):
+            grown = np.zeros(max(item + 1, 2 * len(self._kernel_blocks)), np.int32)
+            grown[:len(self._kernel_blocks)] = self._kernel_blocks
+            self._kernel_blocks = grown
+        self._kernel_blocks[item] += change
 
     def stats(self) -> dict:
         return {"bytes": self.resident_bytes, "reserved": self.reserved_bytes,

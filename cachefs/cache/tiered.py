@@ -365,7 +365,7 @@ class TieredCache:
         dropped: pages the budget does not count are not left in the kernel."""
         if self.kernel is None:
             return False
-        blocks = self._kernel_holds_all(relpath, identity, blocks_read)
+        blocks = self.kernel_holds_all(relpath, identity, blocks_read)
         if blocks is None or not self.ram.hand_to_kernel(blocks):
             self.drop_pages(relpath, identity.size)
             return False
@@ -378,7 +378,7 @@ class TieredCache:
         keep_kernel_copies), else they are dropped now."""
         if self.kernel is None:
             return
-        blocks = self._kernel_holds_all(relpath, identity, blocks_read)
+        blocks = self.kernel_holds_all(relpath, identity, blocks_read)
         if blocks is not None and not all(block.data is not None for _, block in blocks):
             # the kernel holds the only copy of some of it (handed over earlier): it stays
             # there, charged as pages; dropping it would lose a file the policy keeps, and
@@ -387,14 +387,17 @@ class TieredCache:
         if blocks is None or not self.ram.keep_kernel_copies(blocks):
             self.drop_pages(relpath, identity.size)
 
-    def _kernel_holds_all(self, relpath: bytes, identity: SourceIdentity,
-                          blocks_read: set[int]) -> list[tuple[BlockKey, RamBlock]] | None:
+    def kernel_holds_all(self, relpath: bytes, identity: SourceIdentity,
+                         blocks_read: set[int] | frozenset = frozenset()
+                         ) -> list[tuple[BlockKey, RamBlock]] | None:
         """Every block of this version of the file, if the kernel holds them all (pushed to
         it, or returned by a READ of the reader done with it: `blocks_read`), else None."""
         blocks = self.file_blocks(relpath, identity)
-        if blocks is None or not all(block.in_kernel or key[1] in blocks_read
-                                     for key, block in blocks):
+        if blocks is None:
             return None
+        for key, block in blocks:
+            if not block.in_kernel and key[1] not in blocks_read:
+                return None
         return blocks
 
     def drop_pages(self, relpath: bytes, size_bytes: int | None = None) -> None:
