@@ -386,23 +386,24 @@ class Operations(pyfuse3.Operations):
     def closed(self, inodes: list[int]) -> None:
         """Files were closed (fanotify, in the zero-request mode): account for each, as a
         RELEASE would, whether READs came for it or the kernel's pages served it all; the
-        batch's files in one go (`Reader.release_many`)."""
-        handles = []
+        batch's files in one go (`Reader.closed`)."""
+        closes = []
         for inode in inodes:
             try:
-                handle = self._closed_one(inode)
+                close = self._closed_one(inode)
             except Exception:  # noqa: BLE001 - one file's accounting must not end all others'
                 log.exception("unexpected error accounting for the close of inode %d", inode)
                 continue
-            if handle is not None:
-                handles.append(handle)
+            if close is not None:
+                closes.append(close)
         try:
-            self.reader.release_many(handles)
+            self.reader.closed(closes)
         except Exception:  # noqa: BLE001 - the mount goes on; the next batch is counted
-            log.exception("unexpected error accounting for %d closed files", len(handles))
+            log.exception("unexpected error accounting for %d closed files", len(closes))
 
-    def _closed_one(self, inode: int) -> OpenFile | None:
-        """The handle to release for a close of `inode`, if it read anything."""
+    def _closed_one(self, inode: int) -> OpenFile | tuple | None:
+        """A close of `inode` as `Reader.closed` takes it: the handle its READs used, else
+        (inode, relpath, item, identity) of a regular file still known; None if neither."""
         handle = self._without_open.pop(inode, None)
         if handle is not None:
             return handle
@@ -412,8 +413,8 @@ class Operations(pyfuse3.Operations):
             return None  # forgotten since; nothing of it is held
         if not stat.S_ISREG(entry.stat.st_mode):
             return None
-        return self.reader.closed_without_reads(inode, entry.relpath, self._item_of(entry),
-                                                self.source.identity_of(entry.stat))
+        return (inode, entry.relpath, self._item_of(entry),
+                self.source.identity_of(entry.stat))
 
     @_guarded
     async def release(self, fh):

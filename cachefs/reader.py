@@ -50,6 +50,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from cachefs import errors
 from cachefs import stats as stats_mod
@@ -116,9 +117,15 @@ class OpenFile:
     # READ may move `identity` on to a new version of the same size (`_block`), and the
     # zero-request mode's handle stays the file's until the kernel is told of another
     told: SourceIdentity | None = None
-    # the zero-request mode's close of a file whose every block the kernel alone held (an
-    # earlier close settled it so): its own close settles nothing (`_settle_pages`)
-    kernel_alone: bool = False
+
+
+class KernelRead(NamedTuple):
+    """The close of a file only the kernel held, whole, with no READ (the zero-request mode's
+    usual close in a pass the kernel serves from its pages): what its accounting needs. Such
+    a file has nothing to settle, and no handle is made for it (`Reader.closed`)."""
+    item: int
+    size_bytes: int
+    origin: int  # where its blocks came from (`_served`)
 
 
 class Reader:
@@ -233,7 +240,7 @@ class Reader:
         handle.kernel_whole = True
         self.kernel_opens += 1
         for key, block in blocks:
-            self._served(handle, key, block)
+            handle.origin = max(handle.origin, self._served(key, block))
         return blocks
 
     def handle_without_open(self, inode: int, relpath: bytes, item: int,
@@ -245,6 +252,72 @@ class Reader:
                         order_serial=self._planner.order_serial,
                         consume_at_release=True, told=identity)
 
+    def closed(self, closes: list) -> None:
+        """Files were closed, in this order (the closes of one fanotify batch, the
+        zero-request mode): each is the handle its READs used, or (inode, relpath, item,
+        identity) of a file no READ reached. A run of files only the kernel held whole is
+        counted without a handle (`KernelRead`); handles are released (`release_many`). The
+        order is kept: a file consumed after the one that completes the order counts in the
+        next epoch."""
+        handles: list[OpenFile] = []
+        kernel_reads: list[KernelRead] = []
+        for close in closes:
+            if isinstance(close, OpenFile):
+                handle = close
+            else:
+                kernel_read = self._kernel_alone_read(*close)
+                if kernel_read is not None:
+                    if handles:
+                        self.release_many(handles)
+                        handles = []
+                    kernel_reads.append(kernel_read)
+                    continue
+                read = self.closed_without_reads(*close)
+                if read is None:
+                    continue
+                handle = read
+            if kernel_reads:
+                self._count_kernel_reads(kernel_reads)
+                kernel_reads = []
+            handles.append(handle)
+        self.release_many(handles)
+        self._count_kernel_reads(kernel_reads)
+
+    def _kernel_alone_read(self, inode: int, relpath: bytes, item: int,
+                           identity: SourceIdentity) -> KernelRead | None:
+        """A file closed with no READ: its `KernelRead` if only the kernel held it, whole,
+        with each block counted as a READ would count it; else None. Such a file is settled:
+        both ways out of `_settle_pages` leave it as it is (hand_to_kernel has nothing to
+        hand; keep_pages keeps the kernel's only copy), and it is counted in this batch,
+        before anything else can move it. In a pass the kernel serves from its pages it is
+        every file, and a handle for it (made, then released) was over a quarter of the
+        daemon's work per close."""
+        if identity.size == 0 or self._ranged_file(relpath):
+            return None
+        blocks = self._tiered.kernel_holds_all(relpath, identity)
+        if blocks is None:
+            return None
+        for _, block in blocks:
+            if block.data is not None:
+                return None
+        origin = stats_mod.ORIGIN_RAM
+        for key, block in blocks:
+            origin = max(origin, self._served(key, block))
+        self.kernel_opens += 1
+        return KernelRead(item, identity.size, origin)
+
+    def _count_kernel_reads(self, reads: list[KernelRead]) -> None:
+        """Consume and count files only the kernel held (`closed`), as `release_many` counts
+        a handle's."""
+        if not reads:
+            return
+        manifest = self._ranking.manifest
+        records = self._consume_items([read.item for read in reads],
+                                      [read.size_bytes for read in reads])
+        for read, record in zip(reads, records, strict=True):
+            self._stats.file_read(read.origin, 0.0, read.size_bytes, record=record)
+            self._prefetcher.file_read(read.item, manifest, read.origin, 0.0)
+
     def closed_without_reads(self, inode: int, relpath: bytes, item: int,
                              identity: SourceIdentity) -> OpenFile | None:
         """A file was opened and closed with no READ reaching the daemon (the zero-request
@@ -252,20 +325,12 @@ class Reader:
         which held the whole file, or held it until a moment ago; None if nothing was read
         (an open for a stat, or a mapping never touched). A file of byte-range items counts
         nothing at its close: its items were counted as they were read, and its pages are
-        dropped every few items."""
+        dropped every few items. (A file only the kernel held is counted without a handle:
+        `closed`.)"""
         if self._ranged_file(relpath):
             return None
         handle = self.handle_without_open(inode, relpath, item, identity)
-        if identity.size == 0:
-            return handle
-        blocks = self._kernel_holds(handle)
-        if blocks is not None:
-            # A file the kernel alone holds is settled: both ways out of `_settle_pages` leave
-            # it as it is (hand_to_kernel has nothing to hand; keep_pages keeps the kernel's
-            # only copy). Its release is in this batch, before anything else can move it, and
-            # in a hot pass it is the usual case: the check was about a fifth of a close's
-            # accounting (the simulator's read path, cProfile).
-            handle.kernel_alone = all(block.data is None for _, block in blocks)
+        if identity.size == 0 or self._kernel_holds(handle) is not None:
             return handle
         return handle if self._kernel_dropped_lately(handle) else None
 
@@ -284,13 +349,13 @@ class Reader:
         self.kernel_opens += 1
         return True
 
-    def _served(self, handle: OpenFile, key, block) -> None:
-        """A block of the tier reaches the reader (through a READ, or the kernel's pages):
-        the handle's class counts where it came from, once per load (stats.py)."""
-        origin = stats_mod.ORIGIN_RAM if block.served else block.origin
-        block.served = True
+    def _served(self, key, block) -> int:
+        """A block of the tier reaches a reader (through a READ, or the kernel's pages): where
+        it came from, for the class the reader's file counts in (its costliest block's), once
+        per load (stats.py)."""
+        block.served, origin = True, stats_mod.ORIGIN_RAM if block.served else block.origin
         self._tiered.ram.touch(key, block)
-        handle.origin = max(handle.origin, origin)
+        return origin
 
     async def read(self, handle: OpenFile, offset: int, size: int) -> bytes:
         handle.read_called = True
@@ -362,7 +427,7 @@ class Reader:
         key = (handle.relpath, block_index)
         block = self._tiered.lookup(key, handle.identity)  # a block with data, or None
         if block is not None and block.data is not None:  # the hot path: no await
-            self._served(handle, key, block)
+            handle.origin = max(handle.origin, self._served(key, block))
             return block.data
         if self._tiered.kernel_reclaimed(key, handle.identity):
             handle.kernel_reclaimed = True
@@ -409,7 +474,7 @@ class Reader:
 
     def _consume_many(self, handles: list[OpenFile]) -> None:
         """The files of `handles` were read, in this order: each counts in the epoch that
-        consumed it (`epoch_record`), which the last file of an order ends."""
+        consumed it (`epoch_record`)."""
         # the same plan: the item numbers are those the handle holds (a manifest with other
         # paths is always a new plan, planner.set_order); else the order it was read for was
         # replaced while it was open: it counts in the epoch it was opened in and consumes
@@ -421,13 +486,23 @@ class Reader:
                 handle.consumed = True
                 if handle.order_serial == serial:
                     pending.append(handle)
-        while pending:
+        records = self._consume_items([handle.item for handle in pending],
+                                      [handle.identity.size for handle in pending])
+        for handle, record in zip(pending, records, strict=True):
+            handle.epoch_record = record
+
+    def _consume_items(self, items: list[int], sizes_bytes: list[int]
+                       ) -> list[stats_mod.EpochStats]:
+        """Consume `items` (of `sizes_bytes`), read in this order: the epoch record each
+        counts in, the one in force when it was consumed (the last file of an order ends it,
+        and the files after it count in the next)."""
+        records: list[stats_mod.EpochStats] = []
+        while len(records) < len(items):
             record = self._stats.current
-            taken = self._prefetcher.consumed_many([handle.item for handle in pending],
-                                                   [handle.identity.size for handle in pending])
-            for handle in pending[:taken]:
-                handle.epoch_record = record
-            pending = pending[taken:]
+            taken = self._prefetcher.consumed_many(items[len(records):],
+                                                   sizes_bytes[len(records):])
+            records.extend([record] * taken)
+        return records
 
     def release(self, handle: OpenFile, last: bool = True) -> None:
         """The reader let go of `handle`; `last`: no other handle of the file is open."""
@@ -459,7 +534,7 @@ class Reader:
                                       kernel_reclaimed=handle.kernel_reclaimed)
                 self._prefetcher.file_read(handle.item, handle.manifest, handle.origin,
                                            handle.stall_s)
-                if last and not handle.kernel_alone:
+                if last:
                     self._settle_pages(handle)
             except Exception:  # noqa: BLE001 - one file's accounting must not end the others'
                 log.exception("unexpected error accounting for the read of %r", handle.relpath)

@@ -641,10 +641,7 @@ def test_a_close_with_no_read_just_after_its_pages_were_dropped_is_counted(monke
         def close_without_reads(item) -> dict:
             before = sim.stats.totals()
             relpath = sim.paths[item]
-            handle = sim.reader.closed_without_reads(item + 2, relpath, item,
-                                                     sim.source.identity(relpath))
-            if handle is not None:
-                sim.reader.release_many([handle])
+            sim.reader.closed([(item + 2, relpath, item, sim.source.identity(relpath))])
             after = sim.stats.totals()
             return {name: after[name] - before[name] for name in ("reads", "hits_ram")}
 
@@ -698,3 +695,35 @@ def test_a_file_read_with_no_open_is_rechecked_though_ram_let_it_go(tmp_path):
     (tmp_path / "shard").write_bytes(b"z" * 30)
     trio.run(revalidator.sweep)
     assert changed == [(b"shard", 20), (b"shard", 30)]  # a change after it, reported
+
+
+def test_close_events_are_read_as_the_kernel_writes_them():
+    """cachefs/fanotify.py reads a batch's fields as arrays: events all as long (a FUSE
+    mount's, by handle) and a batch with an overflow among them (no handle, shorter) give
+    the same inode numbers and count the overflow; a handle that is not FUSE's is skipped."""
+    import struct
+
+    from cachefs import fanotify
+
+    def event(inode: int, handle_type: int = fanotify.FILEID_INO64_GEN) -> bytes:
+        handle = struct.pack("=II", inode >> 32, inode & 0xFFFFFFFF) + struct.pack("=I", 7)
+        info = struct.pack("=BBHiiIi", fanotify.FAN_EVENT_INFO_TYPE_FID, 0,
+                           fanotify._INFO_FID.size + len(handle), 0, 0, len(handle),
+                           handle_type) + handle
+        size = fanotify._METADATA.size + len(info)
+        return fanotify._METADATA.pack(size, 3, 0, fanotify._METADATA.size,
+                                       fanotify.FAN_CLOSE_NOWRITE, fanotify.FAN_NOFD,
+                                       1234) + info
+
+    overflow = fanotify._METADATA.pack(fanotify._METADATA.size, 3, 0, fanotify._METADATA.size,
+                                       fanotify.FAN_Q_OVERFLOW, fanotify.FAN_NOFD, 0)
+    watcher = fanotify.CloseWatcher(-1, marker=object(), deliver=lambda inodes: None)
+    try:
+        uniform = b"".join(event(inode) for inode in (2, 3, (5 << 32) + 9))
+        assert watcher._parse(uniform) == ([], [2, 3, (5 << 32) + 9])
+        mixed = event(4) + overflow + event(11) + event(12, handle_type=1) + event(13)
+        assert watcher._parse(mixed) == ([], [4, 11, 13])
+        assert (watcher.events, watcher.overflows) == (6, 1)
+        assert watcher._parse(event(14)[:-4]) == ([], [])  # a cut event is no event
+    finally:
+        os.close(watcher._stop_read), os.close(watcher._stop_write)
