@@ -52,7 +52,6 @@ import threading
 import time
 from collections.abc import Callable
 
-import numpy as np
 import trio
 
 log = logging.getLogger(__name__)
@@ -291,63 +290,31 @@ class CloseWatcher:
         self._marker.mark(0, DIRECTORY_MASK, path)
 
     def _parse(self, buffer: bytes) -> tuple[list[int], list[int]]:
-        """The events' fds (for the caller to close) and their files' inode numbers.
-
-        The fields are read as arrays, every event's at once: one read holds a few hundred
-        events, and unpacking each was about a tenth of the daemon's work per close in a hot
-        pass. The events of a FUSE mount by handle are all as long (their handles are), so
-        where they start is a multiple; otherwise it is found event by event."""
-        starts = _event_starts(buffer)
-        if len(starts) == 0:
-            return [], []
-        masks = _field(buffer, starts, 8, "=u8")
-        self.overflows += int(np.count_nonzero(masks & FAN_Q_OVERFLOW))
-        if self.by_handle:
-            info = starts + _field(buffer, starts, 6, "=u2").astype(np.int64)  # metadata_len
-            ends = starts + _field(buffer, starts, 0, "=u4").astype(np.int64)
-            whole = info + _INFO_FID.size + _NODE_ID.size <= ends
-            info = info[whole]
-            fid = ((_field(buffer, info, 0, "=u1") == FAN_EVENT_INFO_TYPE_FID)
-                   & (_field(buffer, info, 16, "=i4") == FILEID_INO64_GEN)
-                   & (_field(buffer, info, 12, "=u4") >= _NODE_ID.size))
-            info = info[fid]
-            high = _field(buffer, info, _INFO_FID.size, "=u4").astype(np.uint64)
-            low = _field(buffer, info, _INFO_FID.size + 4, "=u4").astype(np.uint64)
-            inodes = ((high << np.uint64(32)) | low).tolist()
-            self.events += len(inodes)
-            return [], inodes
-        fds = [fd for fd in _field(buffer, starts, 16, "=i4").tolist() if fd >= 0]
-        inodes = []
-        for fd in fds:
+        """The events' fds (for the caller to close) and their files' inode numbers."""
+        fds: list[int] = []
+        inodes: list[int] = []
+        offset = 0
+        while offset + _METADATA.size <= len(buffer):
+            event_len, _vers, _reserved, meta_len, mask, fd, _pid = \
+                _METADATA.unpack_from(buffer, offset)
+            info_at, offset = offset + meta_len, offset + event_len
+            if mask & FAN_Q_OVERFLOW:
+                self.overflows += 1
+            if self.by_handle:
+                if info_at + _INFO_FID.size + _NODE_ID.size <= offset:
+                    info_type, _pad, _len, _fsid0, _fsid1, handle_bytes, handle_type = \
+                        _INFO_FID.unpack_from(buffer, info_at)
+                    if (info_type == FAN_EVENT_INFO_TYPE_FID and handle_type == FILEID_INO64_GEN
+                            and handle_bytes >= _NODE_ID.size):
+                        high, low = _NODE_ID.unpack_from(buffer, info_at + _INFO_FID.size)
+                        inodes.append(high << 32 | low)
+                continue
+            if fd == FAN_NOFD or fd < 0:
+                continue
+            fds.append(fd)
             try:
                 inodes.append(os.fstat(fd).st_ino)
             except OSError:
                 pass
         self.events += len(inodes)
         return fds, inodes
-
-
-def _event_starts(buffer: bytes) -> np.ndarray:
-    """Where each whole event of `buffer` starts."""
-    if len(buffer) < _METADATA.size:
-        return np.zeros(0, np.int64)
-    event_bytes = _METADATA.unpack_from(buffer, 0)[0]
-    if event_bytes >= _METADATA.size and len(buffer) % event_bytes == 0:
-        starts = np.arange(0, len(buffer), event_bytes, dtype=np.int64)
-        if (_field(buffer, starts, 0, "=u4") == event_bytes).all():
-            return starts  # all as long: the usual case
-    found, offset = [], 0
-    while offset + _METADATA.size <= len(buffer):
-        event_bytes = _METADATA.unpack_from(buffer, offset)[0]
-        if event_bytes < _METADATA.size or offset + event_bytes > len(buffer):
-            break  # not an event: the kernel writes whole events only
-        found.append(offset)
-        offset += event_bytes
-    return np.array(found, np.int64)
-
-
-def _field(buffer: bytes, starts: np.ndarray, offset: int, dtype: str) -> np.ndarray:
-    """The field of type `dtype` at `offset` past each of `starts`, as an array."""
-    size = np.dtype(dtype).itemsize
-    raw = np.frombuffer(buffer, np.uint8)
-    return raw[(starts + offset)[:, None] + np.arange(size)].view(dtype).reshape(-1)

@@ -698,9 +698,9 @@ def test_a_file_read_with_no_open_is_rechecked_though_ram_let_it_go(tmp_path):
 
 
 def test_close_events_are_read_as_the_kernel_writes_them():
-    """cachefs/fanotify.py reads a batch's fields as arrays: events all as long (a FUSE
-    mount's, by handle) and a batch with an overflow among them (no handle, shorter) give
-    the same inode numbers and count the overflow; a handle that is not FUSE's is skipped."""
+    """cachefs/fanotify.py's reading of a batch of events by handle: the node ids of a FUSE
+    mount's events (large ones too), an overflow among them (no handle, shorter) counted, and
+    a handle that is not FUSE's skipped."""
     import struct
 
     from cachefs import fanotify
@@ -724,6 +724,5 @@ def test_close_events_are_read_as_the_kernel_writes_them():
         mixed = event(4) + overflow + event(11) + event(12, handle_type=1) + event(13)
         assert watcher._parse(mixed) == ([], [4, 11, 13])
         assert (watcher.events, watcher.overflows) == (6, 1)
-        assert watcher._parse(event(14)[:-4]) == ([], [])  # a cut event is no event
     finally:
         os.close(watcher._stop_read), os.close(watcher._stop_write)
