@@ -25,10 +25,12 @@ and the reader's READs come to the daemon. A kept file is read with no READ reac
 daemon, so its hits are counted at open (each block classified as a READ would have been) and
 its consumption at release: the stats of a pass are the same whichever way the bytes went. In
 the zero-request mode there is no open: `handle_without_open` serves the READs that come, and
-`closed_without_reads` counts a file the kernel served whole, when its close is reported, and
+`closed` counts the batch of closes fanotify reports: a file the kernel served whole, and
 one whose pages it dropped a moment before (KernelPages.dropped_lately): the daemon forgets a
 block (evicted, or the file changed) before the drop of its pages lands, and a reader that
-opened the file meanwhile read those pages with no READ.
+opened the file meanwhile read those pages with no READ. A file only the kernel held (its
+usual close in a pass the kernel serves from its pages) is counted with no handle at all
+(`KernelRead`): it has nothing to settle.
 At release the kernel's copy is settled (`_settle_pages`, `Ranking.kernel_may_keep`): a
 file the kernel holds whole whose next use is soon, or unknown (no order: LRU among such
 files), stays in the kernel only, and the daemon's copy goes; any other file's pages are
@@ -265,14 +267,18 @@ class Reader:
             if isinstance(close, OpenFile):
                 handle = close
             else:
-                kernel_read = self._kernel_alone_read(*close)
+                try:
+                    kernel_read = self._kernel_alone_read(*close)
+                    read = None if kernel_read is not None else self.closed_without_reads(*close)
+                except Exception:  # noqa: BLE001 - one file's accounting must not end others'
+                    log.exception("unexpected error accounting for the close of %r", close[1])
+                    continue
                 if kernel_read is not None:
                     if handles:
                         self.release_many(handles)
                         handles = []
                     kernel_reads.append(kernel_read)
                     continue
-                read = self.closed_without_reads(*close)
                 if read is None:
                     continue
                 handle = read
@@ -315,8 +321,11 @@ class Reader:
         records = self._consume_items([read.item for read in reads],
                                       [read.size_bytes for read in reads])
         for read, record in zip(reads, records, strict=True):
-            self._stats.file_read(read.origin, 0.0, read.size_bytes, record=record)
-            self._prefetcher.file_read(read.item, manifest, read.origin, 0.0)
+            try:
+                self._stats.file_read(read.origin, 0.0, read.size_bytes, record=record)
+                self._prefetcher.file_read(read.item, manifest, read.origin, 0.0)
+            except Exception:  # noqa: BLE001 - one file's accounting must not end the others'
+                log.exception("unexpected error accounting for the read of item %d", read.item)
 
     def closed_without_reads(self, inode: int, relpath: bytes, item: int,
                              identity: SourceIdentity) -> OpenFile | None:

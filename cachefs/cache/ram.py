@@ -40,6 +40,11 @@ free spares an invalidation per file read (a reader that does not follow the ord
 `drop_kernel_pages(relpath)` (the mount's: an `invalidate_inode` of the file's inode) is
 called, so the kernel holds nothing of the mount's that the budget does not count.
 
+Per item, the tier counts the resident blocks the kernel holds too (`kernel_blocks_of`, an
+array by manifest item, kept as blocks come, go and change hands, and made again when a new
+manifest numbers the items anew): the read-ahead's walk passes over the files the kernel holds
+whole a stretch of its list at a time, where a look at each block was most of its work.
+
 Bookkeeping. Each block also costs the daemon memory of its own: the block, its key, its heap
 entries and the inode table's entry of its file (cachefs/inodes.py), about 1 KB in all, which
 with one-byte samples outweighs the data a thousandfold. Every block is charged
