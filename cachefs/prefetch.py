@@ -498,21 +498,25 @@ class Prefetcher:
         that is every file, and a look at each, block by block, was most of the walk."""
         meta = self.meta
         kernel = self.tiered.kernel is not None
-        for indices, positions, items, stop in self.planner.entry_chunks(
+        for indices, positions, items, _ in self.planner.entry_chunks(
                 target.positions, target.scan, end):
             if kernel:
                 sizes = meta.size[items]
                 idle = ((sizes >= 0)
                         & (self.ram.kernel_blocks_of(items) == block_count(sizes, self.block_bytes))
                         & ~meta.refresh_due(items, self.freshness, walked_s))
-                indices, positions, items = indices[~idle], positions[~idle], items[~idle]
-            for index, position, item in zip(indices.tolist(), positions.tolist(),
-                                             items.tolist(), strict=True):
-                # every entry before it was walked (those yielded before this one were, when
-                # the walk asks for the next) or needs nothing
-                target.scan = max(target.scan, index)
-                yield index, position, item
-            target.scan = max(target.scan, stop)
+            else:
+                idle = np.zeros(len(items), bool)
+            # for each entry, the index past the last idle one before it (or it): the scan goes
+            # past an idle entry as past one walked, and no further (an entry not due now,
+            # an item of the next order still unread in this one, may be due by the next walk)
+            past_idle = np.maximum.accumulate(np.where(idle, indices + 1, 0))
+            for at in np.flatnonzero(~idle).tolist():
+                # the entries yielded before this one were walked when the walk asks for it
+                target.scan = max(target.scan, int(past_idle[at]))
+                yield int(indices[at]), int(positions[at]), int(items[at])
+            if len(idle):
+                target.scan = max(target.scan, int(past_idle[-1]))
 
     @staticmethod
     def _push_head(heads: list, number: int, entries) -> None:
