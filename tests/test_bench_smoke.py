@@ -69,7 +69,8 @@ def test_bench_fuse_smoke(tmp_path):
         assert delta["reads"] == 60 + 1
         assert delta["hits_ram"] + delta["kernel_reclaimed"] == delta["reads"], delta
         assert delta["misses"] == delta["kernel_reclaimed"], delta
-        assert delta["backend_bytes"] == 0
+        # only a file whose pages the kernel reclaimed is read again from the source
+        assert delta["backend_bytes"] == 0 or delta["kernel_reclaimed"] > 0, delta
         assert contenders[name]["kernel"]["whole_file_opens"] >= 60 + 1 - delta["misses"]
         assert contenders[name]["kernel"]["mode"] == "no-open"  # root, the patched pyfuse3
         # (in clock ticks of 10 ms, over 60 files: the two may round apart, or to 0)
