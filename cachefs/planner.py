@@ -302,13 +302,12 @@ class Planner:
         return max(READERS_SPREAD_ITEMS * ranks, self.lookahead_items,
                    (len(self.current) - self.cursor) // 8)
 
-    def _note_positions(self, positions) -> None:
-        """Consumptions at `positions` (a list or an array), reported together: where the
-        readers are (module docstring). Near is judged against the cursor after them: the
-        cursor only moves on, so one near stays near."""
+    def _note_positions(self, positions: list[int]) -> None:
+        """Consumptions at `positions`, reported together: where the readers are (module
+        docstring). Near is judged against the cursor after them: the cursor only moves on,
+        so one near stays near."""
         # below the cursor counts as near: consumed before it moved, by readers at the cursor
         threshold = self.cursor + self._near_items()
-        positions = positions.tolist() if isinstance(positions, np.ndarray) else positions
         self._recent.extend(positions)
         recent_near = self._recent_near
         recent_near.extend(position < threshold for position in positions)
@@ -353,11 +352,9 @@ class Planner:
         item to read ahead (`due_items`), nearest first: the one list of the read-ahead of an
         order of byte ranges (cachefs/range_prefetch.py)."""
         end = self.window_end()
-        for chunk_start in range(max(self.scan, self.cursor), end, ENTRY_CHUNK):
-            positions = np.arange(chunk_start, min(chunk_start + ENTRY_CHUNK, end))
-            items = self.due_items(positions)
-            due = items >= 0
-            yield from zip(positions[due].tolist(), items[due].tolist(), strict=True)
+        positions = np.arange(max(self.scan, self.cursor), end, dtype=np.int64)
+        for _, position, item in self.entries(positions, 0, end):
+            yield position, item
 
     def entry_chunks(self, positions: np.ndarray, start: int, end: int
                      ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
@@ -403,10 +400,7 @@ class Planner:
             return len(items), False
         _, first = np.unique(batch[found], return_index=True)
         if len(first) < len(found):  # an item closed twice: its first close consumes it
-            repeats = np.ones(len(found), bool)
-            repeats[first] = False
-            positions[found[repeats]] = -1
-            found = found[~repeats]
+            found = np.sort(found[first])
         left = len(self.current) - self.consumed_count
         completed = len(found) >= left
         if completed:
@@ -417,7 +411,7 @@ class Planner:
         self.pos_cur[batch[found]] = -1
         self.consumed_count += len(found)
         self._advance_cursor()
-        self._note_positions(consumed_positions)
+        self._note_positions(consumed_positions.tolist())
         return taken, completed
 
     def _consume_each(self, items: list[int]) -> tuple[int, bool]:

@@ -67,7 +67,6 @@ from __future__ import annotations
 import heapq
 import logging
 from collections.abc import Iterator
-from typing import NamedTuple
 
 import numpy as np
 import trio
@@ -88,15 +87,6 @@ from cachefs.targets import Target, Targets
 
 log = logging.getLogger(__name__)
 
-
-class Held(NamedTuple):
-    """What RAM holds of an item (Prefetcher._held)."""
-
-    first_missing: int | None  # the first block RAM lacks (0 if the size is unknown); None: none
-    # every block RAM holds is the kernel's too: the walk has nothing to push (a pass the
-    # kernel serves from its pages: the push's own checks and the identity it compares
-    # were a third of the walk's work per file)
-    all_in_kernel: bool
 
 
 class Prefetcher:
@@ -308,18 +298,17 @@ class Prefetcher:
             return len(items)
         window = (planner.cursor, planner.window_end())
         taken, completed = planner.consume_many(items)
-        read = [item for item in items[:taken] if item >= 0]
-        self._batched.difference_update(read)
-        self._read_whole.difference_update(read)
+        taken_items = np.array(items[:taken], np.int64)
+        in_manifest = taken_items >= 0
+        read = taken_items[in_manifest]
+        self._batched.difference_update(read.tolist())
+        self._read_whole.difference_update(read.tolist())
         if self.ranges is not None and self.ranking.ranged:
-            for item in read:
+            for item in read.tolist():
                 self.ranges.rerank(item)
-        elif read:
-            batch = np.array(items[:taken], np.int64)
-            in_manifest = batch >= 0
-            batch = batch[in_manifest]
-            known_sizes = self.meta.size[batch]
-            self.ranking.rerank_many(batch, np.where(
+        elif len(read):
+            known_sizes = self.meta.size[read]
+            self.ranking.rerank_many(read, np.where(
                 known_sizes >= 0, known_sizes,
                 np.array(sizes_bytes[:taken], np.int64)[in_manifest]))
         self.ranking.consumed_at(now_s(), len(read))
@@ -465,23 +454,22 @@ class Prefetcher:
             target = targets.all[number]
             if item in self._inflight_items or item in self._read_whole:
                 pass
-            elif (held := self._held(item)).first_missing is None:  # resident
-                if self.meta.refresh_due(item, self.freshness, walked_s):
+            elif (missing_block := self._first_missing(item)) is None:  # resident
+                identity = self.meta.identity_not_due(item, self.freshness, walked_s)
+                if identity is None:
                     # An item kept in RAM (the next epoch's head) has an identity from
                     # the last epoch; without this re-stat off the reader's path, the reader's
                     # open pays a source round trip for every RAM hit (fuse_ops.open).
                     # _fetch_item stats it, finds its blocks resident and pushes them.
                     self._start_item(item, target, manifest, nursery)
-                elif kernel and not held.all_in_kernel:
-                    identity = self.meta.identity(item)
-                    assert identity is not None  # resident: its size is known (`_held`)
-                    self._push(item, identity)
+                elif kernel:
+                    self._push(item, identity)  # nothing, if the kernel holds it all
             else:
                 # the room for the first block RAM lacks, at its own rank: block 0's nearer
                 # rank found room that block 2's fetch then could not take (a file's held
                 # block 1 was RAM's farthest), and the walk started the item again, forever
                 if not self._room_for(self._need_bytes(item),
-                                      self.ranking.priority_of(item, held.first_missing, None)):
+                                      self.ranking.priority_of(item, missing_block, None)):
                     self._room_wait = True
                     return  # RAM holds only nearer uses: wait for a consumption
                 self._start_item(item, target, manifest, nursery)
@@ -534,23 +522,20 @@ class Prefetcher:
         target.inflight_items += 1
         nursery.start_soon(self._fetch_item, item, manifest)
 
-    def _held(self, item: int) -> Held:
-        """What RAM holds of the item (`Held`)."""
+    def _first_missing(self, item: int) -> int | None:
+        """The first block of the item RAM does not hold (0 for a file of unknown size);
+        None if it holds them all."""
         size = int(self.meta.size[item])
         if size < 0:
-            return Held(0, False)
+            return 0
         relpath = self.ranking.manifest.path(item)
-        blocks = self.ram.blocks
-        all_in_kernel = True
         for block_index in range(block_count(size, self.block_bytes)):
-            block = blocks.get((relpath, block_index))
-            if block is None:
-                return Held(block_index, False)
-            all_in_kernel = all_in_kernel and block.in_kernel
-        return Held(None, all_in_kernel)
+            if (relpath, block_index) not in self.ram:
+                return block_index
+        return None
 
     def _resident(self, item: int) -> bool:
-        return self._held(item).first_missing is None
+        return self._first_missing(item) is None
 
     def _room_for(self, nbytes: int, priority: float | None) -> bool:
         """Whether the RAM tier can make room for `nbytes` at `priority`, as its `reserve`

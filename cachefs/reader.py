@@ -240,10 +240,18 @@ class Reader:
         if blocks is None:
             return None
         handle.kernel_whole = True
-        self.kernel_opens += 1
-        for key, block in blocks:
-            handle.origin = max(handle.origin, self._served(key, block))
+        handle.origin = max(handle.origin, self._served_whole(blocks))
         return blocks
+
+    def _served_whole(self, blocks: list) -> int:
+        """Every block of a file the kernel held whole reached a reader from its pages (an
+        open it kept, or a close with no READ): each counted as a READ would count it; where
+        the costliest came from."""
+        self.kernel_opens += 1
+        origin = stats_mod.ORIGIN_RAM
+        for key, block in blocks:
+            origin = max(origin, self._served(key, block))
+        return origin
 
     def handle_without_open(self, inode: int, relpath: bytes, item: int,
                             identity: SourceIdentity) -> OpenFile:
@@ -264,12 +272,12 @@ class Reader:
         handles: list[OpenFile] = []
         kernel_reads: list[KernelRead] = []
         for close in closes:
-            if isinstance(close, OpenFile):
-                handle = close
-            else:
+            handle: OpenFile | None = close if isinstance(close, OpenFile) else None
+            if handle is None:
                 try:
                     kernel_read = self._kernel_alone_read(*close)
-                    read = None if kernel_read is not None else self.closed_without_reads(*close)
+                    if kernel_read is None:
+                        handle = self.closed_without_reads(*close)
                 except Exception:  # noqa: BLE001 - one file's accounting must not end others'
                     log.exception("unexpected error accounting for the close of %r", close[1])
                     continue
@@ -279,9 +287,8 @@ class Reader:
                         handles = []
                     kernel_reads.append(kernel_read)
                     continue
-                if read is None:
-                    continue
-                handle = read
+            if handle is None:
+                continue
             if kernel_reads:
                 self._count_kernel_reads(kernel_reads)
                 kernel_reads = []
@@ -306,11 +313,7 @@ class Reader:
         for _, block in blocks:
             if block.data is not None:
                 return None
-        origin = stats_mod.ORIGIN_RAM
-        for key, block in blocks:
-            origin = max(origin, self._served(key, block))
-        self.kernel_opens += 1
-        return KernelRead(item, identity.size, origin)
+        return KernelRead(item, identity.size, self._served_whole(blocks))
 
     def _count_kernel_reads(self, reads: list[KernelRead]) -> None:
         """Consume and count files only the kernel held (`closed`), as `release_many` counts

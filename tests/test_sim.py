@@ -541,9 +541,9 @@ def test_the_walk_passes_over_the_files_the_kernel_holds_whole(monkeypatch):
     pushed: list[int] = []
     looked: list[int] = []  # files the walk looked at block by block
     real_start, real_push = prefetch.Prefetcher._start_item, prefetch.Prefetcher._push
-    real_held = prefetch.Prefetcher._held
-    monkeypatch.setattr(prefetch.Prefetcher, "_held", lambda self, item: (
-        looked.append(item), real_held(self, item))[1])
+    real_first_missing = prefetch.Prefetcher._first_missing
+    monkeypatch.setattr(prefetch.Prefetcher, "_first_missing", lambda self, item: (
+        looked.append(item), real_first_missing(self, item))[1])
     monkeypatch.setattr(prefetch.Prefetcher, "_start_item", lambda self, item, *args: (
         started.append(item), real_start(self, item, *args))[1])
     monkeypatch.setattr(prefetch.Prefetcher, "_push", lambda self, item, identity: (
