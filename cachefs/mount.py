@@ -35,7 +35,7 @@ import numpy as np
 import pyfuse3
 import trio
 
-from cachefs import __version__, errors, threads
+from cachefs import __version__, errors, heap, threads
 from cachefs.cache.ram import RamTier
 from cachefs.mountinfo import listed_path, mounted_paths, mountinfo
 from cachefs.config import MountConfig
@@ -549,6 +549,7 @@ def run(config: MountConfig) -> int:
         mount.metrics = exporter
         pid_file.write_text(json.dumps({"pid": os.getpid(),
                                         "mountpoint": str(config.mountpoint)}))
+        heap.settle()  # what exists now lives as long as the mount (cachefs/heap.py)
         try:
             trio.run(mount.serve)
         finally:

@@ -52,7 +52,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from cachefs import errors
 from cachefs import stats as stats_mod
@@ -120,14 +119,21 @@ class OpenFile:
     # zero-request mode's handle stays the file's until the kernel is told of another
     told: SourceIdentity | None = None
 
+    @property
+    def size_bytes(self) -> int:
+        return self.identity.size
 
-class KernelRead(NamedTuple):
+
+@dataclass(eq=False, slots=True)
+class KernelRead:
     """The close of a file only the kernel held, whole, with no READ (the zero-request mode's
     usual close in a pass the kernel serves from its pages): what its accounting needs. Such
     a file has nothing to settle, and no handle is made for it (`Reader.closed`)."""
     item: int
     size_bytes: int
     origin: int  # where its blocks came from (`_served`)
+    # the epoch record in force when it was consumed (as `OpenFile.epoch_record`)
+    epoch_record: stats_mod.EpochStats | None = None
 
 
 class Reader:
@@ -265,36 +271,24 @@ class Reader:
     def closed(self, closes: list) -> None:
         """Files were closed, in this order (the closes of one fanotify batch, the
         zero-request mode): each is the handle its READs used, or (inode, relpath, item,
-        identity) of a file no READ reached. A run of files only the kernel held whole is
-        counted without a handle (`KernelRead`); handles are released (`release_many`). The
-        order is kept: a file consumed after the one that completes the order counts in the
-        next epoch."""
-        handles: list[OpenFile] = []
-        kernel_reads: list[KernelRead] = []
+        identity) of a file no READ reached. A file only the kernel held whole is counted
+        without a handle (`KernelRead`); the batch is released as one (`release_many`), so
+        its consumption is one step of the planner, in the batch's order."""
+        released: list[OpenFile | KernelRead] = []
         for close in closes:
-            handle: OpenFile | None = close if isinstance(close, OpenFile) else None
-            if handle is None:
-                try:
-                    kernel_read = self._kernel_alone_read(*close)
-                    if kernel_read is None:
-                        handle = self.closed_without_reads(*close)
-                except Exception:  # noqa: BLE001 - one file's accounting must not end others'
-                    log.exception("unexpected error accounting for the close of %r", close[1])
-                    continue
-                if kernel_read is not None:
-                    if handles:
-                        self.release_many(handles)
-                        handles = []
-                    kernel_reads.append(kernel_read)
-                    continue
-            if handle is None:
+            if isinstance(close, OpenFile):
+                released.append(close)
                 continue
-            if kernel_reads:
-                self._count_kernel_reads(kernel_reads)
-                kernel_reads = []
-            handles.append(handle)
-        self.release_many(handles)
-        self._count_kernel_reads(kernel_reads)
+            try:
+                read: OpenFile | KernelRead | None = self._kernel_alone_read(*close)
+                if read is None:
+                    read = self.closed_without_reads(*close)
+            except Exception:  # noqa: BLE001 - one file's accounting must not end others'
+                log.exception("unexpected error accounting for the close of %r", close[1])
+                continue
+            if read is not None:
+                released.append(read)
+        self.release_many(released)
 
     def _kernel_alone_read(self, inode: int, relpath: bytes, item: int,
                            identity: SourceIdentity) -> KernelRead | None:
@@ -314,21 +308,6 @@ class Reader:
             if block.data is not None:
                 return None
         return KernelRead(item, identity.size, self._served_whole(blocks))
-
-    def _count_kernel_reads(self, reads: list[KernelRead]) -> None:
-        """Consume and count files only the kernel held (`closed`), as `release_many` counts
-        a handle's."""
-        if not reads:
-            return
-        manifest = self._ranking.manifest
-        records = self._consume_items([read.item for read in reads],
-                                      [read.size_bytes for read in reads])
-        for read, record in zip(reads, records, strict=True):
-            try:
-                self._stats.file_read(read.origin, 0.0, read.size_bytes, record=record)
-                self._prefetcher.file_read(read.item, manifest, read.origin, 0.0)
-            except Exception:  # noqa: BLE001 - one file's accounting must not end the others'
-                log.exception("unexpected error accounting for the read of item %d", read.item)
 
     def closed_without_reads(self, inode: int, relpath: bytes, item: int,
                              identity: SourceIdentity) -> OpenFile | None:
@@ -484,24 +463,27 @@ class Reader:
     def _consume(self, handle: OpenFile) -> None:
         self._consume_many([handle])
 
-    def _consume_many(self, handles: list[OpenFile]) -> None:
-        """The files of `handles` were read, in this order: each counts in the epoch that
-        consumed it (`epoch_record`)."""
+    def _consume_many(self, released: list[OpenFile | KernelRead]) -> None:
+        """The files of `released` were read, in this order, in one step of the planner: each
+        counts in the epoch that consumed it (a handle's `epoch_record`, a `KernelRead`'s
+        `record`)."""
         # the same plan: the item numbers are those the handle holds (a manifest with other
         # paths is always a new plan, planner.set_order); else the order it was read for was
         # replaced while it was open: it counts in the epoch it was opened in and consumes
-        # nothing of the new order
+        # nothing of the new order (a KernelRead is numbered by the plan of now)
         serial = self._planner.order_serial
-        pending = []
-        for handle in handles:
-            if not handle.consumed:
-                handle.consumed = True
-                if handle.order_serial == serial:
-                    pending.append(handle)
-        records = self._consume_items([handle.item for handle in pending],
-                                      [handle.identity.size for handle in pending])
-        for handle, record in zip(pending, records, strict=True):
-            handle.epoch_record = record
+        pending: list[OpenFile | KernelRead] = []
+        for file in released:
+            if isinstance(file, KernelRead):
+                pending.append(file)
+            elif not file.consumed:
+                file.consumed = True
+                if file.order_serial == serial:
+                    pending.append(file)
+        records = self._consume_items([file.item for file in pending],
+                                      [file.size_bytes for file in pending])
+        for file, record in zip(pending, records, strict=True):
+            file.epoch_record = record
 
     def _consume_items(self, items: list[int], sizes_bytes: list[int]
                        ) -> list[stats_mod.EpochStats]:
@@ -520,36 +502,46 @@ class Reader:
         """The reader let go of `handle`; `last`: no other handle of the file is open."""
         self.release_many([handle], last)
 
-    def release_many(self, handles: list[OpenFile], last: bool = True) -> None:
-        """Readers let go of `handles`, in this order (the closes of one fanotify batch);
-        `last`: no other handle of their files is open."""
-        done = []
-        for handle in handles:
-            if self._ranged_file(handle.relpath):
+    def release_many(self, released: list[OpenFile | KernelRead], last: bool = True) -> None:
+        """Readers let go of `released`, in this order (the closes of one fanotify batch):
+        handles, and files only the kernel held (`closed`); `last`: no other handle of their
+        files is open."""
+        done: list[OpenFile | KernelRead] = []
+        for file in released:
+            if isinstance(file, KernelRead):
+                done.append(file)
+                continue
+            if self._ranged_file(file.relpath):
                 continue  # its items were counted as they were read (module docstring)
-            if handle.kernel_whole:
+            if file.kernel_whole:
                 # the kernel served what no READ asked for: the whole file, as far as we can
                 # tell (a reader that opens a file and reads nothing is counted as reading it)
-                handle.bytes_served = max(handle.bytes_served, handle.identity.size)
-            elif not handle.read_called and handle.identity.size != 0:
+                file.bytes_served = max(file.bytes_served, file.identity.size)
+            elif not file.read_called and file.identity.size != 0:
                 continue
-            done.append(handle)
+            done.append(file)
         # an empty file is read whole by its open (the kernel sends no READ for it): left
         # unconsumed, its position held the cursor, and the read-ahead and the epoch's end
         # with it, for the rest of the order
-        self._consume_many([handle for handle in done
-                            if handle.bytes_served or handle.identity.size == 0])
-        for handle in done:
+        self._consume_many([file for file in done if isinstance(file, KernelRead)
+                            or file.bytes_served or file.identity.size == 0])
+        manifest = self._ranking.manifest
+        for file in done:
             try:
-                self._stats.file_read(handle.origin, handle.stall_s, handle.bytes_served,
-                                      record=handle.epoch_record,
-                                      kernel_reclaimed=handle.kernel_reclaimed)
-                self._prefetcher.file_read(handle.item, handle.manifest, handle.origin,
-                                           handle.stall_s)
+                if isinstance(file, KernelRead):
+                    self._stats.file_read(file.origin, 0.0, file.size_bytes,
+                                          record=file.epoch_record)
+                    self._prefetcher.file_read(file.item, manifest, file.origin, 0.0)
+                    continue
+                self._stats.file_read(file.origin, file.stall_s, file.bytes_served,
+                                      record=file.epoch_record,
+                                      kernel_reclaimed=file.kernel_reclaimed)
+                self._prefetcher.file_read(file.item, file.manifest, file.origin,
+                                           file.stall_s)
                 if last:
-                    self._settle_pages(handle)
+                    self._settle_pages(file)
             except Exception:  # noqa: BLE001 - one file's accounting must not end the others'
-                log.exception("unexpected error accounting for the read of %r", handle.relpath)
+                log.exception("unexpected error accounting for the read of item %d", file.item)
 
     def _settle_pages(self, handle: OpenFile) -> None:
         """What the kernel keeps of a file the last reader let go (module docstring)."""

@@ -663,6 +663,51 @@ def test_a_close_with_no_read_just_after_its_pages_were_dropped_is_counted(monke
     assert too_late == {"reads": 0, "hits_ram": 0}
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_batch_of_closes_counts_each_file_in_the_epoch_that_consumed_it(seed):
+    """The zero-request mode: one fanotify batch mixes files only the kernel held (counted
+    with no handle) and files whose READs came to the daemon (handles), and crosses the end
+    of the order. It is consumed in one step of the planner, in the batch's order: the files
+    up to the order's last count in its epoch, the ones after it in the next, each once."""
+    import trio
+
+    from cachefs.reader import OpenFile
+    from cachefs.sim import run_script
+
+    config = SimConfig(items=48, item_bytes=5000, ram_bytes=1 << 22, latency_s=0.0,
+                       epochs=2, check_identity_at_open=False, consume_s=0.0, seed=seed)
+
+    async def script(sim):
+        await sim._epochs()  # the kernel holds every file now, most of them alone
+        order = sim.order(3)
+        sim.prefetcher.set_order(order)
+        await trio.sleep(0.01)
+        rng = np.random.default_rng(seed)
+        closes = []
+        kernel_alone = 0
+        # the whole order, then the next order's first five: the batch crosses the end
+        for item in [*order.current.tolist(), *order.next[:5].tolist()]:
+            relpath = sim.paths[item]
+            identity = sim.source.identity(relpath)
+            if rng.random() < 0.3:  # this reader's READs came to the daemon
+                handle = sim.reader.handle_without_open(item + 2, relpath, item, identity)
+                await sim.reader.read(handle, 0, identity.size)
+                closes.append(handle)
+                continue
+            blocks = sim.tiered.kernel_holds_all(relpath, identity)
+            kernel_alone += blocks is not None and all(b.data is None for _, b in blocks)
+            closes.append((item + 2, relpath, item, identity))
+        sim.reader.closed(closes)
+        handles = sum(isinstance(close, OpenFile) for close in closes)
+        reads = {record.epoch: record.reads for record in sim.stats.epochs}
+        return handles, kernel_alone, reads, sim.planner.consumed_count, sim.planner.cursor
+
+    handles, kernel_alone, reads, consumed, cursor = run_script(config, script)
+    assert handles > 0 and kernel_alone > 0  # both kinds in the batch
+    assert reads[3] == 48 and reads[4] == 5
+    assert consumed == 5 and cursor == 5  # the next order, now in force: its first five
+
+
 def test_a_file_read_with_no_open_is_rechecked_though_ram_let_it_go(tmp_path):
     """The zero-request mode: a reader holds a file open (an HDF5 or tar shard) whose READs'
     pages the kernel keeps, while RAM let its blocks go. The sweeps checked only what RAM
