@@ -62,6 +62,10 @@ class PackedStat(bytes):
     # st_size, st_mtime_ns and st_ino in one unpack (a source identity, read per file closed)
     _IDENTITY = struct.Struct("40xq24xq8xq")
 
+    def values(self) -> tuple[int, ...]:
+        """Every field, in the order of FIELDS, in one unpack."""
+        return self._FORMAT.unpack(self)
+
     def identity_fields(self) -> tuple[int, int, int]:
         """(st_size, st_mtime_ns, st_ino)."""
         return self._IDENTITY.unpack_from(self)
