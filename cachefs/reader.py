@@ -465,8 +465,7 @@ class Reader:
 
     def _consume_many(self, released: list[OpenFile | KernelRead]) -> None:
         """The files of `released` were read, in this order, in one step of the planner: each
-        counts in the epoch that consumed it (a handle's `epoch_record`, a `KernelRead`'s
-        `record`)."""
+        counts in the epoch that consumed it (its `epoch_record`)."""
         # the same plan: the item numbers are those the handle holds (a manifest with other
         # paths is always a new plan, planner.set_order); else the order it was read for was
         # replaced while it was open: it counts in the epoch it was opened in and consumes
@@ -541,7 +540,9 @@ class Reader:
                 if last:
                     self._settle_pages(file)
             except Exception:  # noqa: BLE001 - one file's accounting must not end the others'
-                log.exception("unexpected error accounting for the read of item %d", file.item)
+                log.exception("unexpected error accounting for the read of %s",
+                              f"item {file.item}" if isinstance(file, KernelRead)
+                              else repr(file.relpath))
 
     def _settle_pages(self, handle: OpenFile) -> None:
         """What the kernel keeps of a file the last reader let go (module docstring)."""

@@ -697,13 +697,24 @@ def test_a_batch_of_closes_counts_each_file_in_the_epoch_that_consumed_it(seed):
             blocks = sim.tiered.kernel_holds_all(relpath, identity)
             kernel_alone += blocks is not None and all(b.data is None for _, b in blocks)
             closes.append((item + 2, relpath, item, identity))
+        steps = []  # the planner's steps: the items each consumption was handed
+        consumed_many = sim.prefetcher.consumed_many
+
+        def step(items, sizes_bytes):
+            steps.append(len(items))
+            return consumed_many(items, sizes_bytes)
+
+        sim.prefetcher.consumed_many = step
         sim.reader.closed(closes)
         handles = sum(isinstance(close, OpenFile) for close in closes)
         reads = {record.epoch: record.reads for record in sim.stats.epochs}
-        return handles, kernel_alone, reads, sim.planner.consumed_count, sim.planner.cursor
+        return (handles, kernel_alone, steps, reads, sim.planner.consumed_count,
+                sim.planner.cursor)
 
-    handles, kernel_alone, reads, consumed, cursor = run_script(config, script)
+    handles, kernel_alone, steps, reads, consumed, cursor = run_script(config, script)
     assert handles > 0 and kernel_alone > 0  # both kinds in the batch
+    # one step for the batch; the order's end splits it, and the rest goes to the next
+    assert len(steps) == 2 and steps[0] > 48 and steps[1] == steps[0] - 48
     assert reads[3] == 48 and reads[4] == 5
     assert consumed == 5 and cursor == 5  # the next order, now in force: its first five
 
