@@ -79,6 +79,9 @@ RECENT_CONSUMPTIONS = 32  # positions consumed last, which say where the readers
 READERS_SPREAD_ITEMS = 2048
 # positions looked at a time, in the read-ahead's lists (`entry_chunks`) and past the cursor
 ENTRY_CHUNK = 256
+# a batch of fewer items is handled item by item: numpy's fixed cost per call (a few us)
+# outweighs the work (a reader off the order closes files one or two to a fanotify batch)
+ARRAY_MIN_ITEMS = 8
 
 
 class Planner:
@@ -388,8 +391,8 @@ class Planner:
         Vectorised: a consumption was a dozen numpy scalar reads and writes, about a quarter
         of the daemon's work per file closed in a hot pass (scripts/bench_fuse.py). Items the
         order holds more than once (rank padding) go through `consume`, which walks their
-        later positions."""
-        if self._later_positions or len(items) < 2:
+        later positions, and so does a batch of fewer than ARRAY_MIN_ITEMS."""
+        if self._later_positions or len(items) < ARRAY_MIN_ITEMS:
             return self._consume_each(items)
         batch = np.array(items, np.int64)
         positions = np.full(len(batch), -1, np.int64)

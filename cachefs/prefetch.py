@@ -161,7 +161,7 @@ class Prefetcher:
             # their rank in force until their close (Ranking.read_whole)
             items = np.union1d(self.planner.reranked_items,
                                np.fromiter(self._read_whole, np.int64, len(self._read_whole)))
-            self.ranking.rerank_many(items, self.meta.size[items])
+            self.ranking.rerank_many(items.tolist(), self.meta.size[items].tolist())
         if started and self.ranges is not None and self.ranking.ranged:
             self.ranges.new_epoch()
         self.poke()
@@ -298,19 +298,20 @@ class Prefetcher:
             return len(items)
         window = (planner.cursor, planner.window_end())
         taken, completed = planner.consume_many(items)
-        taken_items = np.array(items[:taken], np.int64)
-        in_manifest = taken_items >= 0
-        read = taken_items[in_manifest]
-        self._batched.difference_update(read.tolist())
-        self._read_whole.difference_update(read.tolist())
+        read, read_sizes = items[:taken], sizes_bytes[:taken]
+        if read and min(read) < 0:  # files in no manifest: nothing of theirs is ranked
+            pairs = [(item, size) for item, size in zip(read, read_sizes, strict=True)
+                     if item >= 0]
+            read, read_sizes = [item for item, _ in pairs], [size for _, size in pairs]
+        self._batched.difference_update(read)
+        self._read_whole.difference_update(read)
         if self.ranges is not None and self.ranking.ranged:
-            for item in read.tolist():
+            for item in read:
                 self.ranges.rerank(item)
-        elif len(read):
-            known_sizes = self.meta.size[read]
-            self.ranking.rerank_many(read, np.where(
-                known_sizes >= 0, known_sizes,
-                np.array(sizes_bytes[:taken], np.int64)[in_manifest]))
+        elif read:
+            self.ranking.rerank_many(read, [
+                known if known >= 0 else size for known, size in
+                zip(self.meta.size[read].tolist(), read_sizes, strict=True)])
         self.ranking.consumed_at(now_s(), len(read))
         if completed and planner.switch_to_next():
             assert planner.epoch is not None  # the switch set it

@@ -48,7 +48,7 @@ import numpy as np
 from cachefs.cache.ram import BlockKey, RamTier, block_count
 from cachefs.manifest import Manifest
 from cachefs.order_items import Items
-from cachefs.planner import NEVER, Planner
+from cachefs.planner import ARRAY_MIN_ITEMS, NEVER, Planner
 from cachefs.recent import RecentMap
 from cachefs.source import SourceIdentity
 
@@ -236,34 +236,47 @@ class Ranking:
 
     def rerank(self, item: int, size_bytes: int) -> None:
         """`rerank_many` of one item."""
-        self.rerank_many(np.array([item], np.int64), np.array([size_bytes], np.int64))
+        self.rerank_many([item], [size_bytes])
 
-    def rerank_many(self, items: np.ndarray, sizes_bytes: np.ndarray) -> None:
+    def rerank_many(self, items: list[int], sizes_bytes: list[int]) -> None:
         """New priorities for the blocks of `items` (of `sizes_bytes`, -1 if unknown), all
         consumed at once. Blocks no longer worth keeping go now, so that what RAM holds and
         has free stays true, and the tiers disjoint; the others' new rank is set when the RAM
-        tier's order is next read (RamTier.defer_ranks). The next uses are read as one array:
-        per item, numpy scalars were most of a re-rank."""
-        if len(items) == 0:
+        tier's order is next read (RamTier.defer_ranks). The next uses of a batch are read as
+        one array (per item, numpy scalars were most of a re-rank); a batch of a few items,
+        item by item (a reader off the order closes files one or two to a batch, and the
+        arrays' fixed cost was most of its consumption)."""
+        if not items:
             return
         planner = self.planner
         if planner.active:
-            known = (items >= 0) & (items < len(self._member))
-            members = items[known][self._member[items[known]]]
-            uses = planner.next_uses(members)
-            # `_ranked` may say None for these
-            doomed = (uses == NEVER) | ((uses >= planner.length) if self.ssd is not None
-                                        else False)
-            if doomed.any():
-                sizes_of = dict(zip(items.tolist(), sizes_bytes.tolist(), strict=True))
-                for item in members[doomed].tolist():
+            if len(items) < ARRAY_MIN_ITEMS:
+                doomed = [item for item in items if 0 <= item and self._in_orders(item)
+                          and self._doomed(planner.next_use(item))]
+            else:
+                batch = np.array(items, np.int64)
+                known = (batch >= 0) & (batch < len(self._member))
+                members = batch[known][self._member[batch[known]]]
+                doomed = members[self._doomed(planner.next_uses(members))].tolist()
+            if doomed:
+                sizes_of = dict(zip(items, sizes_bytes, strict=True))
+                for item in doomed:
                     self._rerank_item(item, sizes_of[item], drops_only=True)
         if len(self._stale_items) + len(items) > max(len(self.ram.blocks), MIN_STALE_ITEMS):
             self.rerank_all()  # a rebuild costs no more, and holds no list of them
         elif not self._all_stale:  # else ranked with all the others
-            self._stale_items.extend(items.tolist())
-            self._stale_sizes.extend(sizes_bytes.tolist())
+            self._stale_items.extend(items)
+            self._stale_sizes.extend(sizes_bytes)
             self.ram.defer_ranks(self._rerank_stale)
+
+    def _doomed(self, uses):
+        """Whether `_ranked` may say None for a block of this next use (a float, or an array
+        of them): no use, or, with an SSD tier, the next epoch's only (the tier may serve it
+        then; `_rerank_item` looks at each block)."""
+        doomed = uses == NEVER
+        if self.ssd is not None:
+            doomed = doomed | (uses >= self.planner.length)
+        return doomed
 
     def _rerank_stale(self) -> None:
         """The re-ranks put off (`rerank`, `rerank_all`), with the items' next uses as the plan
