@@ -655,6 +655,29 @@ def test_a_consumed_block_not_worth_keeping_goes_at_once():
     assert ram.farthest_priority() == 3 + 1  # f2 at position 1 of the next epoch
 
 
+@pytest.mark.parametrize("batch_items", [1, 3, 8, 20])
+def test_a_batch_drops_what_its_items_drop_one_by_one(batch_items):
+    """Ranking.rerank_many: a batch of fewer than ARRAY_MIN_ITEMS items is looked at item by
+    item, a larger one as arrays; either way the blocks with no further use, and those kept
+    only for the next epoch that the SSD tier holds, go at once, and the others stay."""
+
+    class Ssd:
+        def contains(self, key, identity):
+            return key[0] in (b"f3", b"f11")
+
+    count = 20
+    next_ = [3, 11, 5, 7, 1, 19, 13, 17, 9, 15]  # odd files, and f3 and f11 on the SSD
+    planner, ranking, ram = ranked_ram(list(range(count)), next_, ssd=Ssd())
+    items = list(range(count))
+    for item in items:
+        planner.consume(item)
+    for start in range(0, count, batch_items):
+        ranking.rerank_many(items[start:start + batch_items],
+                            [100] * len(items[start:start + batch_items]))
+    kept = sorted(int(path[1:]) for path, _ in ram.blocks)
+    assert kept == [1, 5, 7, 9, 13, 15, 17, 19]
+
+
 def test_reranks_put_off_past_the_blocks_held_become_one_rebuild():
     """The list of re-ranks put off is bounded (by the blocks RAM holds, and
     MIN_STALE_ITEMS): past it, every block is re-ranked when the order is next read."""
