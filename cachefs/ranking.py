@@ -251,8 +251,8 @@ class Ranking:
         planner = self.planner
         if planner.active:
             if len(items) < ARRAY_MIN_ITEMS:
-                doomed = [item for item in items if 0 <= item and self._in_orders(item)
-                          and self._doomed(planner.next_use(item))]
+                doomed = [item for item in items
+                          if (use := self._use_of(item)) is not None and self._doomed(use)]
             else:
                 batch = np.array(items, np.int64)
                 known = (batch >= 0) & (batch < len(self._member))

@@ -128,8 +128,9 @@ class OpenFile:
 class KernelRead:
     """The close of a file only the kernel held, whole, with no READ (the zero-request mode's
     usual close in a pass the kernel serves from its pages): what its accounting needs. Such
-    a file has nothing to settle, and no handle is made for it (`Reader.closed`)."""
+    a file has nothing to settle, and no handle is made for it (`Reader.closed_without_reads`)."""
     item: int
+    relpath: bytes
     size_bytes: int
     origin: int  # where its blocks came from (`_served`)
     # the epoch record in force when it was consumed (as `OpenFile.epoch_record`)
@@ -197,7 +198,9 @@ class Reader:
                           order_serial=self._planner.order_serial)
         await self._settle_identity(handle, recent)
         if pages_of is not None and pages_of == handle.identity:
-            self._kernel_holds(handle)
+            blocks = self._tiered.kernel_holds_all(handle.relpath, handle.identity)
+            if blocks is not None:
+                self._kept_whole(handle, blocks)
         return handle
 
     async def _settle_identity(self, handle: OpenFile, recent: SourceIdentity | None) -> None:
@@ -239,15 +242,11 @@ class Reader:
         await self._settle_identity(handle, None)
         return handle
 
-    def _kernel_holds(self, handle: OpenFile) -> list | None:
-        """If the kernel holds the whole file, mark the handle served from its pages (each
-        block counted as a READ would count it) and return the file's blocks; else None."""
-        blocks = self._tiered.kernel_holds_all(handle.relpath, handle.identity)
-        if blocks is None:
-            return None
+    def _kept_whole(self, handle: OpenFile, blocks: list) -> None:
+        """The kernel holds the whole file (`blocks`): the handle is served from its pages,
+        each block counted as a READ would count it."""
         handle.kernel_whole = True
         handle.origin = max(handle.origin, self._served_whole(blocks))
-        return blocks
 
     def _served_whole(self, blocks: list) -> int:
         """Every block of a file the kernel held whole reached a reader from its pages (an
@@ -280,9 +279,7 @@ class Reader:
                 released.append(close)
                 continue
             try:
-                read: OpenFile | KernelRead | None = self._kernel_alone_read(*close)
-                if read is None:
-                    read = self.closed_without_reads(*close)
+                read = self.closed_without_reads(*close)
             except Exception:  # noqa: BLE001 - one file's accounting must not end others'
                 log.exception("unexpected error accounting for the close of %r", close[1])
                 continue
@@ -290,38 +287,35 @@ class Reader:
                 released.append(read)
         self.release_many(released)
 
-    def _kernel_alone_read(self, inode: int, relpath: bytes, item: int,
-                           identity: SourceIdentity) -> KernelRead | None:
-        """A file closed with no READ: its `KernelRead` if only the kernel held it, whole,
-        with each block counted as a READ would count it; else None. Such a file is settled:
-        both ways out of `_settle_pages` leave it as it is (hand_to_kernel has nothing to
-        hand; keep_pages keeps the kernel's only copy), and it is counted in this batch,
-        before anything else can move it. In a pass the kernel serves from its pages it is
-        every file, and a handle for it (made, then released) was over a quarter of the
-        daemon's work per close."""
-        if identity.size == 0 or self._ranged_file(relpath):
-            return None
-        blocks = self._tiered.kernel_holds_all(relpath, identity)
-        if blocks is None:
-            return None
-        for _, block in blocks:
-            if block.data is not None:
-                return None
-        return KernelRead(item, identity.size, self._served_whole(blocks))
-
     def closed_without_reads(self, inode: int, relpath: bytes, item: int,
-                             identity: SourceIdentity) -> OpenFile | None:
+                             identity: SourceIdentity) -> OpenFile | KernelRead | None:
         """A file was opened and closed with no READ reaching the daemon (the zero-request
-        mode): the handle to release (`release_many`) if it was read from the kernel's pages,
+        mode): what to release for it (`release_many`) if it was read from the kernel's pages,
         which held the whole file, or held it until a moment ago; None if nothing was read
         (an open for a stat, or a mapping never touched). A file of byte-range items counts
         nothing at its close: its items were counted as they were read, and its pages are
-        dropped every few items. (A file only the kernel held is counted without a handle:
-        `closed`.)"""
+        dropped every few items.
+
+        A file only the kernel held, whole, is its `KernelRead`, counted with no handle. Such
+        a file is settled: both ways out of `_settle_pages` leave it as it is (hand_to_kernel
+        has nothing to hand; keep_pages keeps the kernel's only copy), and it is counted in
+        this batch, before anything else can move it. In a pass the kernel serves from its
+        pages it is every file, and a handle for it (made, then released) was over a quarter
+        of the daemon's work per close."""
         if self._ranged_file(relpath):
             return None
+        if identity.size == 0:
+            return self.handle_without_open(inode, relpath, item, identity)
+        blocks = self._tiered.kernel_holds_all(relpath, identity)
+        if blocks is not None:
+            for _, block in blocks:
+                if block.data is not None:
+                    break  # the daemon holds a copy too: a handle settles the two
+            else:
+                return KernelRead(item, relpath, identity.size, self._served_whole(blocks))
         handle = self.handle_without_open(inode, relpath, item, identity)
-        if identity.size == 0 or self._kernel_holds(handle) is not None:
+        if blocks is not None:
+            self._kept_whole(handle, blocks)
             return handle
         return handle if self._kernel_dropped_lately(handle) else None
 
@@ -332,7 +326,7 @@ class Reader:
     def _kernel_dropped_lately(self, handle: OpenFile) -> bool:
         """The kernel's pages of the file were dropped a moment ago, and a reader closed it
         with no READ: it read them before they went (module docstring), counted as a file
-        the kernel served whole (`_kernel_holds`), from RAM."""
+        the kernel served whole (`_kept_whole`), from RAM."""
         kernel = self._tiered.kernel
         if kernel is None or not kernel.dropped_lately(handle.inode):
             return False
@@ -479,23 +473,14 @@ class Reader:
                 file.consumed = True
                 if file.order_serial == serial:
                     pending.append(file)
-        records = self._consume_items([file.item for file in pending],
-                                      [file.size_bytes for file in pending])
-        for file, record in zip(pending, records, strict=True):
-            file.epoch_record = record
-
-    def _consume_items(self, items: list[int], sizes_bytes: list[int]
-                       ) -> list[stats_mod.EpochStats]:
-        """Consume `items` (of `sizes_bytes`), read in this order: the epoch record each
-        counts in, the one in force when it was consumed (the last file of an order ends it,
-        and the files after it count in the next)."""
-        records: list[stats_mod.EpochStats] = []
-        while len(records) < len(items):
+        # the last file of an order ends its epoch, and the files after it count in the next
+        while pending:
             record = self._stats.current
-            taken = self._prefetcher.consumed_many(items[len(records):],
-                                                   sizes_bytes[len(records):])
-            records.extend([record] * taken)
-        return records
+            taken = self._prefetcher.consumed_many([file.item for file in pending],
+                                                   [file.size_bytes for file in pending])
+            for file in pending[:taken]:
+                file.epoch_record = record
+            pending = pending[taken:]
 
     def release(self, handle: OpenFile, last: bool = True) -> None:
         """The reader let go of `handle`; `last`: no other handle of the file is open."""
@@ -527,6 +512,8 @@ class Reader:
         manifest = self._ranking.manifest
         for file in done:
             try:
+                # served whole, no wait, nothing to settle: counted on its own (given a handle's
+                # names, stall and manifest, it cost a hot pass 8% more instructions a close)
                 if isinstance(file, KernelRead):
                     self._stats.file_read(file.origin, 0.0, file.size_bytes,
                                           record=file.epoch_record)
@@ -540,9 +527,7 @@ class Reader:
                 if last:
                     self._settle_pages(file)
             except Exception:  # noqa: BLE001 - one file's accounting must not end the others'
-                log.exception("unexpected error accounting for the read of %s",
-                              f"item {file.item}" if isinstance(file, KernelRead)
-                              else repr(file.relpath))
+                log.exception("unexpected error accounting for the read of %r", file.relpath)
 
     def _settle_pages(self, handle: OpenFile) -> None:
         """What the kernel keeps of a file the last reader let go (module docstring)."""
