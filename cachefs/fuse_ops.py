@@ -44,6 +44,7 @@ import os
 import stat
 from collections.abc import Callable
 
+import numpy as np
 import pyfuse3
 import trio
 
@@ -54,7 +55,7 @@ from cachefs.cache.ram import page_bytes
 from cachefs.freshness import Freshness, now_s
 from cachefs.inodes import ROOT_INODE, InodeTable, PackedStat
 from cachefs.pagecache import KernelPages
-from cachefs.reader import OpenFile, Reader
+from cachefs.reader import KernelRead, OpenFile, Reader
 from cachefs.source import Source, SourceIdentity
 
 log = logging.getLogger(__name__)
@@ -388,9 +389,25 @@ class Operations(pyfuse3.Operations):
     def closed(self, inodes: list[int]) -> None:
         """Files were closed (fanotify, in the zero-request mode): account for each, as a
         RELEASE would, whether READs came for it or the kernel's pages served it all; the
-        batch's files in one go (`Reader.closed`)."""
-        closes = []
-        for inode in inodes:
+        batch's files in one go (`Reader.closed`). Those the reader counted before as files
+        the kernel served alone, and still are (`Reader.served_alone`: most closes of a pass
+        the kernel serves from its pages), are taken from arrays, with no look at their
+        entries (cachefs/inodes.py `close_facts`); a file with READs of its own has a handle."""
+        numbering = self.reader.item_numbering
+        items, sizes = self.inodes.close_facts(np.array(inodes, np.int64), numbering)
+        alone = self.reader.served_alone(items).tolist()
+        closes: list[OpenFile | KernelRead | tuple] = []
+        run: KernelRead | None = None  # of the closes counted from the arrays, in a row
+        for inode, item, size_bytes, counted in zip(inodes, items.tolist(), sizes.tolist(),
+                                                    alone, strict=True):
+            if counted and inode not in self._without_open:
+                if run is None:
+                    run = self.reader.alone_reads()
+                    closes.append(run)
+                run.items.append(item)
+                run.sizes_bytes.append(size_bytes)
+                continue
+            run = None
             try:
                 close = self._closed_one(inode)
             except Exception:  # noqa: BLE001 - one file's accounting must not end all others'
@@ -399,9 +416,12 @@ class Operations(pyfuse3.Operations):
             if close is not None:
                 closes.append(close)
         try:
-            self.reader.closed(closes)
+            counted_alone = self.reader.closed(closes)
         except Exception:  # noqa: BLE001 - the mount goes on; the next batch is counted
             log.exception("unexpected error accounting for %d closed files", len(closes))
+            return
+        for inode, item, size_bytes in counted_alone:
+            self.inodes.remember_close(inode, item, size_bytes, numbering)
 
     def _closed_one(self, inode: int) -> OpenFile | tuple | None:
         """A close of `inode` as `Reader.closed` takes it: the handle its READs used, else
@@ -464,7 +484,7 @@ for _name in _WRITE_OPS:
 class KernelInvalidation:
     """Drops the kernel's cached attributes and pages of a file that changed at the source.
 
-    The read path's `on_source_changed` (reader.build_read_path): built before the read path,
+    The read path's `on_source_changed` (read_path.build_read_path): built before the read path,
     which calls it whichever of its parts finds the change, and sharing the inode table with
     the operations. With the kernel data plane the drop is queued behind the stores already
     queued for the inode (KernelPages, one FIFO); without, `invalidate_inode` runs in a worker

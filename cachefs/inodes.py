@@ -22,6 +22,14 @@ every sample: entries are slotted and keep the attributes packed (`PackedStat`, 
 an `os.stat_result` takes 640), since this memory is not in the RAM tier's budget otherwise
 (its per-block charge, cachefs/cache/ram.py, covers the entry of a cached file).
 
+It also keeps, as arrays by inode number, what a close of a file needs to be counted with no
+look at its entry (`remember_close`, `close_facts`; fuse_ops.Operations.closed): the file's
+item and size when a close of it was counted as one the kernel served alone. A batch of closes
+is then looked up in a few array operations, where a look at each file's entry and stat was
+cold memory, a cache miss per object (the readers' copies evict the daemon's objects between
+two closes of a file). A file's facts are forgotten whenever its attributes change and when
+the kernel forgets its inode; they hold under one item numbering (`close_facts`).
+
 Invariant: `_inode_by_path[p] == i` iff `_entries[i].relpath == p`.
 """
 
@@ -30,6 +38,8 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
+
+import numpy as np
 
 from cachefs.freshness import NEVER_S, now_s
 
@@ -104,13 +114,6 @@ class InodeEntry:
     size_changed_s: float = NEVER_S
 
 
-def _set_stat(entry: InodeEntry, packed: PackedStat, stat_time_s: float) -> None:
-    if packed.st_size != entry.stat.st_size:
-        entry.size_changed_s = stat_time_s
-    entry.stat = packed
-    entry.stat_time_s = stat_time_s
-
-
 class InodeTable:
     def __init__(self, root_stat: os.stat_result, identity_of=None):
         # identity_of(stat) -> SourceIdentity: the source's (Source.identity_of)
@@ -119,6 +122,11 @@ class InodeTable:
             ROOT_INODE: InodeEntry(b"", PackedStat.of(root_stat), NEVER_S, lookups=1)}
         self._inode_by_path: dict[bytes, int] = {b"": ROOT_INODE}
         self._next_inode = ROOT_INODE + 1
+        # by inode number (module docstring): the item and size of its file's last close
+        # counted as one the kernel served alone, -1 where none; under `_close_numbering`
+        self._close_items = np.full(0, -1, np.int32)
+        self._close_sizes = np.zeros(0, np.int32)
+        self._close_numbering = -1
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -150,7 +158,7 @@ class InodeTable:
             if now >= entry.stat_time_s:
                 # not over a newer one: a directory listing of some age (cachefs/dirs.py) would
                 # take the file back to the version it had then
-                _set_stat(entry, PackedStat.of(st), now)
+                self._set_stat(inode, entry, PackedStat.of(st), now)
         if lookup:
             self._entries[inode].lookups += 1
         return inode
@@ -161,8 +169,17 @@ class InodeTable:
 
     def update_stat(self, inode: int, st: os.stat_result | PackedStat,
                     stat_time_s: float | None = None) -> None:
-        _set_stat(self._entries[inode], PackedStat.of(st),
-                  now_s() if stat_time_s is None else stat_time_s)
+        self._set_stat(inode, self._entries[inode], PackedStat.of(st),
+                       now_s() if stat_time_s is None else stat_time_s)
+
+    def _set_stat(self, inode: int, entry: InodeEntry, packed: PackedStat,
+                  stat_time_s: float) -> None:
+        if packed.st_size != entry.stat.st_size:
+            entry.size_changed_s = stat_time_s
+        if packed.identity_fields() != entry.stat.identity_fields():
+            self._forget_close(inode)  # another version: its close is looked at again
+        entry.stat = packed
+        entry.stat_time_s = stat_time_s
 
     def expire(self, inode: int) -> None:
         """The source file changed: its attributes are no longer trusted, so the next lookup
@@ -171,6 +188,7 @@ class InodeTable:
         entry = self._entries.get(inode)
         if entry is not None:
             entry.stat_time_s = NEVER_S
+            self._forget_close(inode)
 
     def forget(self, inode: int, count: int) -> bytes | None:
         """The kernel dropped `count` references; the relpath if it holds the inode no more
@@ -182,9 +200,48 @@ class InodeTable:
         if entry.lookups > 0:
             return None
         del self._entries[inode]
+        self._forget_close(inode)
         if self._inode_by_path.get(entry.relpath) == inode:
             del self._inode_by_path[entry.relpath]
         return entry.relpath
+
+    # -- closes counted with no look at the entry (module docstring) --------------------------
+
+    def remember_close(self, inode: int, item: int, size_bytes: int, numbering: int) -> None:
+        """A close of `inode` was counted as one the kernel served alone: its file is `item`
+        (under `numbering`: Reader.item_numbering) of `size_bytes`."""
+        if inode not in self._entries:
+            return  # forgotten meanwhile: nothing to remember it by
+        if numbering != self._close_numbering:
+            self._forget_closes(numbering)
+        if inode >= len(self._close_items):
+            grown = max(inode + 1, 2 * len(self._close_items), 1024)
+            self._close_items = np.concatenate(
+                [self._close_items, np.full(grown - len(self._close_items), -1, np.int32)])
+            self._close_sizes = np.concatenate(
+                [self._close_sizes, np.zeros(grown - len(self._close_sizes), np.int32)])
+        self._close_items[inode] = item
+        self._close_sizes[inode] = size_bytes
+
+    def close_facts(self, inodes: np.ndarray, numbering: int) -> tuple[np.ndarray, np.ndarray]:
+        """(items, sizes) of `inodes` as `remember_close` kept them, item -1 where none (or
+        kept under another numbering than `numbering`)."""
+        if numbering != self._close_numbering:
+            self._forget_closes(numbering)
+        items = np.full(len(inodes), -1, np.int32)
+        sizes = np.zeros(len(inodes), np.int32)
+        inside = inodes < len(self._close_items)
+        items[inside] = self._close_items[inodes[inside]]
+        sizes[inside] = self._close_sizes[inodes[inside]]
+        return items, sizes
+
+    def _forget_close(self, inode: int) -> None:
+        if inode < len(self._close_items):
+            self._close_items[inode] = -1
+
+    def _forget_closes(self, numbering: int) -> None:
+        self._close_items[:] = -1
+        self._close_numbering = numbering
 
     # -- what the kernel holds (KernelInodes, cachefs.cache.tiered) ---------------------------
 

@@ -1,7 +1,7 @@
 """Builds a mount's objects, runs pyfuse3 under trio, and takes it down cleanly.
 
 `run(config)` is the whole life of a foreground mount: check the paths (clear errors with the
-exit codes of man/cachefs-mount.1), build source -> tiers -> read path (reader.build_read_path)
+exit codes of man/cachefs-mount.1), build source -> tiers -> read path (read_path.build_read_path)
 -> operations, each object after those it uses, `pyfuse3.init`, then one root nursery holding
 the services (kernel invalidation, SSD admission, prefetcher, order watcher, source scan,
 signal handler) and `pyfuse3.main`. SIGTERM/SIGINT/SIGHUP and an external `fusermount3 -u` or
@@ -49,7 +49,7 @@ from cachefs.order_watch import OrderWatcher
 from cachefs import fanotify
 from cachefs.fanotify import CloseWatcher, close_delivery, open_close_events
 from cachefs.pagecache import KernelPages, file_pages_dropper, list_entries
-from cachefs.reader import build_read_path
+from cachefs.read_path import build_read_path
 from cachefs.revalidate import Revalidator
 from cachefs.sdnotify import Notifier
 from cachefs.source import Source
@@ -359,6 +359,7 @@ class Mount:
                       kernel_losses=self.prefetcher.ranking.kernel_losses)
         if self.close_watcher is not None:
             status.update(close_events=self.close_watcher.events,
+                          closes_counted_alone=self.reader.alone_closes,
                           close_event_overflows=self.close_watcher.overflows,
                           close_events_by="handle" if self.close_watcher.by_handle else "fd")
         return status

@@ -398,12 +398,12 @@ class Prefetcher:
             self._read_whole.add(item)
             self.ranking.read_whole(item, size_bytes, blocks_served)
 
-    def file_read(self, item: int, manifest, origin: int, stall_s: float) -> None:
-        """A reader is done with `item` of `manifest` (its class and stall, as the stats count
-        them): counted in its target (cachefs/targets.py; not with an order of byte ranges,
-        whose items are no files)."""
+    def files_read(self, items: list[int], manifest, origin: int, stall_s: float) -> None:
+        """Readers are done with `items` of `manifest` (each of the class and stall the stats
+        count): counted in their targets (cachefs/targets.py; not with an order of byte
+        ranges, whose items are no files)."""
         if not self.ranking.ranged:
-            self.targets.file_read(item, manifest, origin, stall_s)
+            self.targets.files_read(items, manifest, origin, stall_s)
 
     # -- the read-ahead loop ---------------------------------------------------------------
 

@@ -30,7 +30,13 @@ one whose pages it dropped a moment before (KernelPages.dropped_lately): the dae
 block (evicted, or the file changed) before the drop of its pages lands, and a reader that
 opened the file meanwhile read those pages with no READ. A file only the kernel held (its
 usual close in a pass the kernel serves from its pages) is counted with no handle at all
-(`KernelRead`): it has nothing to settle.
+(`KernelRead`): it has nothing to settle. Once counted so, a later close of a one-block file
+of the order is counted with no look at it at all: the inode table keeps the file's item and
+size, the RAM tier a mark that its block is still the one the kernel alone holds and a reader
+was served (`served_alone`), and a batch of closes is taken from those arrays (fuse_ops.
+Operations.closed). Looking at each file (its inode entry and stat, its block and the block's
+identity: a cache miss per object, the readers' copies evicting them between two closes of a
+file) was about 18 us of the trio thread's 20 per close in the hot pass with the order.
 At release the kernel's copy is settled (`_settle_pages`, `Ranking.kernel_may_keep`): a
 file the kernel holds whole whose next use is soon, or unknown (no order: LRU among such
 files), stays in the kernel only, and the daemon's copy goes; any other file's pages are
@@ -41,34 +47,27 @@ A file whose samples are byte-range items of the order in force (cachefs.order_i
 by item instead (cachefs/range_read.py): its READs go there, and its opens and closes count
 nothing, since the stats count items, not the file.
 
-Wiring (`build_read_path`, the one wiring of the mount and the simulator): planner, ranking,
-tiered cache, range cache, prefetcher, reader, each built after the objects it uses and given
-them at construction, so that no object is told of another after it is built. The reader's public
-methods are all that fuse_ops touches of the read path.
+The reader's public methods are all that fuse_ops touches of the read path; it is built with
+the others by cachefs/read_path.py.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from cachefs import errors
 from cachefs import stats as stats_mod
-from cachefs.cache.ram import RamTier, block_count
-from cachefs.cache.tiered import KernelInodes, TieredCache
-from cachefs.config import MISS_BATCH_ITEMS
-from cachefs.freshness import Freshness, now_s
-from cachefs.pagecache import KernelPages
+from cachefs.cache.ram import block_count
+from cachefs.cache.tiered import TieredCache
+from cachefs.freshness import now_s
 from cachefs.planner import Planner
 from cachefs.prefetch import Prefetcher
-from cachefs.range_cache import DropFilePages, RangeCache
-from cachefs.range_prefetch import RangePrefetcher
 from cachefs.range_read import RangeReader
 from cachefs.ranking import Ranking
 from cachefs.source import SourceIdentity
-from cachefs.targets import Targets
-from cachefs.threads import RunSync
 
 log = logging.getLogger(__name__)
 
@@ -126,15 +125,19 @@ class OpenFile:
 
 @dataclass(eq=False, slots=True)
 class KernelRead:
-    """The close of a file only the kernel held, whole, with no READ (the zero-request mode's
-    usual close in a pass the kernel serves from its pages): what its accounting needs. Such
-    a file has nothing to settle, and no handle is made for it (`Reader.closed_without_reads`)."""
-    item: int
-    relpath: bytes
-    size_bytes: int
-    origin: int  # where its blocks came from (`_served`)
-    # the epoch record in force when it was consumed (as `OpenFile.epoch_record`)
-    epoch_record: stats_mod.EpochStats | None = None
+    """Closes of files only the kernel held, whole, with no READ (the zero-request mode's
+    usual close in a pass the kernel serves from its pages), next to each other in their
+    batch and of one origin: what their accounting needs. Such files have nothing to settle,
+    and no handle is made for them: one file's (`Reader.closed_without_reads`), or a run of
+    files `served_alone` (`Reader.alone_reads`), counted together."""
+    items: list[int]
+    sizes_bytes: list[int]
+    origin: int  # where their blocks came from (`_served`)
+    relpath: bytes = b""  # the one file's, for the log
+    # (epoch record, files, bytes): how many of the files counted in which epoch, the one in
+    # force when each was consumed (as `OpenFile.epoch_record`; the order's end may fall
+    # inside a run)
+    counted: list = field(default_factory=list)
 
 
 class Reader:
@@ -149,6 +152,7 @@ class Reader:
         self.block_bytes = block_bytes
         self.sequential_blocks = sequential_blocks
         self.kernel_opens = 0  # opens of files the kernel held whole (no READ needed)
+        self.alone_closes = 0  # of those, closes counted with no look (`served_alone`)
         self._ranges = ranges  # files whose samples are byte ranges (module docstring)
 
     # -- what fuse_ops asks besides reads ---------------------------------------------------
@@ -267,15 +271,36 @@ class Reader:
                         order_serial=self._planner.order_serial,
                         consume_at_release=True, told=identity)
 
-    def closed(self, closes: list) -> None:
-        """Files were closed, in this order (the closes of one fanotify batch, the
-        zero-request mode): each is the handle its READs used, or (inode, relpath, item,
+    def served_alone(self, items: np.ndarray) -> np.ndarray:
+        """Which closes of `items` (-1: none known) are RAM hits with no look at the file
+        (module docstring; `alone_read` is one): its block is still the one the kernel alone
+        holds and a reader was served, and the order in force ranks it (one with no known
+        future is touched as used, LRU). None with no order, or with byte-range items."""
+        if not self._planner.active or self._ranking.items is not None:
+            return np.zeros(len(items), bool)
+        return self._tiered.ram.served_alone(items) & self._ranking.in_orders(items)
+
+    @staticmethod
+    def alone_reads() -> KernelRead:
+        """A run of closes of files `served_alone` (the caller adds them): RAM hits."""
+        return KernelRead([], [], stats_mod.ORIGIN_RAM)
+
+    def closed(self, closes: list) -> list[tuple[int, int, int]]:
+        """Files were closed, in this order (one fanotify batch, the zero-request mode):
+        each is the handle its READs used, `alone_reads`, or (inode, relpath, item,
         identity) of a file no READ reached. A file only the kernel held whole is counted
-        without a handle (`KernelRead`); the batch is released as one (`release_many`), so
-        its consumption is one step of the planner, in the batch's order."""
+        without a handle (`KernelRead`); the batch is released as one (`release_many`), its
+        consumption one step of the planner, in the batch's order. Returns (inode, item,
+        size) of the one-block files that are `served_alone` from now on."""
         released: list[OpenFile | KernelRead] = []
+        alone: list[tuple[int, int, int]] = []
         for close in closes:
             if isinstance(close, OpenFile):
+                released.append(close)
+                continue
+            if isinstance(close, KernelRead):
+                self.kernel_opens += len(close.items)
+                self.alone_closes += len(close.items)
                 released.append(close)
                 continue
             try:
@@ -285,7 +310,13 @@ class Reader:
                 continue
             if read is not None:
                 released.append(read)
+                item, size_bytes = close[2], close[3].size
+                if isinstance(read, KernelRead) and item >= 0 and size_bytes <= self.block_bytes:
+                    # its one block was served (`_served_whole`): counted as RAM from now on
+                    self._tiered.ram.note_served_alone(item)
+                    alone.append((close[0], item, size_bytes))
         self.release_many(released)
+        return alone
 
     def closed_without_reads(self, inode: int, relpath: bytes, item: int,
                              identity: SourceIdentity) -> OpenFile | KernelRead | None:
@@ -312,7 +343,8 @@ class Reader:
                 if block.data is not None:
                     break  # the daemon holds a copy too: a handle settles the two
             else:
-                return KernelRead(item, relpath, identity.size, self._served_whole(blocks))
+                return KernelRead([item], [identity.size], self._served_whole(blocks),
+                                  relpath)
         handle = self.handle_without_open(inode, relpath, item, identity)
         if blocks is not None:
             self._kept_whole(handle, blocks)
@@ -465,22 +497,42 @@ class Reader:
         # replaced while it was open: it counts in the epoch it was opened in and consumes
         # nothing of the new order (a KernelRead is numbered by the plan of now)
         serial = self._planner.order_serial
-        pending: list[OpenFile | KernelRead] = []
+        pending: list[tuple[OpenFile | KernelRead, int]] = []  # and a run's first file left
         for file in released:
             if isinstance(file, KernelRead):
-                pending.append(file)
+                pending.append((file, 0))
             elif not file.consumed:
                 file.consumed = True
                 if file.order_serial == serial:
-                    pending.append(file)
+                    pending.append((file, 0))
         # the last file of an order ends its epoch, and the files after it count in the next
         while pending:
             record = self._stats.current
-            taken = self._prefetcher.consumed_many([file.item for file in pending],
-                                                   [file.size_bytes for file in pending])
-            for file in pending[:taken]:
-                file.epoch_record = record
-            pending = pending[taken:]
+            items: list[int] = []
+            sizes_bytes: list[int] = []
+            for file, start in pending:
+                if isinstance(file, KernelRead):
+                    items += file.items[start:]
+                    sizes_bytes += file.sizes_bytes[start:]
+                else:
+                    items.append(file.item)
+                    sizes_bytes.append(file.size_bytes)
+            left = self._prefetcher.consumed_many(items, sizes_bytes)
+            rest: list[tuple[OpenFile | KernelRead, int]] = []
+            for file, start in pending:
+                if left == 0:
+                    rest.append((file, start))
+                elif isinstance(file, KernelRead):
+                    stop = min(len(file.items), start + left)
+                    file.counted.append((record, stop - start,
+                                         sum(file.sizes_bytes[start:stop])))
+                    left -= stop - start
+                    if stop < len(file.items):
+                        rest.append((file, stop))
+                else:
+                    file.epoch_record = record
+                    left -= 1
+            pending = rest
 
     def release(self, handle: OpenFile, last: bool = True) -> None:
         """The reader let go of `handle`; `last`: no other handle of the file is open."""
@@ -515,19 +567,21 @@ class Reader:
                 # served whole, no wait, nothing to settle: counted on its own (given a handle's
                 # names, stall and manifest, it cost a hot pass 8% more instructions a close)
                 if isinstance(file, KernelRead):
-                    self._stats.file_read(file.origin, 0.0, file.size_bytes,
-                                          record=file.epoch_record)
-                    self._prefetcher.file_read(file.item, manifest, file.origin, 0.0)
+                    for record, files, nbytes in file.counted:
+                        self._stats.file_read(file.origin, 0.0, nbytes, record=record,
+                                              files=files)
+                    self._prefetcher.files_read(file.items, manifest, file.origin, 0.0)
                     continue
                 self._stats.file_read(file.origin, file.stall_s, file.bytes_served,
                                       record=file.epoch_record,
                                       kernel_reclaimed=file.kernel_reclaimed)
-                self._prefetcher.file_read(file.item, file.manifest, file.origin,
-                                           file.stall_s)
+                self._prefetcher.files_read([file.item], file.manifest, file.origin,
+                                            file.stall_s)
                 if last:
                     self._settle_pages(file)
             except Exception:  # noqa: BLE001 - one file's accounting must not end the others'
-                log.exception("unexpected error accounting for the read of %r", file.relpath)
+                log.exception("unexpected error accounting for the read of %r",
+                              file.relpath)
 
     def _settle_pages(self, handle: OpenFile) -> None:
         """What the kernel keeps of a file the last reader let go (module docstring)."""
@@ -566,59 +620,3 @@ def _note_read(handle: OpenFile, block_index: int, lo: int, hi: int, block_len: 
         handle.blocks_partly_read.pop(block_index, None)
     else:
         handle.blocks_partly_read[block_index] = merged
-
-
-@dataclass(frozen=True)
-class ReadPath:
-    """The read path's objects (build_read_path), for whoever runs their services and reports
-    their state (mount.py, sim.py)."""
-
-    planner: Planner
-    ranking: Ranking
-    tiered: TieredCache
-    prefetcher: Prefetcher
-    reader: Reader
-    targets: Targets
-
-
-def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, freshness: Freshness,
-                    *, block_bytes: int, source_threads: int, lookahead_items: int,
-                    sequential_blocks: int, targets: Targets | None = None,
-                    miss_batch_items: int = MISS_BATCH_ITEMS, per_target: bool = True,
-                    retain_by_cost: bool = True, kernel: KernelPages | None = None,
-                    kernel_inodes: KernelInodes | None = None,
-                    on_source_changed: Callable[[bytes, SourceIdentity], None] | None = None,
-                    run_ssd: RunSync | None = None,
-                    drop_file_pages: DropFilePages | None = None) -> ReadPath:
-    """Planner, ranking, tiered cache, prefetcher and reader, wired in that order (each is
-    given the ones it uses when it is built); the one wiring used by the mount and the
-    simulator, so that what the simulator tests is what the mount runs. `targets`: the storage
-    targets' lists and counters (cachefs/targets.py; the source reports its requests to them,
-    so it is built before the source; None: new ones, which no source reports to).
-    `miss_batch_items`, `per_target`, `retain_by_cost`: the read-ahead's
-    (cachefs/prefetch.py). `kernel` and `kernel_inodes`: the kernel data plane (None: the
-    daemon serves every READ).
-    `on_source_changed(relpath, identity)`: a file changed at the source (its cached copies
-    are gone). `run_ssd`: the worker-thread hop of the SSD tier's calls (None: threads).
-    `drop_file_pages(relpath, keep)`: the kernel drops a file's pages (the range cache's drops,
-    cachefs/range_cache.py; None: nothing to drop)."""
-    targets = targets if targets is not None else Targets()
-    planner = Planner(lookahead_items or 1)
-    ranking = Ranking(planner, ram, ssd, block_bytes=block_bytes)
-    tiered = TieredCache(ram, source, stats, block_bytes, ranking, ssd=ssd, run_ssd=run_ssd,
-                         kernel=kernel, kernel_inodes=kernel_inodes,
-                         on_source_changed=on_source_changed)
-    range_cache = RangeCache(ram, source, stats, ranking, freshness, kernel=kernel,
-                             kernel_inodes=kernel_inodes, source_changed=tiered.source_changed,
-                             drop_file_pages=drop_file_pages or (lambda relpath, keep: False))
-    prefetcher = Prefetcher(planner, ranking, tiered, ram, source, stats, freshness, targets,
-                            block_bytes=block_bytes, source_threads=source_threads,
-                            lookahead_items=lookahead_items, miss_batch_items=miss_batch_items,
-                            per_target=per_target, retain_by_cost=retain_by_cost,
-                            ranges=RangePrefetcher(planner, ranking, range_cache,
-                                                   source_threads=source_threads))
-    reader = Reader(planner, ranking, tiered, prefetcher, stats, block_bytes=block_bytes,
-                    sequential_blocks=sequential_blocks,
-                    ranges=RangeReader(planner, ranking, range_cache, stats,
-                                       prefetcher.consumed))
-    return ReadPath(planner, ranking, tiered, prefetcher, reader, targets)

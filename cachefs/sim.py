@@ -10,7 +10,7 @@ that the simulator leaves alone), so fetches landing at the same instant land in
 
 What is real and what is simulated. `simulate` builds the real `Planner`, `Ranking`, `RamTier`,
 `Prefetcher`, `TieredCache`, `Reader`, `Freshness` and `Stats` with
-`cachefs.reader.build_read_path`, the wiring `cachefs.mount.Mount` uses too. Only the edges are
+`cachefs.read_path.build_read_path`, the wiring `cachefs.mount.Mount` uses too. Only the edges are
 fakes, passed in through that wiring (no library is patched):
 - `SimSource` has the interface the code uses from `cachefs.source.Source` (`read_block`,
   `lstat`, `check_readable`, `identity_of`), and reports every request to the storage targets'
@@ -79,7 +79,8 @@ from cachefs.freshness import Freshness
 from cachefs.order import Manifest, Order, permutation
 from cachefs.order_items import Items
 from cachefs.pagecache import KernelPages, file_pages_dropper
-from cachefs.reader import OpenFile, build_read_path
+from cachefs.read_path import build_read_path
+from cachefs.reader import OpenFile
 from cachefs.sim_fakes import SimKernelInodes, SimSource, SimSsd, inline_ssd_calls, payload
 from cachefs.sim_ranges import SimPages, packed, read_range_item
 from cachefs.stats import Stats, refetch_window_blocks

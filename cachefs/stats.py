@@ -138,13 +138,17 @@ class Stats:
         self._fetched_other_blocks.clear()
 
     def file_read(self, origin: int, stall_s: float, bytes_served: int,
-                  record: EpochStats | None = None, kernel_reclaimed: bool = False) -> None:
+                  record: EpochStats | None = None, kernel_reclaimed: bool = False,
+                  files: int = 1) -> None:
         """Count one opened file in `record` (the epoch that consumed it), else the current.
-        `kernel_reclaimed`: its READs found pages gone that only the kernel held."""
+        `kernel_reclaimed`: its READs found pages gone that only the kernel held. `files`:
+        that many files of one origin, with no READ reclaimed, counted together (`stall_s`
+        and `bytes_served` are their sums)."""
         record = record if record is not None else self.current
-        record.reads += 1
+        record.reads += files
         record.kernel_reclaimed += kernel_reclaimed
-        setattr(record, _CLASS_BY_ORIGIN[origin], getattr(record, _CLASS_BY_ORIGIN[origin]) + 1)
+        name = _CLASS_BY_ORIGIN[origin]
+        setattr(record, name, getattr(record, name) + files)
         record.stall_s += stall_s
         record.bytes_served += bytes_served
 

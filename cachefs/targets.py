@@ -361,17 +361,18 @@ class Targets:
         target.latency_avg_s = (elapsed_s if average is None
                                 else average + LATENCY_WEIGHT * (elapsed_s - average))
 
-    def file_read(self, item: int, manifest, origin: int, stall_s: float) -> None:
-        """A reader is done with a file (cachefs/reader.py): its miss and stall count in its
-        target's counters."""
+    def files_read(self, items: list[int], manifest, origin: int, stall_s: float) -> None:
+        """Readers are done with files (cachefs/reader.py), each of `origin` and `stall_s`:
+        their misses and stalls count in their targets' counters."""
         if (origin != stats_mod.ORIGIN_MISS and stall_s == 0) or manifest is not self.manifest:
             return  # nothing to count (most files: a hit with no wait)
-        target = self.target_of(item)
-        if target is None:
-            return
-        if origin == stats_mod.ORIGIN_MISS:
-            target.misses += 1
-        target.stall_s += stall_s
+        for item in items:
+            target = self.target_of(item)
+            if target is None:
+                continue
+            if origin == stats_mod.ORIGIN_MISS:
+                target.misses += 1
+            target.stall_s += stall_s
 
     def status(self) -> list[dict]:
         """`cachefs stats`'s `targets` (man/cachefs-stats.1): the targets of the order in

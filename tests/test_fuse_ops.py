@@ -21,7 +21,8 @@ from cachefs.ctrl import Control
 from cachefs.freshness import Freshness
 from cachefs.fuse_ops import Operations
 from cachefs.inodes import ROOT_INODE, InodeTable
-from cachefs.reader import Reader, build_read_path
+from cachefs.read_path import build_read_path
+from cachefs.reader import Reader
 from cachefs.source import Source
 from cachefs.stats import Stats
 
@@ -256,6 +257,42 @@ def test_an_older_stat_does_not_replace_a_newer_one(tmp_path):
     assert inodes.get(inode).stat.st_size == 20 and inodes.get(inode).stat_time_s == 10.0
     inodes.remember(b"a", old, lookup=False, stat_time_s=11.0)  # newer: it is the file now
     assert inodes.get(inode).stat.st_size == 10
+
+
+def test_a_close_counted_from_the_arrays_is_forgotten_when_its_file_changes(tmp_path):
+    """What a close needs of a file (its item and size, cachefs/inodes.py `close_facts`)
+    holds while the kernel keeps the inode, the file's identity stays and the item numbers
+    mean the same: any of those changing puts its next close back through a look at the file
+    (a close counted from stale facts would count a changed file as a RAM hit)."""
+    import numpy as np
+
+    for name in (b"a", b"b", b"c"):
+        write_file(tmp_path / name.decode(), 10)
+    inodes = InodeTable(os.lstat(tmp_path))
+    a, b, c = (inodes.remember(name, os.lstat(tmp_path / name.decode()), lookup=True,
+                               stat_time_s=1.0) for name in (b"a", b"b", b"c"))
+
+    def facts(numbering: int = 7) -> list:
+        items, sizes = inodes.close_facts(np.array([a, b, c, 10**6]), numbering)
+        return list(zip(items.tolist(), sizes.tolist(), strict=True))
+
+    for inode, item in ((a, 0), (b, 1), (c, 2)):
+        inodes.remember_close(inode, item, 10, numbering=7)
+    assert facts() == [(0, 10), (1, 10), (2, 10), (-1, 0)]
+    inodes.update_stat(a, os.lstat(tmp_path / "a"), stat_time_s=2.0)  # re-checked, the same
+    assert facts()[0] == (0, 10)
+    write_file(tmp_path / "a", 10, seed=5)
+    os.utime(tmp_path / "a", ns=(0, 123))  # another version of the same size
+    inodes.update_stat(a, os.lstat(tmp_path / "a"), stat_time_s=3.0)
+    inodes.expire(b)  # the source changed, as a sweep or a READ found
+    assert facts() == [(-1, 10), (-1, 10), (2, 10), (-1, 0)]
+    assert inodes.forget(c, 1) == b"c"
+    assert facts()[2][0] == -1
+    inodes.remember_close(c, 2, 10, numbering=7)  # forgotten: nothing to remember it by
+    inodes.remember_close(a, 0, 10, numbering=7)
+    assert facts()[:3] == [(0, 10), (-1, 10), (-1, 10)]
+    assert facts(numbering=8)[0] == (-1, 10)  # a new manifest: items mean other files
+    assert facts(numbering=7)[0] == (-1, 10)
 
 
 def test_a_lookup_tells_the_kernel_the_newest_stat_the_table_holds(tmp_path):

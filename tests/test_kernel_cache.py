@@ -328,6 +328,34 @@ def test_stats_with_pushed_files_match_the_simulator(tmp_path, mounter, plane):
             (record, sim.row())
 
 
+def test_closes_counted_from_the_arrays_are_exact_and_a_changed_file_is_looked_at(
+        dataset, mounter):
+    """The zero-request mode with the order, RAM for every file: from the third epoch on the
+    kernel alone holds each file, and its closes are counted with no look at the file
+    (cachefs/reader.py `served_alone`). Each epoch still counts every file once, as a RAM
+    hit; a file changed in the source is read fresh and is no RAM hit in the epoch after
+    (its copies went, and a close counted from stale facts would call it one)."""
+    src, relpaths = dataset
+    mount = mounter(src, "--ram-cache", N_FILES * FILE_BYTES * 3, "--metadata-ttl", 1,
+                    "--data-plane", "no-open")
+    for epoch in range(4):
+        record = read_epoch(mount, relpaths, epoch)
+        assert record["reads"] == N_FILES
+        if epoch >= 2:  # a file whose pages the kernel reclaimed was read again: a miss
+            assert record["hits_ram"] + record["kernel_reclaimed"] >= N_FILES - 2, record
+    status = wait_for(lambda: (kernel(mount) if kernel(mount)["closes_counted_alone"]
+                               >= N_FILES else None))
+    assert status["closes_counted_alone"] <= status["whole_file_opens"]
+    changed = relpaths[:4]
+    write_file(src / changed[0], FILE_BYTES, seed=901)  # same size, new bytes
+    write_file(src / changed[1], FILE_BYTES // 2, seed=902)  # shorter
+    time.sleep(1.6)  # past --metadata-ttl: a sweep has seen the changes
+    assert mount.stats()["revalidation"]["changed"] >= 2
+    record = read_epoch(mount, relpaths, 4)  # every file checked against the source
+    assert record["reads"] == N_FILES
+    assert record["hits_ram"] <= N_FILES - 2, record
+
+
 def test_memory_stays_within_the_budget(dataset, mounter):
     src, relpaths = dataset
     ram_bytes = N_FILES * FILE_BYTES // 3
@@ -666,12 +694,14 @@ def test_a_close_with_no_read_just_after_its_pages_were_dropped_is_counted(monke
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_batch_of_closes_counts_each_file_in_the_epoch_that_consumed_it(seed):
     """The zero-request mode: one fanotify batch mixes files only the kernel held (counted
-    with no handle) and files whose READs came to the daemon (handles), and crosses the end
-    of the order. It is consumed in one step of the planner, in the batch's order: the files
-    up to the order's last count in its epoch, the ones after it in the next, each once."""
+    with no handle, one by one or in runs taken from the arrays: fuse_ops.Operations.closed)
+    and files whose READs came to the daemon (handles), and crosses the end of the order.
+    It is consumed in one step of the planner, in the batch's order: the files up to the
+    order's last count in their epoch, the ones after it in the next, each once, though the
+    order's end falls inside a run."""
     import trio
 
-    from cachefs.reader import OpenFile
+    from cachefs.reader import KernelRead, OpenFile
     from cachefs.sim import run_script
 
     config = SimConfig(items=48, item_bytes=5000, ram_bytes=1 << 22, latency_s=0.0,
@@ -686,10 +716,18 @@ def test_a_batch_of_closes_counts_each_file_in_the_epoch_that_consumed_it(seed):
         closes = []
         kernel_alone = 0
         # the whole order, then the next order's first five: the batch crosses the end
-        for item in [*order.current.tolist(), *order.next[:5].tolist()]:
+        batch = [*order.current.tolist(), *order.next[:5].tolist()]
+        for position, item in enumerate(batch):
             relpath = sim.paths[item]
             identity = sim.source.identity(relpath)
-            if rng.random() < 0.3:  # this reader's READs came to the daemon
+            if position >= len(batch) - 8 or 0.3 <= rng.random() < 0.5:
+                # counted from the arrays, as a run with the files before it of the same kind
+                if not closes or not isinstance(closes[-1], KernelRead):
+                    closes.append(sim.reader.alone_reads())
+                closes[-1].items.append(item)
+                closes[-1].sizes_bytes.append(identity.size)
+                continue
+            if rng.random() < 0.4:  # this reader's READs came to the daemon
                 handle = sim.reader.handle_without_open(item + 2, relpath, item, identity)
                 await sim.reader.read(handle, 0, identity.size)
                 closes.append(handle)
@@ -705,6 +743,7 @@ def test_a_batch_of_closes_counts_each_file_in_the_epoch_that_consumed_it(seed):
             return consumed_many(items, sizes_bytes)
 
         sim.prefetcher.consumed_many = step
+        assert sum(isinstance(close, KernelRead) for close in closes) >= 2  # runs
         sim.reader.closed(closes)
         handles = sum(isinstance(close, OpenFile) for close in closes)
         reads = {record.epoch: record.reads for record in sim.stats.epochs}
