@@ -44,7 +44,6 @@ import os
 import stat
 from collections.abc import Callable
 
-import numpy as np
 import pyfuse3
 import trio
 
@@ -55,7 +54,7 @@ from cachefs.cache.ram import page_bytes
 from cachefs.freshness import Freshness, now_s
 from cachefs.inodes import ROOT_INODE, InodeTable, PackedStat
 from cachefs.pagecache import KernelPages
-from cachefs.reader import KernelRead, OpenFile, Reader
+from cachefs.reader import AloneFile, OpenFile, Reader
 from cachefs.source import Source, SourceIdentity
 
 log = logging.getLogger(__name__)
@@ -389,25 +388,16 @@ class Operations(pyfuse3.Operations):
     def closed(self, inodes: list[int]) -> None:
         """Files were closed (fanotify, in the zero-request mode): account for each, as a
         RELEASE would, whether READs came for it or the kernel's pages served it all; the
-        batch's files in one go (`Reader.closed`). Those the reader counted before as files
-        the kernel served alone, and still are (`Reader.served_alone`: most closes of a pass
-        the kernel serves from its pages), are taken from arrays, with no look at their
-        entries (cachefs/inodes.py `close_facts`); a file with READs of its own has a handle."""
-        numbering = self.reader.item_numbering
-        items, sizes = self.inodes.close_facts(np.array(inodes, np.int64), numbering)
-        alone = self.reader.served_alone(items).tolist()
-        closes: list[OpenFile | KernelRead | tuple] = []
-        run: KernelRead | None = None  # of the closes counted from the arrays, in a row
-        for inode, item, size_bytes, counted in zip(inodes, items.tolist(), sizes.tolist(),
-                                                    alone, strict=True):
-            if counted and inode not in self._without_open:
-                if run is None:
-                    run = self.reader.alone_reads()
-                    closes.append(run)
-                run.items.append(item)
-                run.sizes_bytes.append(size_bytes)
+        batch's files in one go (`Reader.closed`). A file the reader counted before as one the
+        kernel served alone, and still is (`Reader.still_alone`: most closes of a pass the
+        kernel serves from its pages), is counted from its block, with no look at its entry
+        (cachefs/inodes.py `close_tokens`); a file with READs of its own has a handle."""
+        tokens = self.reader.still_alone(self.inodes.close_tokens(inodes))
+        closes: list[OpenFile | AloneFile | tuple] = []
+        for inode, token in zip(inodes, tokens, strict=True):
+            if token is not None and inode not in self._without_open:
+                closes.append(token)
                 continue
-            run = None
             try:
                 close = self._closed_one(inode)
             except Exception:  # noqa: BLE001 - one file's accounting must not end all others'
@@ -420,8 +410,8 @@ class Operations(pyfuse3.Operations):
         except Exception:  # noqa: BLE001 - the mount goes on; the next batch is counted
             log.exception("unexpected error accounting for %d closed files", len(closes))
             return
-        for inode, item, size_bytes in counted_alone:
-            self.inodes.remember_close(inode, item, size_bytes, numbering)
+        for inode, token in counted_alone:
+            self.inodes.remember_close(inode, token)
 
     def _closed_one(self, inode: int) -> OpenFile | tuple | None:
         """A close of `inode` as `Reader.closed` takes it: the handle its READs used, else

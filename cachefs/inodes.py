@@ -22,13 +22,11 @@ every sample: entries are slotted and keep the attributes packed (`PackedStat`, 
 an `os.stat_result` takes 640), since this memory is not in the RAM tier's budget otherwise
 (its per-block charge, cachefs/cache/ram.py, covers the entry of a cached file).
 
-It also keeps, as arrays by inode number, what a close of a file needs to be counted with no
-look at its entry (`remember_close`, `close_facts`; fuse_ops.Operations.closed): the file's
-item and size when a close of it was counted as one the kernel served alone. A batch of closes
-is then looked up in a few array operations, where a look at each file's entry and stat was
-cold memory, a cache miss per object (the readers' copies evict the daemon's objects between
-two closes of a file). A file's facts are forgotten whenever its attributes change and when
-the kernel forgets its inode; they hold under one item numbering (`close_facts`).
+It also keeps, by inode, what the reader gave to count the file's next close by with no look
+at its entry (`remember_close`, `close_tokens`; fuse_ops.Operations.closed, cachefs/reader.py
+`AloneFile`): a look at each file's entry and stat at its close was cold memory, a cache miss
+per object (the readers' copies evict the daemon's objects between two closes of a file). It
+is forgotten whenever the file's attributes change and when the kernel forgets the inode.
 
 Invariant: `_inode_by_path[p] == i` iff `_entries[i].relpath == p`.
 """
@@ -38,8 +36,6 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
-
-import numpy as np
 
 from cachefs.freshness import NEVER_S, now_s
 
@@ -122,11 +118,8 @@ class InodeTable:
             ROOT_INODE: InodeEntry(b"", PackedStat.of(root_stat), NEVER_S, lookups=1)}
         self._inode_by_path: dict[bytes, int] = {b"": ROOT_INODE}
         self._next_inode = ROOT_INODE + 1
-        # by inode number (module docstring): the item and size of its file's last close
-        # counted as one the kernel served alone, -1 where none; under `_close_numbering`
-        self._close_items = np.full(0, -1, np.int32)
-        self._close_sizes = np.zeros(0, np.int32)
-        self._close_numbering = -1
+        # by inode: what the reader counts its next close by (module docstring)
+        self._close_tokens: dict[int, object] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -207,41 +200,18 @@ class InodeTable:
 
     # -- closes counted with no look at the entry (module docstring) --------------------------
 
-    def remember_close(self, inode: int, item: int, size_bytes: int, numbering: int) -> None:
-        """A close of `inode` was counted as one the kernel served alone: its file is `item`
-        (under `numbering`: Reader.item_numbering) of `size_bytes`."""
-        if inode not in self._entries:
-            return  # forgotten meanwhile: nothing to remember it by
-        if numbering != self._close_numbering:
-            self._forget_closes(numbering)
-        if inode >= len(self._close_items):
-            grown = max(inode + 1, 2 * len(self._close_items), 1024)
-            self._close_items = np.concatenate(
-                [self._close_items, np.full(grown - len(self._close_items), -1, np.int32)])
-            self._close_sizes = np.concatenate(
-                [self._close_sizes, np.zeros(grown - len(self._close_sizes), np.int32)])
-        self._close_items[inode] = item
-        self._close_sizes[inode] = size_bytes
+    def remember_close(self, inode: int, token: object) -> None:
+        """The reader counts the next close of `inode` by `token` (module docstring)."""
+        if inode in self._entries:  # else forgotten meanwhile: nothing to remember it by
+            self._close_tokens[inode] = token
 
-    def close_facts(self, inodes: np.ndarray, numbering: int) -> tuple[np.ndarray, np.ndarray]:
-        """(items, sizes) of `inodes` as `remember_close` kept them, item -1 where none (or
-        kept under another numbering than `numbering`)."""
-        if numbering != self._close_numbering:
-            self._forget_closes(numbering)
-        items = np.full(len(inodes), -1, np.int32)
-        sizes = np.zeros(len(inodes), np.int32)
-        inside = inodes < len(self._close_items)
-        items[inside] = self._close_items[inodes[inside]]
-        sizes[inside] = self._close_sizes[inodes[inside]]
-        return items, sizes
+    def close_tokens(self, inodes: list[int]) -> list:
+        """`remember_close`'s token of each of `inodes`, or None."""
+        tokens = self._close_tokens
+        return [tokens.get(inode) for inode in inodes]
 
     def _forget_close(self, inode: int) -> None:
-        if inode < len(self._close_items):
-            self._close_items[inode] = -1
-
-    def _forget_closes(self, numbering: int) -> None:
-        self._close_items[:] = -1
-        self._close_numbering = numbering
+        self._close_tokens.pop(inode, None)
 
     # -- what the kernel holds (KernelInodes, cachefs.cache.tiered) ---------------------------
 

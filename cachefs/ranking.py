@@ -228,13 +228,6 @@ class Ranking:
     def _in_orders(self, item: int) -> bool:
         return item < len(self._member) and bool(self._member[item])
 
-    def in_orders(self, items: np.ndarray) -> np.ndarray:
-        """`_in_orders` of each of `items` (-1: none), as one array."""
-        member = np.zeros(len(items), bool)
-        inside = (items >= 0) & (items < len(self._member))
-        member[inside] = self._member[items[inside]]
-        return member
-
     def _on_ssd(self, item: int, block_index: int, identity: SourceIdentity | None) -> bool:
         if self.ssd is None or identity is None:
             return False

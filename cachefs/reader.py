@@ -30,13 +30,13 @@ one whose pages it dropped a moment before (KernelPages.dropped_lately): the dae
 block (evicted, or the file changed) before the drop of its pages lands, and a reader that
 opened the file meanwhile read those pages with no READ. A file only the kernel held (its
 usual close in a pass the kernel serves from its pages) is counted with no handle at all
-(`KernelRead`): it has nothing to settle. Once counted so, a later close of a one-block file
-of the order is counted with no look at it at all: the inode table keeps the file's item and
-size, the RAM tier a mark that its block is still the one the kernel alone holds and a reader
-was served (`served_alone`), and a batch of closes is taken from those arrays (fuse_ops.
-Operations.closed). Looking at each file (its inode entry and stat, its block and the block's
-identity: a cache miss per object, the readers' copies evicting them between two closes of a
-file) was about 18 us of the trio thread's 20 per close in the hot pass with the order.
+(`KernelRead`): it has nothing to settle. Once counted so, a later close of such a file of
+one block is counted from its block alone (`AloneFile`, kept by the inode table until the
+file's attributes change): while the block is resident it is still the one only the kernel
+holds, which a reader was served, and the close is a RAM hit; a batch's runs of them are
+counted together. Looking at each file (its inode entry and stat, its block by key and the
+block's identity: a cache miss per object, the readers' copies evicting them between two
+closes of a file) was about 18 us of the trio thread's 20 per close in a hot pass.
 At release the kernel's copy is settled (`_settle_pages`, `Ranking.kernel_may_keep`): a
 file the kernel holds whole whose next use is soon, or unknown (no order: LRU among such
 files), stays in the kernel only, and the daemon's copy goes; any other file's pages are
@@ -56,11 +56,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from cachefs import errors
 from cachefs import stats as stats_mod
-from cachefs.cache.ram import block_count
+from cachefs.cache.ram import BlockKey, RamBlock, block_count
 from cachefs.cache.tiered import TieredCache
 from cachefs.freshness import now_s
 from cachefs.planner import Planner
@@ -129,7 +127,7 @@ class KernelRead:
     usual close in a pass the kernel serves from its pages), next to each other in their
     batch and of one origin: what their accounting needs. Such files have nothing to settle,
     and no handle is made for them: one file's (`Reader.closed_without_reads`), or a run of
-    files `served_alone` (`Reader.alone_reads`), counted together."""
+    files counted from their blocks (`AloneFile`), counted together."""
     items: list[int]
     sizes_bytes: list[int]
     origin: int  # where their blocks came from (`_served`)
@@ -138,6 +136,15 @@ class KernelRead:
     # force when each was consumed (as `OpenFile.epoch_record`; the order's end may fall
     # inside a run)
     counted: list = field(default_factory=list)
+
+
+@dataclass(eq=False, slots=True)
+class AloneFile:
+    """A file of one block, which only the kernel holds and a reader was served: its next
+    close is counted from the block alone, while the block is resident (module docstring;
+    `Reader.still_alone`)."""
+    key: BlockKey
+    block: RamBlock
 
 
 class Reader:
@@ -152,7 +159,7 @@ class Reader:
         self.block_bytes = block_bytes
         self.sequential_blocks = sequential_blocks
         self.kernel_opens = 0  # opens of files the kernel held whole (no READ needed)
-        self.alone_closes = 0  # of those, closes counted with no look (`served_alone`)
+        self.alone_closes = 0  # of those, closes counted from their blocks (`AloneFile`)
         self._ranges = ranges  # files whose samples are byte ranges (module docstring)
 
     # -- what fuse_ops asks besides reads ---------------------------------------------------
@@ -271,36 +278,40 @@ class Reader:
                         order_serial=self._planner.order_serial,
                         consume_at_release=True, told=identity)
 
-    def served_alone(self, items: np.ndarray) -> np.ndarray:
-        """Which closes of `items` (-1: none known) are RAM hits with no look at the file
-        (module docstring; `alone_read` is one): its block is still the one the kernel alone
-        holds and a reader was served, and the order in force ranks it (one with no known
-        future is touched as used, LRU). None with no order, or with byte-range items."""
-        if not self._planner.active or self._ranking.items is not None:
-            return np.zeros(len(items), bool)
-        return self._tiered.ram.served_alone(items) & self._ranking.in_orders(items)
+    def still_alone(self, tokens: list) -> list:
+        """Of `tokens` (an `AloneFile` or None, by close), each whose close still counts from
+        it (its block is resident), else None; none while the order has byte-range items
+        (their files' closes count nothing)."""
+        if self._ranking.items is not None:
+            return [None] * len(tokens)
+        return [token if token is not None and token.block.resident else None
+                for token in tokens]
 
-    @staticmethod
-    def alone_reads() -> KernelRead:
-        """A run of closes of files `served_alone` (the caller adds them): RAM hits."""
-        return KernelRead([], [], stats_mod.ORIGIN_RAM)
-
-    def closed(self, closes: list) -> list[tuple[int, int, int]]:
+    def closed(self, closes: list) -> list[tuple[int, AloneFile]]:
         """Files were closed, in this order (one fanotify batch, the zero-request mode):
-        each is the handle its READs used, `alone_reads`, or (inode, relpath, item,
-        identity) of a file no READ reached. A file only the kernel held whole is counted
-        without a handle (`KernelRead`); the batch is released as one (`release_many`), its
-        consumption one step of the planner, in the batch's order. Returns (inode, item,
-        size) of the one-block files that are `served_alone` from now on."""
+        each is the handle its READs used, an `AloneFile` `still_alone`, or (inode, relpath,
+        item, identity) of a file no READ reached. A file only the kernel held whole is
+        counted without a handle (`KernelRead`, with the files next to it counted from their
+        blocks); the batch is released as one (`release_many`), its consumption one step of
+        the planner, in the batch's order. Returns (inode, `AloneFile`) of the files whose
+        next close counts from their block."""
         released: list[OpenFile | KernelRead] = []
-        alone: list[tuple[int, int, int]] = []
+        alone: list[tuple[int, AloneFile]] = []
+        ram = self._tiered.ram
+        run: KernelRead | None = None  # of the closes counted from their blocks, in a row
         for close in closes:
-            if isinstance(close, OpenFile):
-                released.append(close)
+            if isinstance(close, AloneFile):
+                self.kernel_opens += 1
+                self.alone_closes += 1
+                if run is None:
+                    run = KernelRead([], [], stats_mod.ORIGIN_RAM)
+                    released.append(run)
+                run.items.append(close.block.item)
+                run.sizes_bytes.append(close.block.nbytes)
+                ram.touch(close.key, close.block)
                 continue
-            if isinstance(close, KernelRead):
-                self.kernel_opens += len(close.items)
-                self.alone_closes += len(close.items)
+            run = None
+            if isinstance(close, OpenFile):
                 released.append(close)
                 continue
             try:
@@ -310,11 +321,10 @@ class Reader:
                 continue
             if read is not None:
                 released.append(read)
-                item, size_bytes = close[2], close[3].size
-                if isinstance(read, KernelRead) and item >= 0 and size_bytes <= self.block_bytes:
-                    # its one block was served (`_served_whole`): counted as RAM from now on
-                    self._tiered.ram.note_served_alone(item)
-                    alone.append((close[0], item, size_bytes))
+                key = (close[1], 0)
+                if isinstance(read, KernelRead) and close[3].size <= self.block_bytes:
+                    # its one block was served (`_served_whole`): a RAM hit from now on
+                    alone.append((close[0], AloneFile(key, ram.blocks[key])))
         self.release_many(released)
         return alone
 

@@ -259,40 +259,30 @@ def test_an_older_stat_does_not_replace_a_newer_one(tmp_path):
     assert inodes.get(inode).stat.st_size == 10
 
 
-def test_a_close_counted_from_the_arrays_is_forgotten_when_its_file_changes(tmp_path):
-    """What a close needs of a file (its item and size, cachefs/inodes.py `close_facts`)
-    holds while the kernel keeps the inode, the file's identity stays and the item numbers
-    mean the same: any of those changing puts its next close back through a look at the file
-    (a close counted from stale facts would count a changed file as a RAM hit)."""
-    import numpy as np
-
+def test_what_a_close_is_counted_by_is_forgotten_when_its_file_changes(tmp_path):
+    """The token a file's next close is counted by with no look at its entry (cachefs/
+    inodes.py `close_tokens`) holds while the kernel keeps the inode and the file's identity
+    stays: either changing puts its next close back through a look at the file (a close
+    counted from a stale token would count a changed file as a RAM hit)."""
     for name in (b"a", b"b", b"c"):
         write_file(tmp_path / name.decode(), 10)
     inodes = InodeTable(os.lstat(tmp_path))
     a, b, c = (inodes.remember(name, os.lstat(tmp_path / name.decode()), lookup=True,
                                stat_time_s=1.0) for name in (b"a", b"b", b"c"))
-
-    def facts(numbering: int = 7) -> list:
-        items, sizes = inodes.close_facts(np.array([a, b, c, 10**6]), numbering)
-        return list(zip(items.tolist(), sizes.tolist(), strict=True))
-
-    for inode, item in ((a, 0), (b, 1), (c, 2)):
-        inodes.remember_close(inode, item, 10, numbering=7)
-    assert facts() == [(0, 10), (1, 10), (2, 10), (-1, 0)]
+    for inode in (a, b, c):
+        inodes.remember_close(inode, f"token {inode}")
+    assert inodes.close_tokens([a, b, c, 10**6]) == [f"token {a}", f"token {b}", f"token {c}",
+                                                     None]
     inodes.update_stat(a, os.lstat(tmp_path / "a"), stat_time_s=2.0)  # re-checked, the same
-    assert facts()[0] == (0, 10)
+    assert inodes.close_tokens([a]) == [f"token {a}"]
     write_file(tmp_path / "a", 10, seed=5)
     os.utime(tmp_path / "a", ns=(0, 123))  # another version of the same size
     inodes.update_stat(a, os.lstat(tmp_path / "a"), stat_time_s=3.0)
     inodes.expire(b)  # the source changed, as a sweep or a READ found
-    assert facts() == [(-1, 10), (-1, 10), (2, 10), (-1, 0)]
+    assert inodes.close_tokens([a, b, c]) == [None, None, f"token {c}"]
     assert inodes.forget(c, 1) == b"c"
-    assert facts()[2][0] == -1
-    inodes.remember_close(c, 2, 10, numbering=7)  # forgotten: nothing to remember it by
-    inodes.remember_close(a, 0, 10, numbering=7)
-    assert facts()[:3] == [(0, 10), (-1, 10), (-1, 10)]
-    assert facts(numbering=8)[0] == (-1, 10)  # a new manifest: items mean other files
-    assert facts(numbering=7)[0] == (-1, 10)
+    inodes.remember_close(c, "late")  # forgotten: nothing to remember it by
+    assert inodes.close_tokens([c]) == [None]
 
 
 def test_a_lookup_tells_the_kernel_the_newest_stat_the_table_holds(tmp_path):

@@ -331,8 +331,8 @@ def test_stats_with_pushed_files_match_the_simulator(tmp_path, mounter, plane):
 def test_closes_counted_from_the_arrays_are_exact_and_a_changed_file_is_looked_at(
         dataset, mounter):
     """The zero-request mode with the order, RAM for every file: from the third epoch on the
-    kernel alone holds each file, and its closes are counted with no look at the file
-    (cachefs/reader.py `served_alone`). Each epoch still counts every file once, as a RAM
+    kernel alone holds each file, and its closes are counted from its block, with no look
+    at the file (cachefs/reader.py `AloneFile`). Each epoch still counts every file once, as a RAM
     hit; a file changed in the source is read fresh and is no RAM hit in the epoch after
     (its copies went, and a close counted from stale facts would call it one)."""
     src, relpaths = dataset
@@ -354,6 +354,37 @@ def test_closes_counted_from_the_arrays_are_exact_and_a_changed_file_is_looked_a
     record = read_epoch(mount, relpaths, 4)  # every file checked against the source
     assert record["reads"] == N_FILES
     assert record["hits_ram"] <= N_FILES - 2, record
+
+
+def test_without_an_order_closes_counted_from_their_blocks_keep_the_lru_order(dataset,
+                                                                              mounter):
+    """No order: a file only the kernel holds is counted from its block as well, and its
+    close still makes it the most recently used (a close that did not would leave it to be
+    evicted first): files read again and again stay in a RAM tier of about 25 files while a
+    stream of files read once goes through it."""
+    src, relpaths = dataset
+    hot, cold = relpaths[:8], relpaths[8:88]
+    mount = mounter(src, "--ram-cache", 24 * (FILE_BYTES + 8192), "--data-plane", "no-open")
+    passes = [hot, hot]
+    for start in range(0, len(cold), 8):
+        passes += [hot, cold[start:start + 8]]
+    for relpaths_read in passes:
+        read_all(mount, relpaths_read)
+        time.sleep(0.05)  # two closes of a file queued at once are one event (fanotify.py)
+    reads = sum(map(len, passes))
+
+    def totals() -> dict | None:
+        records = mount.stats()["epochs"]
+        summed = {key: sum(record[key] for record in records)
+                  for key in ("reads", "hits_ram", "misses", "prefetched", "kernel_reclaimed")}
+        return summed if summed["reads"] >= reads else None
+
+    counted = wait_for(totals)
+    assert counted["reads"] == reads
+    # from the source: each file once (and a file whose pages the kernel reclaimed)
+    from_source = counted["misses"] + counted["prefetched"]
+    assert from_source - counted["kernel_reclaimed"] <= len(hot) + len(cold) + 2, counted
+    assert kernel(mount)["closes_counted_alone"] >= len(cold) // 8 * len(hot) - 4
 
 
 def test_memory_stays_within_the_budget(dataset, mounter):
@@ -694,14 +725,15 @@ def test_a_close_with_no_read_just_after_its_pages_were_dropped_is_counted(monke
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_batch_of_closes_counts_each_file_in_the_epoch_that_consumed_it(seed):
     """The zero-request mode: one fanotify batch mixes files only the kernel held (counted
-    with no handle, one by one or in runs taken from the arrays: fuse_ops.Operations.closed)
+    with no handle, one by one or in runs counted from their blocks: fuse_ops.Operations.
+    closed)
     and files whose READs came to the daemon (handles), and crosses the end of the order.
     It is consumed in one step of the planner, in the batch's order: the files up to the
     order's last count in their epoch, the ones after it in the next, each once, though the
     order's end falls inside a run."""
     import trio
 
-    from cachefs.reader import KernelRead, OpenFile
+    from cachefs.reader import AloneFile, OpenFile
     from cachefs.sim import run_script
 
     config = SimConfig(items=48, item_bytes=5000, ram_bytes=1 << 22, latency_s=0.0,
@@ -721,11 +753,9 @@ def test_a_batch_of_closes_counts_each_file_in_the_epoch_that_consumed_it(seed):
             relpath = sim.paths[item]
             identity = sim.source.identity(relpath)
             if position >= len(batch) - 8 or 0.3 <= rng.random() < 0.5:
-                # counted from the arrays, as a run with the files before it of the same kind
-                if not closes or not isinstance(closes[-1], KernelRead):
-                    closes.append(sim.reader.alone_reads())
-                closes[-1].items.append(item)
-                closes[-1].sizes_bytes.append(identity.size)
+                # counted from its block, in a run with the files next to it of that kind
+                key = (relpath, 0)
+                closes.append(AloneFile(key, sim.tiered.ram.blocks[key]))
                 continue
             if rng.random() < 0.4:  # this reader's READs came to the daemon
                 handle = sim.reader.handle_without_open(item + 2, relpath, item, identity)
@@ -743,7 +773,7 @@ def test_a_batch_of_closes_counts_each_file_in_the_epoch_that_consumed_it(seed):
             return consumed_many(items, sizes_bytes)
 
         sim.prefetcher.consumed_many = step
-        assert sum(isinstance(close, KernelRead) for close in closes) >= 2  # runs
+        assert sum(isinstance(close, AloneFile) for close in closes) >= 10
         sim.reader.closed(closes)
         handles = sum(isinstance(close, OpenFile) for close in closes)
         reads = {record.epoch: record.reads for record in sim.stats.epochs}

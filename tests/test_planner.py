@@ -735,14 +735,15 @@ def test_ram_budget_never_exceeded_under_random_traffic(seed):
 def test_ram_counts_per_item_the_blocks_the_kernel_holds_under_random_traffic(seed):
     """`kernel_blocks_of` (the walk passes over a file on it, cachefs/prefetch.py) stays
     what the resident blocks say, whichever way a block comes, goes, is handed to the
-    kernel, loses its kernel copy or is numbered anew; and an item marked `served_alone`
-    (its closes are counted with no look, cachefs/reader.py) is still the block it was
-    marked for, resident, with only the kernel holding it."""
+    kernel, loses its kernel copy or is numbered anew; and a block says whether it is
+    resident (`resident`: a close of a file only the kernel holds is counted from the block
+    alone, cachefs/reader.py `AloneFile`), and one only the kernel held leaves with the
+    kernel's copy."""
     rng = np.random.default_rng(seed)
     ram = RamTier(30 * 4096, block_bytes=4096, block_overhead_bytes=0)
     items = np.arange(12)
-    marked: dict[int, tuple] = {}  # item -> (key, block) when it was marked
-    marks = 0
+    made: list[tuple] = []  # every block inserted, with its key
+    alone: list[tuple] = []  # blocks seen resident with only the kernel holding them
 
     def counted() -> list:
         counts = [0] * len(items)
@@ -760,6 +761,7 @@ def test_ram_counts_per_item_the_blocks_the_kernel_holds_under_random_traffic(se
             new.priority = float(rng.integers(0, 50))
             if ram.reserve(ram.charge(new), new.priority):
                 ram.insert(key, new, ram.charge(new))
+                made.append((key, new))
         elif action == 1 and held is not None:
             ram.add_kernel_copy(key, held)
         elif action == 2 and held is not None:
@@ -774,16 +776,15 @@ def test_ram_counts_per_item_the_blocks_the_kernel_holds_under_random_traffic(se
             for held in ram.blocks.values():
                 held.item = (held.item + 3) % len(items) if held.item >= 0 else -1
             ram.items_renumbered()
-        if (held := ram.get(key)) is not None and held.item >= 0 and held.in_kernel \
-                and held.data is None:  # a close of it counted: served from the kernel alone
-            ram.note_served_alone(held.item)
-            marked[held.item] = (key, held)
-            marks += 1
+        if (held := ram.get(key)) is not None and held.in_kernel and held.data is None:
+            alone.append((key, held))
         assert ram.kernel_blocks_of(items).tolist() == counted()
-        for item in np.flatnonzero(ram.served_alone(items)).tolist():
-            key, held = marked[item]
-            assert ram.get(key) is held and held.in_kernel and held.data is None
-    assert marks > 100
+        assert all(made_block.resident == (ram.get(made_key) is made_block)
+                   for made_key, made_block in made[-50:])
+        for _, kernel_alone in alone[-50:]:
+            assert not kernel_alone.resident or (kernel_alone.in_kernel
+                                                 and kernel_alone.data is None)
+    assert len(alone) > 100 and any(not kernel_alone.resident for _, kernel_alone in alone)
 
 
 def test_ram_hands_a_file_to_the_kernel_whole_or_not_at_all():

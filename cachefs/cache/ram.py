@@ -45,13 +45,10 @@ array by manifest item, kept as blocks come, go and change hands, and made again
 manifest numbers the items anew): the read-ahead's walk passes over the files the kernel holds
 whole a stretch of its list at a time, where a look at each block was most of its work.
 
-Per item too, whether its file is one block that only the kernel holds and that a reader was
-served since it came (`note_served_alone`, `served_alone`): a close of such a file counts as a
-RAM hit with nothing to settle, and the reader's close accounting takes a batch of them from
-arrays, with no look at each block (cachefs/reader.py `served_alone`). The mark goes as the
-kernel's copy does, or the block (`_count_in_kernel`), and with a renumbering: it always
-speaks of the block resident now, which has no data of its own (a block never gets its data
-back; a new one is inserted), and whose identity and `served` cannot change.
+A block knows whether it is resident (`resident`, set as it is inserted and cleared as it
+leaves): a close of a file the kernel alone held is counted again from the block alone, with
+no look up by key (cachefs/reader.py `AloneFile`). Such a block has no data of its own, never
+gets it back (a new block is inserted), and leaves the tier when the kernel's copy goes.
 
 Bookkeeping. Each block also costs the daemon memory of its own: the block, its key, its heap
 entries and the inode table's entry of its file (cachefs/inodes.py), about 1 KB in all, which
@@ -96,6 +93,7 @@ class RamBlock:
     lru_seq: int = field(default=0)
     in_kernel: bool = False  # the kernel's page cache holds these bytes for the mount
     kept_twice: bool = False  # daemon and kernel copies both kept and charged (module docstring)
+    resident: bool = False  # in the tier's `blocks` (module docstring)
     nbytes: int = -1  # the block's length; set from `data` at construction
 
     def __post_init__(self):
@@ -154,7 +152,6 @@ class RamTier:
         # per item (a file block's `item`): its blocks resident here that the kernel holds
         # too (`kernel_blocks_of`)
         self._kernel_blocks = np.zeros(0, np.int32)
-        self._served_alone = np.zeros(0, bool)  # by item (module docstring)
 
     @property
     def used_bytes(self) -> int:
@@ -249,6 +246,7 @@ class RamTier:
         self.reserved_bytes -= extra
         self.resident_bytes += extra
         self.blocks[key] = block
+        block.resident = True
         self._push(key, block)
         if block.in_kernel:
             self._count_in_kernel(key, block, 1)
@@ -417,6 +415,7 @@ class RamTier:
 
     def _remove(self, key: BlockKey, notify: bool = True) -> None:
         block = self.blocks.pop(key)
+        block.resident = False
         self._lru.pop(key, None)
         self.resident_bytes -= self.charge(block)
         if block.in_kernel:
@@ -442,7 +441,6 @@ class RamTier:
         """The blocks' `item` numbers changed (a new manifest, Ranking.use_manifest): the
         counts of `kernel_blocks_of` are made again."""
         self._kernel_blocks = np.zeros(0, np.int32)
-        self._served_alone = np.zeros(0, bool)
         for key, block in self.blocks.items():
             if block.in_kernel:
                 self._count_in_kernel(key, block, 1)
@@ -452,30 +450,11 @@ class RamTier:
         item = block.item
         if item < 0 or not isinstance(key[1], int):
             return  # in no manifest, or a range entry (cachefs/range_cache.py): no file block
-        if change < 0 and item < len(self._served_alone):
-            self._served_alone[item] = False
         if item >= len(self._kernel_blocks):
             grown = np.zeros(max(item + 1, 2 * len(self._kernel_blocks)), np.int32)
             grown[:len(self._kernel_blocks)] = self._kernel_blocks
             self._kernel_blocks = grown
         self._kernel_blocks[item] += change
-
-    def note_served_alone(self, item: int) -> None:
-        """`item`'s file is one block, resident, which only the kernel holds and a reader was
-        served (module docstring)."""
-        if item >= len(self._served_alone):
-            grown = np.zeros(max(item + 1, 2 * len(self._served_alone)), bool)
-            grown[:len(self._served_alone)] = self._served_alone
-            self._served_alone = grown
-        self._served_alone[item] = True
-
-    def served_alone(self, items: np.ndarray) -> np.ndarray:
-        """For each of `items` (-1: none), whether `note_served_alone` still holds of it."""
-        marked = self._served_alone
-        alone = np.zeros(len(items), bool)
-        inside = (items >= 0) & (items < len(marked))
-        alone[inside] = marked[items[inside]]
-        return alone
 
     def stats(self) -> dict:
         return {"bytes": self.resident_bytes, "reserved": self.reserved_bytes,
