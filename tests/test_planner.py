@@ -462,7 +462,10 @@ def test_ram_charges_each_block_its_bookkeeping():
 
 def test_block_overhead_covers_bookkeeping():
     """What a cached one-block file costs the daemon besides its bytes (its RamBlock, key and
-    heap entries, its inode table entry with the path) is within BLOCK_OVERHEAD_BYTES."""
+    heap entries, its inode table entry with the path, and what its next close is counted by:
+    cachefs/reader.py `AloneFile`) is within BLOCK_OVERHEAD_BYTES."""
+    from cachefs.reader import AloneFile
+
     files = 20_000
     root_stat = os.lstat("/")
     gc.collect()
@@ -473,7 +476,7 @@ def test_block_overhead_covers_bookkeeping():
         for i in range(files):
             relpath = b"train/class%03d/sample%09d.jpg" % (i % 1000, i)
             # stamped as a mount stamps it: a float of its own (freshness.now_s)
-            inodes.remember(relpath, os.lstat("/"), lookup=True, stat_time_s=float(i))
+            inode = inodes.remember(relpath, os.lstat("/"), lookup=True, stat_time_s=float(i))
             key = (b"train/class%03d/sample%09d.jpg" % (i % 1000, i), 0)  # its own copy
             charge = ram.charge_of(1)
             assert ram.reserve(charge, math.inf)
@@ -481,6 +484,7 @@ def test_block_overhead_covers_bookkeeping():
                          item=i, origin=0)
             assert ram.insert(key, b, charge)
             ram.touch(key, b)  # read again: a second heap entry
+            inodes.remember_close(inode, AloneFile((relpath, 0), b))
         after = tracemalloc.take_snapshot()
     finally:
         tracemalloc.stop()
