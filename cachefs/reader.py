@@ -321,9 +321,9 @@ class Reader:
                 continue
             if read is not None:
                 released.append(read)
-                key = (close[1], 0)
                 if isinstance(read, KernelRead) and close[3].size <= self.block_bytes:
                     # its one block was served (`_served_whole`): a RAM hit from now on
+                    key = (close[1], 0)
                     alone.append((close[0], AloneFile(key, ram.blocks[key])))
         self.release_many(released)
         return alone
