@@ -590,8 +590,7 @@ class Reader:
                 if last:
                     self._settle_pages(file)
             except Exception:  # noqa: BLE001 - one file's accounting must not end the others'
-                log.exception("unexpected error accounting for the read of %r",
-                              file.relpath)
+                log.exception("unexpected error accounting for the read of %r", file.relpath)
 
     def _settle_pages(self, handle: OpenFile) -> None:
         """What the kernel keeps of a file the last reader let go (module docstring)."""
