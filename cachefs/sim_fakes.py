@@ -63,9 +63,9 @@ class SimSource:
         except KeyError:
             raise FileNotFoundError(2, "No such file or directory", relpath) from None
 
-    async def _request(self, relpath: bytes, nbytes: int) -> None:
+    async def _request(self, relpath: bytes, nbytes: int, item: int | None = None) -> None:
         target = self._item(relpath) % len(self._target_latencies_s)
-        started = self._observer.request_started(relpath) if self._observer else None
+        started = self._observer.request_started(relpath, item) if self._observer else None
         async with self.limiter:
             self.requests += 1
             began_s = trio.current_time()  # in the thread, as the source times it
@@ -93,10 +93,10 @@ class SimSource:
         return identity
 
     async def read_block(self, relpath: bytes, block_index: int, block_bytes: int, *,
-                         background: bool = False) -> BlockData:
+                         background: bool = False, item: int | None = None) -> BlockData:
         identity = self.identity(relpath)
         length = block_length(identity, block_index, block_bytes)
-        await self._request(relpath, length)
+        await self._request(relpath, length, item)
         if self.packed:
             start = block_index * block_bytes
             return BlockData(sim_ranges.range_content(self._item(relpath), start,

@@ -102,8 +102,9 @@ class BlockData:
 class RequestObserver(Protocol):
     """Who is told of each source request (module docstring)."""
 
-    def request_started(self, relpath: bytes) -> Any:
-        """A request for `relpath` starts; what is returned is handed to request_finished."""
+    def request_started(self, relpath: bytes, item: int | None = None) -> Any:
+        """A request for `relpath` starts; what is returned is handed to request_finished.
+        `item`: the file's index in the manifest in force, if the caller knows it."""
 
     def request_finished(self, started: Any, elapsed_s: float, nbytes: int) -> None:
         """The request ended (or failed) after `elapsed_s` in its thread, having read `nbytes`."""
@@ -153,12 +154,15 @@ class Source:
     async def _run(self, fn, *args, background: bool = False):
         return await (self._background if background else self._demand)(fn, *args)
 
-    async def _observed(self, relpath: bytes, fn, *args, background: bool = False):
-        """`_run(fn, relpath, *args)`, reported to the observer (module docstring)."""
+    async def _observed(self, relpath: bytes, fn, *args, background: bool = False,
+                        item: int | None = None):
+        """`_run(fn, relpath, *args)`, reported to the observer (module docstring); `item`:
+        the file's in the manifest in force, if the caller knows it (the observer would
+        search the manifest for it)."""
         observer = self._observer
         if observer is None:
             return await self._run(fn, relpath, *args, background=background)
-        started = observer.request_started(relpath)
+        started = observer.request_started(relpath, item)
         waited_s = time.perf_counter()
         elapsed_s, nbytes = None, 0
         try:
@@ -353,11 +357,11 @@ class Source:
                                  "read", relpath)
 
     async def read_block(self, relpath: bytes, block_index: int, block_bytes: int, *,
-                         background: bool = False) -> BlockData:
+                         background: bool = False, item: int | None = None) -> BlockData:
         asked_s = now_s()
         self.requests["block_read"] += 1
         block = await self._observed(relpath, self.read_block_sync, block_index, block_bytes,
-                                     background=background)
+                                     background=background, item=item)
         self.read_seconds.observe(block.read_s)
         # fstat of a file opened through no link: what lstat would say of a regular file
         self._remember(relpath, block.stat, asked_s)

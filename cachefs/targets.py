@@ -339,11 +339,12 @@ class Targets:
 
     # -- counters ----------------------------------------------------------------------------
 
-    def request_started(self, relpath: bytes) -> Target | None:
-        """A source request for `relpath` starts (cachefs/source.py): its target, if any."""
+    def request_started(self, relpath: bytes, item: int | None = None) -> Target | None:
+        """A source request for `relpath` starts (cachefs/source.py): its target, if any.
+        `item`: its index in the manifest in force, if the caller knows it (else searched)."""
         if self.manifest is None:
             return None
-        target = self.target_of(self._item_of(relpath))
+        target = self.target_of(self._item_of(relpath) if item is None else item)
         if target is not None:
             target.in_flight += 1
         return target

@@ -304,3 +304,72 @@ def test_a_lookup_tells_the_kernel_the_newest_stat_the_table_holds(tmp_path):
         assert (attrs.st_ino, attrs.st_size) == (inode, 20)
 
     trio.run(main, clock=clock)
+
+
+def test_a_listing_gives_its_files_their_item_numbers_and_no_read_searches_again(
+        tmp_path, monkeypatch):
+    """Under an order, READDIRPLUS finds the item numbers of the files it lists in one search
+    of the manifest per stretch of entries (more than one stretch here), the ones a search per
+    file finds; the files' reads then search the manifest no more: neither the READ's own
+    lookup of its item, nor the storage targets' count of the source read it makes."""
+    import numpy as np
+
+    from cachefs import fuse_ops as fuse_ops_mod
+    from cachefs.manifest import scan_source
+    from cachefs.order import Order
+    from cachefs.targets import Targets
+
+    src = tmp_path / "src"
+    count = fuse_ops_mod.LISTED_ITEMS + 44
+    for index in range(count):
+        write_file(src / "d" / f"f{index:04d}", 10, seed=index)
+    write_file(src / "top", 10, seed=1)
+    targets = Targets()  # told of every source request, as in a mount
+    source = Source(src, threads=2, requests=targets)
+    freshness = Freshness(TTL_S)
+    read_path = build_read_path(
+        source, Stats(), RamTier(16 * BLOCK_BYTES, block_bytes=BLOCK_BYTES), None, freshness,
+        block_bytes=BLOCK_BYTES, source_threads=2, lookahead_items=0, sequential_blocks=0,
+        targets=targets, on_source_changed=None)
+    ops = Operations(source, PublicOnly(read_path.reader), Control(lambda: {}, src / "order",
+                                                                   lambda request: {}),
+                     InodeTable(os.lstat(src), source.identity_of), None, freshness,
+                     kernel_timeout_s=1.0)
+    ops.decide_mode(no_open=False)
+    manifest = scan_source(src).prepare()
+    shuffled = np.random.default_rng(0).permutation(len(manifest))
+    read_path.prefetcher.set_order(Order(
+        epoch=0, current=shuffled, next=None, manifest=manifest, rank=None, world_size=None,
+        total_length=len(manifest), file=None))
+    listed: list[tuple[bytes, int]] = []
+
+    def reply(token, name, attrs, next_id):
+        """A reply holds 24 entries: the 25th is refused, and listed again by the next."""
+        if len(listed) - token == 24:
+            return False
+        listed.append((name, attrs.st_ino))
+        return True
+    monkeypatch.setattr(pyfuse3, "readdir_reply", reply)
+
+    async def main():
+        directory = (await ops.lookup(ROOT_INODE, b"d", None)).st_ino
+        fh = await ops.opendir(directory, None)
+        while True:
+            before = len(listed)
+            await ops.readdir(fh, before, before)  # the token: where this reply starts
+            if len(listed) == before:
+                break
+        await ops.releasedir(fh)
+        assert len(listed) == count
+        for name, inode in listed:
+            entry = ops.inodes.get(inode)
+            assert entry.manifest_index == manifest.index_of(b"d/" + name)
+
+        def searched(*args):
+            raise AssertionError("the manifest was searched for a listed file")
+        monkeypatch.setattr(manifest, "index_of", searched)
+        for name, inode in listed[::50]:
+            assert await read_file(ops, inode) == (src / "d" / os.fsdecode(name)).read_bytes()
+        assert sum(target.requests for target in read_path.targets.all) == len(listed[::50])
+
+    trio.run(main)

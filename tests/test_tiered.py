@@ -38,7 +38,7 @@ class SlowSsdOfTheOldVersion:
 
 
 class SourceOfTheNewVersion:
-    async def read_block(self, relpath, block_index, block_bytes, background=False):
+    async def read_block(self, relpath, block_index, block_bytes, background=False, item=None):
         return BlockData(b"n" * 10, NEW, None, 0.0)
 
 

@@ -252,7 +252,8 @@ class TieredCache:
         try:
             fetched = await self._read_ssd(key, identity) if identity else None
             if fetched is None:
-                fetched = await self._read_source(key, identity, demand)
+                item, manifest = self.item_now(relpath, item, manifest)  # after the await
+                fetched = await self._read_source(key, identity, demand, item)
             # the manifest may have changed during the read: the block lands numbered anew
             item, manifest = self.item_now(relpath, item, manifest)
             if fetched.from_source:
@@ -289,11 +290,13 @@ class TieredCache:
         return Fetched(data, identity, stats_mod.ORIGIN_SSD, False)
 
     async def _read_source(self, key: BlockKey, identity: SourceIdentity | None,
-                           demand: bool) -> Fetched:
+                           demand: bool, item: int) -> Fetched:
+        """`item`: the file's in the manifest in force now (the source's observer, the
+        storage targets, need not search the manifest for it)."""
         relpath, block_index = key
         asked_s = now_s()
         block = await self.source.read_block(relpath, block_index, self.block_bytes,
-                                             background=not demand)
+                                             background=not demand, item=item)
         if identity is not None and block.identity != identity:
             log.info("source file changed: %r", relpath)
             self.source_changed(relpath, block.identity)
