@@ -286,10 +286,18 @@ class Planner:
     def window_end(self) -> int:
         # past the front by the lookahead, or by the readers' spread if wider: workers that
         # finish a round of batches jump a spread ahead, and find the next round read ahead
-        front = (max(self.cursor, self._near_max)
-                 if 2 * self._near_count >= len(self._recent_near) else self.cursor)
+        front = self.front()
         reach = front + max(self.lookahead_items, front - self.cursor)
         return min(reach, self.span_end())
+
+    def front(self) -> int:
+        """Where the readers are (module docstring): the furthest read near the cursor if
+        most recent reads are near it, else the cursor. With the cursor, all that moves the
+        window when a file is consumed: the rest of `window_end` changes only with the
+        orders (a consumption compares these two, not the window's end, which took a reader
+        off the order a sixth of its consumption's work)."""
+        return (max(self.cursor, self._near_max)
+                if 2 * self._near_count >= len(self._recent_near) else self.cursor)
 
     @property
     def follows(self) -> bool:

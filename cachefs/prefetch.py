@@ -296,7 +296,7 @@ class Prefetcher:
         planner = self.planner
         if not planner.active:
             return len(items)
-        window = (planner.cursor, planner.window_end())
+        window = (planner.cursor, planner.front())
         taken, completed = planner.consume_many(items)
         read, read_sizes = items[:taken], sizes_bytes[:taken]
         if read and min(read) < 0:  # files in no manifest: nothing of theirs is ranked
@@ -326,7 +326,7 @@ class Prefetcher:
         # (a reader off the order consumes with neither: a walk per file cost it 5%); with
         # several targets, each reaches its own share past its first unconsumed file
         if (completed or self._room_wait or self.ranking.ranged or len(self.targets.all) > 1
-                or window != (planner.cursor, planner.window_end())):
+                or window != (planner.cursor, planner.front())):
             self.poke()
         return taken
 
