@@ -588,19 +588,6 @@ def test_ram_a_rerank_put_off_is_applied_before_the_order_is_read():
     assert ram.farthest_priority() == 3.0
 
 
-def test_ram_a_reservation_with_free_room_leaves_a_rerank_put_off():
-    """No rank decides a reservation that fits in free room: the re-rank put off stays put
-    off (a reader off the order had the last file's re-rank done on its next READ), and the
-    first reservation that must evict applies it before it picks."""
-    ram = RamTier(500, block_bytes=4096, block_overhead_bytes=0)
-    a, b, c = fill(ram, [1.0, 2.0, 3.0])
-    applied = []
-    ram.defer_ranks(lambda: applied.append(ram.set_priority(a, 9.0)))
-    assert ram.reserve(100, 5.0) and not applied  # 400 of 500 bytes
-    assert ram.reserve(200, 5.0)  # must evict: a, 9.0 by then, goes
-    assert len(applied) == 1 and a not in ram and b in ram and c in ram
-
-
 def ranked_ram(current, next_, ssd=None, ram_blocks=None):
     """A planner with the order (`current`, `next_`), and a RAM tier of `ram_blocks` 100-byte
     blocks (one more than the items, if None) holding one of every item of the manifest

@@ -13,9 +13,8 @@ fetches reserve their bytes before they start, so resident plus reserved bytes n
 budget.
 
 Priorities change when an item is consumed or an epoch switches. A re-rank may be put off
-(`defer_ranks`) until the order is next read: by `reserve` when it must evict (one that fits
-in free room reads no rank), `farthest_priority` or `set_priority`; a `rebuild` gives every
-priority anew, and the ones put off are dropped. In a pass the kernel serves from its pages
+(`defer_ranks`) until the order is next read: by `reserve`, `farthest_priority` or
+`set_priority`; a `rebuild` gives every priority anew, and the ones put off are dropped. In a pass the kernel serves from its pages
 nothing reads the order until the epoch switches and re-ranks everything, so the re-rank of
 each consumption (a push into the heap per block, about a quarter of the daemon's work per
 file closed) is not done at all. Blocks with a known future
@@ -178,12 +177,6 @@ class RamTier:
         """Reserve `nbytes` for a block of `priority`, evicting strictly farther blocks."""
         if nbytes > self.budget_bytes:
             return False
-        if self.used_bytes + nbytes <= self.budget_bytes:
-            # room without an eviction: no rank decides anything, so a re-rank put off
-            # stays put off (a reader off the order re-ranked each file at the next one's
-            # READ, on its path, in a RAM tier that was never full)
-            self.reserved_bytes += nbytes
-            return True
         self._settle_ranks()
         while self.used_bytes + nbytes > self.budget_bytes:
             if self._give_up_kept_twice():
