@@ -14,10 +14,10 @@ budget.
 
 Priorities change when an item is consumed or an epoch switches. A re-rank may be put off
 (`defer_ranks`) until the order is next read: by `reserve`, `farthest_priority` or
-`set_priority`; a `rebuild` gives every priority anew, and the ones put off are dropped. In a pass the kernel serves from its pages
-nothing reads the order until the epoch switches and re-ranks everything, so the re-rank of
-each consumption (a push into the heap per block, about a quarter of the daemon's work per
-file closed) is not done at all. Blocks with a known future
+`set_priority`; a `rebuild` gives every priority anew, and the ones put off are dropped. In a
+pass the kernel serves from its pages nothing reads the order until the epoch switches and
+re-ranks everything, so the re-rank of each consumption (a push into the heap per block, about
+a quarter of the daemon's work per file closed) is not done at all. Blocks with a known future
 are in an eviction heap, which is lazy: every change pushes a new (priority, lru_seq) tuple,
 and a popped tuple that no longer matches its block is skipped. Blocks with no known future are
 in an ordered dict, least recently used first, so that using one (`touch`, once per file read
