@@ -377,9 +377,8 @@ class Ranking:
 
     def items_of(self, relpaths: list[bytes]) -> list[int]:
         """`item_of` of each path, in one vectorised search of the manifest (the files of a
-        directory listing, opened next: one search each cost a reader off the order about
-        a tenth of its files' accounting). Not kept among the recent items: a listing can
-        run far ahead of the opens."""
+        directory listing, opened next; fuse_ops.Operations._listed_item). Not kept among
+        the recent items: a listing can run far ahead of the opens."""
         if self._manifest is None or self.ranged or not relpaths:
             return [-1] * len(relpaths)
         return self._manifest.lookup(np.array(relpaths, dtype=bytes)).tolist()

@@ -11,6 +11,7 @@ import errno
 import os
 from pathlib import Path
 
+import numpy as np
 import pyfuse3
 import pytest
 import trio
@@ -19,12 +20,15 @@ import trio.testing
 from cachefs.cache.ram import RamTier, page_bytes
 from cachefs.ctrl import Control
 from cachefs.freshness import Freshness
-from cachefs.fuse_ops import Operations
+from cachefs.fuse_ops import LISTED_ITEMS, Operations
 from cachefs.inodes import ROOT_INODE, InodeTable
+from cachefs.manifest import scan_source
+from cachefs.order import Order
 from cachefs.read_path import build_read_path
 from cachefs.reader import Reader
 from cachefs.source import Source
 from cachefs.stats import Stats
+from cachefs.targets import Targets
 
 from conftest import write_file
 
@@ -312,15 +316,8 @@ def test_a_listing_gives_its_files_their_item_numbers_and_no_read_searches_again
     of the manifest per stretch of entries (more than one stretch here), the ones a search per
     file finds; the files' reads then search the manifest no more: neither the READ's own
     lookup of its item, nor the storage targets' count of the source read it makes."""
-    import numpy as np
-
-    from cachefs import fuse_ops as fuse_ops_mod
-    from cachefs.manifest import scan_source
-    from cachefs.order import Order
-    from cachefs.targets import Targets
-
     src = tmp_path / "src"
-    count = fuse_ops_mod.LISTED_ITEMS + 44
+    count = LISTED_ITEMS + 44
     for index in range(count):
         write_file(src / "d" / f"f{index:04d}", 10, seed=index)
     write_file(src / "top", 10, seed=1)
