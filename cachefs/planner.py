@@ -104,6 +104,10 @@ class Planner:
         self._recent: deque[int] = deque(maxlen=RECENT_CONSUMPTIONS)
         self._recent_near: deque[bool] = deque(maxlen=RECENT_CONSUMPTIONS)
         self._near_count = 0
+        # max - min of `_recent`, found when `follows` is first asked after a consumption
+        # (None: not yet): it is asked at every demand miss, at every file of a reader off
+        # the order, whose closes come two or three to a batch
+        self._recent_spread: int | None = None
         self._near_max = 0
         # the read-ahead of an order of byte ranges (cachefs/range_prefetch.py), which walks
         # one list, `window`, has handled every window position below this
@@ -304,8 +308,11 @@ class Planner:
         """Whether the readers go through the order together (module docstring): the recent
         consumptions lie near each other (or there are too few to tell)."""
         recent = self._recent
-        return (len(recent) < RECENT_CONSUMPTIONS
-                or max(recent) - min(recent) < self._near_items())
+        if len(recent) < RECENT_CONSUMPTIONS:
+            return True
+        if self._recent_spread is None:
+            self._recent_spread = max(recent) - min(recent)
+        return self._recent_spread < self._near_items()
 
     def _near_items(self) -> int:
         """How far past the cursor readers that follow the order read (module docstring)."""
@@ -319,16 +326,25 @@ class Planner:
         so one near stays near."""
         # below the cursor counts as near: consumed before it moved, by readers at the cursor
         threshold = self.cursor + self._near_items()
-        self._recent.extend(positions)
-        recent_near = self._recent_near
-        recent_near.extend(position < threshold for position in positions)
-        self._near_count = sum(recent_near)  # of RECENT_CONSUMPTIONS at most
-        near_max = max((position for position in positions if position < threshold),
-                       default=-1) + 1
-        self._near_max = max(self._near_max, near_max)
+        recent, recent_near = self._recent, self._recent_near
+        near_count, near_max = self._near_count, self._near_max
+        # counted as the deques turn over, not summed again: a reader off the order consumes
+        # one file to three at a time
+        for position in positions:
+            near = position < threshold
+            if len(recent_near) == RECENT_CONSUMPTIONS:
+                near_count -= recent_near[0]
+            recent.append(position)
+            recent_near.append(near)
+            if near:
+                near_count += 1
+                near_max = max(near_max, position + 1)
+        self._near_count, self._near_max = near_count, near_max
+        self._recent_spread = None
 
     def _forget_positions(self) -> None:
         self._recent.clear()
+        self._recent_spread = None
         self._recent_near.clear()
         self._near_count = self._near_max = 0
 
@@ -453,7 +469,8 @@ class Planner:
         self.consumed_count += 1
         later = self._later_positions.get(item)
         self.pos_cur[item] = later.pop(0) if later else -1
-        self._advance_cursor()
+        if position == self.cursor:  # else the cursor stays, at an unconsumed position
+            self._advance_cursor()
         self._note_positions([position])
         return self.consumed_count == len(self.current)
 

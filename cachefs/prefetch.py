@@ -77,7 +77,7 @@ from cachefs.config import MISS_BATCH_ITEMS
 from cachefs.freshness import Freshness, now_s
 from cachefs.item_meta import ItemMeta
 from cachefs.placement import Placement
-from cachefs.planner import NEVER, READERS_SPREAD_ITEMS, Planner
+from cachefs.planner import ARRAY_MIN_ITEMS, NEVER, READERS_SPREAD_ITEMS, Planner
 from cachefs.range_prefetch import RangePrefetcher
 from cachefs.ranking import Ranking
 from cachefs.sorted_arrays import index_left
@@ -309,9 +309,14 @@ class Prefetcher:
             for item in read:
                 self.ranges.rerank(item)
         elif read:
+            sizes = self.meta.size
+            # one file or two (a reader off the order) each by itself: numpy's fixed cost of
+            # an index array was most of the look-up
+            known_sizes = (sizes[read].tolist() if len(read) >= ARRAY_MIN_ITEMS
+                           else [sizes.item(item) for item in read])
             self.ranking.rerank_many(read, [
-                known if known >= 0 else size for known, size in
-                zip(self.meta.size[read].tolist(), read_sizes, strict=True)])
+                known if known >= 0 else size
+                for known, size in zip(known_sizes, read_sizes, strict=True)])
         self.ranking.consumed_at(now_s(), len(read))
         if completed and planner.switch_to_next():
             assert planner.epoch is not None  # the switch set it
