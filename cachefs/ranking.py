@@ -204,7 +204,8 @@ class Ranking:
     def _use_of(self, item: int) -> float | None:
         """The item's next use, or None if it has no known future (no order, or in none)."""
         planner = self.planner
-        if not planner.active or item < 0 or not self._in_orders(item):
+        member = self._member  # the items of the orders
+        if planner.order is None or not 0 <= item < len(member) or not member[item]:
             return None
         return planner.next_use(item)
 
@@ -225,13 +226,10 @@ class Ranking:
                 use = length + (use - length) / costs[item]
         return use + block_index * BLOCK_TIEBREAK
 
-    def _in_orders(self, item: int) -> bool:
-        return item < len(self._member) and bool(self._member[item])
-
     def _on_ssd(self, item: int, block_index: int, identity: SourceIdentity | None) -> bool:
         if self.ssd is None or identity is None:
             return False
-        assert self._manifest is not None  # item is in the orders (_in_orders)
+        assert self._manifest is not None  # item is in the orders (`_use_of`)
         return self.ssd.contains((self._manifest.path(item), block_index), identity)
 
     def rerank(self, item: int, size_bytes: int) -> None:
@@ -325,8 +323,8 @@ class Ranking:
         ram = self.ram
         if ram.has_room(min(max(size_bytes, 0), self.block_bytes)):
             return  # room for the next such block: no rank decides what goes before the close
-        if not self.planner.active or item < 0 or not self._in_orders(item):
-            return
+        if self._use_of(item) is None:
+            return  # in no order
         assert self._manifest is not None  # an order is in force
         relpath = self._manifest.path(item)
         use = self.planner.use_after_read(item)
