@@ -233,6 +233,22 @@ def test_a_reader_off_the_order_does_not_stretch_the_window_nor_read_batches():
     assert not planner.follows
 
 
+def test_readers_back_on_the_order_after_a_pass_off_it_follow_it_again():
+    """A validation pass off the order, then the readers in order again: whether they follow
+    it is judged by their last consumptions, asked between them (the spread of the recent
+    positions is kept from one consumption to the next, and must not outlive it)."""
+    planner = spread_planner()
+    rng = np.random.default_rng(0)
+    for index, item in enumerate(rng.permutation(np.arange(100, 40_000))[:40]):
+        planner.consume(int(item))
+        # asked at every miss, as a reader's demand misses ask; too few to tell at first
+        assert planner.follows == (index < 31)
+    for item in range(32):
+        planner.consume(item)
+        assert planner.follows == (item == 31)  # the spread spans both passes until then
+    assert planner.cursor == 32
+
+
 def test_a_reader_resumed_mid_epoch_follows_the_order_far_from_the_cursor():
     """Reads in order from the middle of the epoch: no stretch from the cursor, but the miss
     batches that find the reader its next files stay on."""
