@@ -104,11 +104,11 @@ class Planner:
         self._recent: deque[int] = deque(maxlen=RECENT_CONSUMPTIONS)
         self._recent_near: deque[bool] = deque(maxlen=RECENT_CONSUMPTIONS)
         self._near_count = 0
+        self._near_max = 0
         # max - min of `_recent`, found when `follows` is first asked after a consumption
         # (None: not yet): it is asked at every demand miss, at every file of a reader off
         # the order, whose closes come two or three to a batch
         self._recent_spread: int | None = None
-        self._near_max = 0
         # the read-ahead of an order of byte ranges (cachefs/range_prefetch.py), which walks
         # one list, `window`, has handled every window position below this
         self.scan = 0

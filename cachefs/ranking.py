@@ -205,7 +205,7 @@ class Ranking:
         """The item's next use, or None if it has no known future (no order, or in none)."""
         planner = self.planner
         member = self._member  # the items of the orders
-        if planner.order is None or not 0 <= item < len(member) or not member[item]:
+        if not planner.active or not 0 <= item < len(member) or not member[item]:
             return None
         return planner.next_use(item)
 
