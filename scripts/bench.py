@@ -290,14 +290,26 @@ def markdown_report(run: Run) -> str:
                      stats["backend_bytes"] / 1e6 if stats else None,
                      stats.get("stall_s"), r.get("open_ms_per_file"),
                      r.get("read_ms_per_file"), r.get("machine_cpu_ms_per_file"),
-                     stats.get("daemon_cpu_ms_per_file"), stats.get("trio_cpu_ms_per_file"),
+                     r.get("readers_cpu_ms_per_file"), stats.get("daemon_cpu_ms_per_file"),
+                     stats.get("trio_cpu_ms_per_file"), storage_cpu_ms(r),
                      f"{r['hit_rate']:.3f}" if r.get("hit_rate") is not None else None,
                      run.capacity_bound(r["cache_fraction"])])
     return benchlib.markdown_table(
         ["contender", "round", "epoch", "time s", "files/s", "MB/s", "hits_ram", "hits_ssd",
          "prefetched", "misses", "backend MB", "stall s", "open ms/file", "read ms/file",
-         "machine CPU ms/file", "daemon CPU ms/file", "trio thread CPU ms/file", "hit rate",
-         "C/N"], rows)
+         "machine CPU ms/file", "readers CPU ms/file", "daemon CPU ms/file",
+         "trio thread CPU ms/file", "storage and rest CPU ms/file", "hit rate", "C/N"], rows)
+
+
+def storage_cpu_ms(record: dict) -> float | None:
+    """The machine's CPU per file that neither the readers nor the daemon spent: the
+    storage's client and server (sshfs, ssh, sshd and the packet delay, over slowfs), the
+    kernel's threads, anything else running."""
+    machine, readers = record.get("machine_cpu_ms_per_file"), record.get("readers_cpu_ms_per_file")
+    if machine is None or readers is None:
+        return None
+    daemon = (record.get("stats") or {}).get("daemon_cpu_ms_per_file", 0.0)
+    return round(machine - readers - daemon, 3)
 
 
 def epoch_medians(run: Run, field: str) -> dict[str, list[float]]:

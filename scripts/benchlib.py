@@ -230,6 +230,7 @@ class PassResult:
     files: int
     bytes: int
     waits: Waits = field(default_factory=Waits)
+    readers_cpu_s: float = 0.0  # the reader processes' CPU over the pass (all their threads)
 
     @property
     def files_per_s(self) -> float:
@@ -244,7 +245,8 @@ class PassResult:
         return {"wall_s": round(self.wall_s, 6), "files": self.files, "bytes": self.bytes,
                 "files_per_s": round(self.files_per_s, 1), "mb_per_s": round(self.mb_per_s, 1),
                 "open_ms_per_file": round(self.waits.open_s * per_file_ms, 3),
-                "read_ms_per_file": round(self.waits.read_s * per_file_ms, 3)}
+                "read_ms_per_file": round(self.waits.read_s * per_file_ms, 3),
+                "readers_cpu_ms_per_file": round(self.readers_cpu_s * per_file_ms, 3)}
 
 
 def _read_share(task: ReadTask, relpaths: list[bytes], share: np.ndarray
@@ -311,6 +313,8 @@ class ReaderPool:
         used = 1 if task.threads > 1 else task.workers
         if used > len(self._workers):
             raise BenchError(f"{used} readers asked of a pool of {len(self._workers)}")
+        readers = [process.pid for process, _ in self._workers[:used]]
+        readers_cpu_s = sum(process_cpu_s(pid) for pid in readers)
         started_s = time.perf_counter()
         for _, connection in self._workers[:used]:
             connection.send(task)
@@ -326,9 +330,10 @@ class ReaderPool:
             else:
                 errors.append(value)
         wall_s = time.perf_counter() - started_s
+        readers_cpu_s = sum(process_cpu_s(pid) for pid in readers) - readers_cpu_s
         if errors:
             raise BenchError("a reader failed:\n" + errors[0])
-        return PassResult(wall_s, files, total, waits)
+        return PassResult(wall_s, files, total, waits, readers_cpu_s)
 
     def close(self) -> None:
         for _, connection in self._workers:

@@ -101,6 +101,7 @@ def test_bench_smoke(tmp_path):
             assert r["bytes"] == result["dataset"]["total_bytes"]
             assert r["wall_s"] > 0 and r["files_per_s"] > 0 and r["mb_per_s"] > 0
             assert r["open_ms_per_file"] > 0 and r["read_ms_per_file"] > 0
+            assert r["readers_cpu_ms_per_file"] >= 0  # the reader processes' own, in ticks
             if name == "direct-1":  # one reader: its waits are part of its wall time
                 assert (r["open_ms_per_file"] + r["read_ms_per_file"]) * files / 1e3 \
                     <= r["wall_s"]
@@ -123,6 +124,7 @@ def test_bench_smoke(tmp_path):
     assert "NOT dropped" in done.stdout
     table = (out / "bench.md").read_text()
     assert "| contender | round | epoch | time s |" in table and "cachefs-order@0.5" in table
+    assert "| readers CPU ms/file |" in table and "| storage and rest CPU ms/file |" in table
     png = out / "bench-epochs.png"
     if benchlib.pyplot() is not None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
