@@ -6,7 +6,8 @@ first 50 directories, 50,000 files) in directory order, as a validation pass or 
 sampler would (`find DIRS -type f | xargs cat`). The read-ahead then works on positions all
 over the epoch while the reader waits on its own requests. Side by side in one run: the same
 reader directly on the source, through a mount with no order, and through a mount with the
-order published; medians of `--passes` rounds, a fresh mount each.
+order published; medians of `--passes` rounds, a fresh mount each, the two mounts taking turns
+to go first; and the ratio of the two mounts' times round by round, with its median.
 
 It also reports what the daemon's bookkeeping costs per cached block (case 9): its resident
 memory (VmRSS) after the read, less its RSS once the source was scanned, over the blocks its
@@ -105,10 +106,13 @@ def main(argv=None) -> int:
     memory = {"no order": [], "order": []}
     cpu: dict[str, list[dict]] = {"no order": [], "order": []}
     try:
-        for _ in range(args.passes):
+        for round_index in range(args.passes):
             read_dirs(source, dirs)  # the source in the page cache, as for the mounts
             figures["direct"].append(read_dirs(source, dirs))
-            for name in memory:
+            # each mount goes first in every other round: a machine that drifts over a round
+            # favours neither
+            names = list(memory) if round_index % 2 == 0 else list(memory)[::-1]
+            for name in names:
                 seconds, used, cpu_ms = through_mount(args, source, dirs,
                                                       ordered=name == "order")
                 figures[name].append(seconds)
@@ -126,10 +130,17 @@ def main(argv=None) -> int:
              *(f"{cpu_medians[name][key]:.3f}" if name in cpu_medians else "-"
                for key in benchlib.DAEMON_CPU_KEYS)]
             for name, seconds in medians.items()]
+    # the two mounts of a round ran minutes apart on the same machine: their ratio, round by
+    # round, is steadier than the ratio of the medians
+    round_ratios = [order / no_order for order, no_order
+                    in zip(figures["order"], figures["no order"], strict=True)]
     print(f"{args.read_dirs * FILES_PER_DIR} of {args.files} one-byte files read in directory "
           f"order, medians of {args.passes}\n")
     print(benchlib.markdown_table(["reader", "seconds", "/ no order", "daemon CPU ms/file",
                                    "trio thread CPU ms/file"], rows))
+    print(f"\norder / no order, round by round: "
+          f"{', '.join(f'{ratio:.2f}x' for ratio in round_ratios)} "
+          f"(median {benchlib.median(round_ratios):.2f}x)")
     rows = []
     for name, rounds in memory.items():
         per_block = benchlib.median([(used["rss_read"] - used["rss_scanned"])
@@ -145,6 +156,7 @@ def main(argv=None) -> int:
     if args.json:
         benchlib.write_json(args.json, {"benchmark": "bench_offorder", "args": vars(args),
                                         "seconds": figures, "medians": medians,
+                                        "round_ratios": round_ratios,
                                         "memory": memory, "cpu": cpu})
     return 0
 

@@ -257,6 +257,9 @@ def test_bench_offorder_smoke(tmp_path):
     result = json.loads(out.read_text())
     assert set(result["seconds"]) == {"direct", "no order", "order"}
     assert all(len(values) == 1 and values[0] > 0 for values in result["seconds"].values())
+    assert result["round_ratios"] == [result["seconds"]["order"][0]
+                                      / result["seconds"]["no order"][0]]
+    assert "order / no order, round by round: " in done.stdout
     assert_no_mount_under(tmp_path)
 
 
