@@ -88,8 +88,7 @@ class LatencyHistogram:
     """Request latencies in logarithmic buckets: bounded memory for a mount's lifetime."""
 
     def __init__(self):
-        # a list: one request's count is an int added in place (a numpy element was 0.3 us)
-        self.counts = [0] * (BUCKETS + 1)
+        self.counts = np.zeros(BUCKETS + 1, np.int64)
         self.count = 0
         self.total_s = 0.0
 
@@ -243,7 +242,7 @@ class Targets:
         placement = self.placement
         if placement is None or not 0 <= item < len(placement.ids):
             return None
-        return self.all[placement.ids.item(item)]  # a Python int indexes the list directly
+        return self.all[placement.ids[item]]
 
     # -- the lists -------------------------------------------------------------------------
 
