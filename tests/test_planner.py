@@ -604,7 +604,6 @@ def test_ram_a_rerank_put_off_is_applied_before_the_order_is_read():
     assert ram.farthest_priority() == 3.0
 
 
-
 def test_ram_a_reserve_with_room_leaves_a_rerank_put_off():
     """A reserve that fits evicts nothing, so it reads no rank: a re-rank put off waits for
     the reserve that must evict, which applies it first and evicts by it (a reader off the
@@ -617,6 +616,7 @@ def test_ram_a_reserve_with_room_leaves_a_rerank_put_off():
     assert not applied and ram.get(a).priority == 1.0
     assert ram.reserve(100, 5.0)  # full: a, 9.0 once applied, is the farthest
     assert len(applied) == 1 and a not in ram and b in ram and c in ram
+
 
 def ranked_ram(current, next_, ssd=None, ram_blocks=None):
     """A planner with the order (`current`, `next_`), and a RAM tier of `ram_blocks` 100-byte

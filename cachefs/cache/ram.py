@@ -20,7 +20,7 @@ the epoch switches and re-ranks everything, so the re-rank of each consumption (
 the heap per block, about a quarter of the daemon's work per file closed) is not done at all.
 Nor while the budget has room: a reserve that fits evicts nothing, so no rank is read (a
 reader off the order reserves for every file it reads, and settling the re-rank of the file
-before it was 3% of the daemon's instructions a file in the simulator). Blocks with a known
+before it was 3-5% of the daemon's instructions a file in the simulator). Blocks with a known
 future are in an eviction heap, which is lazy: every change pushes a new (priority, lru_seq)
 tuple, and a popped tuple that no longer matches its block is skipped. Blocks with no known
 future are in an ordered dict, least recently used first, so that using one (`touch`, once per
