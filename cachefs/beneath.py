@@ -117,17 +117,25 @@ HAVE_OPENAT2 = _probe()
 def open_beneath(dir_fd: int, relpath: bytes, flags: int) -> int:
     """A descriptor of `relpath` under `dir_fd`, reached through no symbolic link (module
     docstring); OSError ELOOP at a link, EXDEV for a way out, as open(2) errors otherwise."""
+    check_relpath(relpath)
+    # O_NOFOLLOW: a last component that is a link is refused, or with O_PATH opened as itself
+    flags |= os.O_NOFOLLOW | os.O_CLOEXEC
+    if HAVE_OPENAT2:
+        return _openat2(dir_fd, relpath or b".", flags)
+    return _walk(dir_fd, relpath, flags)
+
+
+def check_relpath(relpath: bytes) -> None:
+    """OSError for a path that no open beneath a directory follows (EXDEV: absolute, or with
+    a '..' component) or that no system call takes (EINVAL: a NUL byte); openat2 refuses only
+    the '..' that leave the directory, and the fallback walk refuses every one, so both are
+    refused before either (cachefs/read_pool.py opens with openat2 too)."""
     if relpath.startswith(b"/"):
         raise OSError(errno.EXDEV, "an absolute path is not beneath the source", relpath)
     if b"\0" in relpath:
         raise OSError(errno.EINVAL, "a path with a NUL byte", relpath)
     if b".." in relpath and b".." in relpath.split(b"/"):
         raise OSError(errno.EXDEV, "a '..' component is not followed", relpath)
-    # O_NOFOLLOW: a last component that is a link is refused, or with O_PATH opened as itself
-    flags |= os.O_NOFOLLOW | os.O_CLOEXEC
-    if HAVE_OPENAT2:
-        return _openat2(dir_fd, relpath or b".", flags)
-    return _walk(dir_fd, relpath, flags)
 
 
 def proc_path(fd: int) -> str:

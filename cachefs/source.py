@@ -1,13 +1,16 @@
 """The slow source directory: every access to it, and nothing else.
 
 The source may be NFS, Lustre, sshfs or a spinning disk, where one call can take milliseconds.
-So every call runs in a worker thread (`cachefs.threads.pool`, a leaner hop than
+So every call runs in a worker thread (`cachefs.threads.run_sync`, a leaner hop than
 `trio.to_thread.run_sync` for this, the daemon's busiest one) holding one of a fixed number of
 slots: that number is how many source requests are in flight at once, which is what hides the
-source's latency. There are two sets: read-ahead and warming (`background=True`) share
-`threads` slots, and what a reader is waiting for right now (a lookup, an open, a demand read)
-has `DEMAND_THREADS` slots of its own, so a reader's request
-never queues behind a full read-ahead window. Paths are relative and bytes (`b""` is the root),
+source's latency. Block reads, the most of them by far, run in the read pool's threads instead
+(cachefs/read_pool.py: C threads that never take the GIL, their completions collected in
+batches), holding the same slots; where the pool is not built, in worker threads as the
+rest. There are two sets: read-ahead and warming (`background=True`) share `threads` slots,
+and what a reader is waiting for right now (a lookup, an open, a demand read) has
+`DEMAND_THREADS` slots of its own, so a reader's request never queues behind a full read-ahead
+window. Paths are relative and bytes (`b""` is the root),
 exactly as FUSE hands names to us, so no name is ever decoded.
 
 Every path is opened beneath a descriptor of the source's root, through no symbolic link
@@ -16,13 +19,16 @@ reads, lists or stats anything outside the source. What lstat(2) says of a path 
 of the path opened O_PATH (a link as itself); a link's target is read, never followed. Data is
 read only from regular files, opened non-blocking so that a FIFO cannot hold a worker thread.
 
-A block read opens, fstats, preads and closes in one thread call: the identity returned with
-the data comes from the same open file, so data and identity always belong together (a cached
+A block read opens, fstats, preads and closes in one thread call (the pool's, or
+`read_block_sync`): the identity returned with the data comes from the same open file, so
+data and identity always belong together (a cached
 block is served only while the source still has that identity; see `SourceIdentity`). The
 file is fstat'ed again after its bytes are read (`_one_version`): a rewrite in place
 (`np.save`, `torch.save` and cp truncate, then write) between the fstat and the pread gave
 bytes cut short, or of the new version, labelled with the old identity, which the RAM and
-SSD tiers then kept and served; such a read is made again, with the identity after it.
+SSD tiers then kept and served; such a read is made again, with the identity after it (a read
+pool's read of two versions, or short, is made again by `read_block_sync`, whose rules these
+are).
 Identities are made only by `identity_of`, which leaves the inode number out on FUSE sources
 (sshfs, rclone, s3fs...): those number inodes per mount and renumber them whenever the kernel
 forgets one (after `drop_caches`, or a remount), which would make every cached copy look stale.
@@ -60,8 +66,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
+from cachefs import read_pool
 from cachefs import threads as threads_mod
-from cachefs.beneath import open_beneath, proc_path
+from cachefs.beneath import check_relpath, open_beneath, proc_path
 from cachefs.freshness import Freshness, now_s
 from cachefs.held_files import HeldFiles
 from cachefs.inodes import PackedStat
@@ -120,14 +127,19 @@ class Source:
     """Read-only access to the source directory, in worker threads."""
 
     def __init__(self, root: Path, *, threads: int, delay_s: float = 0.0,
-                 requests: RequestObserver | None = None):
+                 requests: RequestObserver | None = None, read_pool_wanted: bool = True):
         self.root = os.fsencode(os.path.realpath(root))
         # every path is resolved beneath this descriptor (module docstring)
         self._root_fd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         weakref.finalize(self, os.close, self._root_fd)
         self.stable_inodes = not filesystem_type(self.root).startswith(b"fuse")
-        self._background = threads_mod.pool(threads)
-        self._demand = threads_mod.pool(DEMAND_THREADS)
+        self._background = threads_mod.Slots(threads)
+        self._demand = threads_mod.Slots(DEMAND_THREADS)
+        # block reads in threads without the GIL (cachefs/read_pool.py), a thread per slot;
+        # None: in Python worker threads (no pool built, or not wanted: scripts/bench_fetch.py
+        # compares the two)
+        self._reads = (read_pool.ReadPool(self._root_fd, threads + DEMAND_THREADS)
+                       if read_pool_wanted and read_pool.available() else None)
         self.delay_s = delay_s
         # relpath -> (latest stat, freshness.now_s() before it was asked)
         self._recent_stats: RecentMap[bytes, tuple[os.stat_result, float]] = \
@@ -152,22 +164,29 @@ class Source:
         return open_beneath(self._root_fd, relpath, os.O_PATH)
 
     async def _run(self, fn, *args, background: bool = False):
-        return await (self._background if background else self._demand)(fn, *args)
+        return await threads_mod.run_sync(self._background if background else self._demand,
+                                          fn, *args)
 
     async def _observed(self, relpath: bytes, fn, *args, background: bool = False,
                         item: int | None = None):
         """`_run(fn, relpath, *args)`, reported to the observer (module docstring); `item`:
         the file's in the manifest in force, if the caller knows it (the observer would
         search the manifest for it)."""
-        observer = self._observer
-        if observer is None:
+        if self._observer is None:
             return await self._run(fn, relpath, *args, background=background)
+        return await self._observing(relpath, item,
+                                     self._run(_timed, fn, relpath, *args, background=background))
+
+    async def _observing(self, relpath: bytes, item: int | None, timed):
+        """`await timed`, a request giving (its result, the seconds it took in its thread),
+        reported to the observer (`_observed`)."""
+        observer = self._observer
+        assert observer is not None
         started = observer.request_started(relpath, item)
         waited_s = time.perf_counter()
         elapsed_s, nbytes = None, 0
         try:
-            result, elapsed_s = await self._run(_timed, fn, relpath, *args,
-                                                background=background)
+            result, elapsed_s = await timed
             nbytes = len(result.data) if isinstance(result, BlockData) else 0
             return result
         finally:
@@ -204,6 +223,7 @@ class Source:
 
     def status(self) -> dict:
         return {"requests": dict(self.requests), "stats_reused": self.stats_reused,
+                "block_reads": "read pool" if self._reads is not None else "worker threads",
                 "read_seconds": self.read_seconds.snapshot()}
 
     def _remember(self, relpath: bytes, st: os.stat_result, asked_s: float) -> None:
@@ -360,13 +380,37 @@ class Source:
                          background: bool = False, item: int | None = None) -> BlockData:
         asked_s = now_s()
         self.requests["block_read"] += 1
-        block = await self._observed(relpath, self.read_block_sync, block_index, block_bytes,
-                                     background=background, item=item)
+        block: BlockData | None = None
+        if self._reads is not None:
+            read = self._pooled_block(relpath, block_index, block_bytes, background)
+            block = (await read)[0] if self._observer is None else \
+                await self._observing(relpath, item, read)
+        if block is None:  # no pool, or its read was not all of one version: read again here
+            block = await self._observed(relpath, self.read_block_sync, block_index,
+                                         block_bytes, background=background, item=item)
         self.read_seconds.observe(block.read_s)
         # fstat of a file opened through no link: what lstat would say of a regular file
+        assert block.stat is not None  # a block read always has its fstat
         self._remember(relpath, block.stat, asked_s)
         return block
 
+    async def _pooled_block(self, relpath: bytes, block_index: int, block_bytes: int,
+                            background: bool) -> tuple[BlockData | None, float]:
+        """One read of the block by the read pool, and its seconds in the pool's thread: None
+        unless the fstats before and after it say one version and it got all of the block at
+        that version (else `read_block_sync` reads it again, with its retries)."""
+        check_relpath(relpath)  # as open_beneath checks a path before openat2
+        offset = block_index * block_bytes
+        assert self._reads is not None
+        read = await self._reads.read(self._background if background else self._demand,
+                                      relpath or b".", offset, block_bytes, self.delay_s)
+        st = read.before
+        whole = len(read.data) == max(0, min(block_bytes, st.st_size - offset))
+        if not whole or read.after != (st.st_size, st.st_mtime_ns, st.st_ino):
+            log.debug("source file changed or read short in the read pool; reading it again: "
+                      "%r", relpath)
+            return None, read.elapsed_s
+        return BlockData(read.data, self.identity_of(st), st, read.elapsed_s), read.elapsed_s
 
     def read_ranges_sync(self, relpath: bytes, ranges: list[tuple[int, int]],
                          hold_s: float = 0.0) -> BlockData:

@@ -1,7 +1,9 @@
 """Trips to a worker thread (a blocking call off the trio thread): the one way cachefs hops.
 
-An object that blocks (the source, the tiered cache's SSD calls, warming) holds a `RunSync`,
-`await run(fn, *args)`, made by `pool(threads)`: at most `threads` of its calls run at once. A
+An object that blocks (the tiered cache's SSD calls, warming) holds a `RunSync`,
+`await run(fn, *args)`, made by `pool(threads)`: at most `threads` of its calls run at once.
+The source holds its `Slots` itself and calls `run_sync` with them, since its block reads take
+the same slots in the read pool's threads (cachefs/read_pool.py). A
 call made once (at start-up, for one request) goes through `run_one`; one that may never
 return while this process runs (a stat of the process's own mount before it answers, an order
 file on a hung file system) through `run_abandoning`, which a cancellation leaves behind

@@ -5,10 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
 PYFUSE3_VERSION=3.5.0
+# gcc: pyfuse3's build, and cachefs/_readpool.c (setup.py)
 if ! command -v fusermount3 >/dev/null || ! pkg-config --exists fuse3 2>/dev/null \
-    || ! command -v patch >/dev/null; then
+    || ! command -v patch >/dev/null || ! command -v gcc >/dev/null; then
   apt-get update -q
-  apt-get install -y -q --no-install-recommends fuse3 libfuse3-dev pkg-config patch >/dev/null
+  apt-get install -y -q --no-install-recommends fuse3 libfuse3-dev pkg-config patch gcc \
+    >/dev/null
 fi
 extras=${1:-}
 pip_install() { python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore "$@"; }
@@ -28,6 +30,7 @@ if ! python3 -c "import pyfuse3, sys; sys.exit(not (getattr(pyfuse3, 'READ_FH_IS
   pip_install "$work/pyfuse3-$PYFUSE3_VERSION"
   rm -rf "$work"
 fi
+# editable: setup.py builds cachefs/_readpool.c next to its source (cachefs/read_pool.py)
 pip_install -e ".${extras:+[$extras]}"
 if [[ ",$extras," == *",test,"* ]]; then
   # The PyTorch tests need torch's CPU build, which these machines keep as a local wheel.

@@ -263,6 +263,21 @@ def test_bench_offorder_smoke(tmp_path):
     assert_no_mount_under(tmp_path)
 
 
+def test_bench_fetch_smoke(tmp_path):
+    """The source's block reads, the read pool against Python threads and direct reads."""
+    out = tmp_path / "fetch.json"
+    done = run_script("bench_fetch.py", "--smoke", "--workdir", tmp_path / "work", "--json", out)
+    assert done.returncode == 0, done.stderr
+    assert "| contender | files/s | / direct | CPU us/file |" in done.stdout
+    result = json.loads(out.read_text())
+    assert set(result["passes"]) == {"direct", "threads", "read pool"}
+    for rounds in result["passes"].values():
+        assert len(rounds) == 1 and rounds[0]["files_per_s"] > 0
+        assert rounds[0]["cpu_us_per_file"] > 0 and rounds[0]["switches_per_file"] >= 0
+    assert result["passes"]["direct"][0]["busy_slices_per_s"] == 0
+    assert result["passes"]["read pool"][0]["busy_slices_per_s"] > 0
+
+
 def test_bench_pickup_smoke(tmp_path):
     """The order watcher's pickup, with inotify and polling (a measurement: no bar asserted)."""
     out = tmp_path / "pickup.json"

@@ -1,0 +1,154 @@
+"""Block reads of the source in threads that never take the GIL, finished in batches.
+
+Why. A block read in a Python worker thread (cachefs/threads.py) releases and takes back the
+GIL at each of its five system calls (open, fstat, pread, fstat, close). While the trio thread
+runs, each take waits for it, and the hand-over costs both threads context switches: 3,000
+files of 110 KB read from slowfs network storage, 64 at once, beside a trio thread half busy
+with other Python work, cost 358 us of CPU and 19 context switches a file in worker threads,
+against 224 us and 9 for plain Python threads reading them with nothing else running, and 266
+us and 10 through this pool (`scripts/bench_fetch.py`, medians of 3). The read-ahead of a
+DataLoader over network storage reads about a thousand files a second on two cores shared with
+the storage client, so that was a tenth of the machine. And each read's end came back to the
+trio thread on its own (a `run_sync_soon`, and a wake-up of the loop, per file).
+
+How. `cachefs/_readpool.c` runs each read whole in a POSIX thread that touches no Python
+object: the file opened beneath the source's root exactly as `cachefs.beneath` opens it
+(openat2, no symbolic link, nothing outside), fstat'ed, pread, fstat'ed again, closed. Reads
+that finished wait in a list; the first one into an empty list writes to an eventfd, and one
+trio task (`_collect`, started with the pool's first read in each trio run) takes the whole
+list when the eventfd is readable and wakes each waiting task. A burst of reads costs the trio
+thread one wake-up.
+
+What it does not do: decide whether the bytes are good. It returns the fstat before and after
+the read; the source (cachefs/source.py) keeps the bytes only if both say the same version and
+the read got all of it, and otherwise reads the block again its own way, with its retry rules
+(`Source._one_version`), so there is one definition of "one version".
+
+Without the compiled module (a build without a C compiler) `available()` is False and the
+source reads in Python worker threads, as before; `cachefs stats` says which (`source.reads`).
+
+Slots: the caller holds one of the source's `threads.Slots` for each read, as for a thread
+call, so the slots still bound the reads in flight; the pool has a thread per slot, so a read
+never queues inside it. A cancelled read (unmount) returns at once, and its slot is given back
+when its thread is done with it, as `threads.run_sync` does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import outcome
+import trio
+
+from cachefs.beneath import HAVE_OPENAT2
+from cachefs.threads import Slots
+
+try:
+    from cachefs import _readpool
+except ImportError:  # built without a C compiler: Python worker threads (module docstring)
+    _readpool = None  # type: ignore[assignment]
+
+log = logging.getLogger(__name__)
+
+
+def available() -> bool:
+    """Whether the pool can read here: the module is built, and openat2 works (the pool opens
+    with it alone; the source's fallback walk is Python's)."""
+    return _readpool is not None and HAVE_OPENAT2
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRead:
+    """A block as the pool's thread read it: its bytes, the fstat before them (an
+    os.stat_result) and the (size, mtime_ns, ino) of the fstat after them, and the seconds
+    from the open to the last fstat."""
+
+    data: bytes
+    before: os.stat_result
+    after: tuple[int, int, int]
+    elapsed_s: float
+
+
+def _stat_result(fields: tuple) -> os.stat_result:
+    mode, ino, dev, nlink, uid, gid, size, atime_ns, mtime_ns, ctime_ns, blksize, blocks, rdev \
+        = fields
+    return os.stat_result(
+        (mode, ino, dev, nlink, uid, gid, size, atime_ns // 10**9, mtime_ns // 10**9,
+         ctime_ns // 10**9),
+        {"st_atime": atime_ns / 1e9, "st_mtime": mtime_ns / 1e9, "st_ctime": ctime_ns / 1e9,
+         "st_atime_ns": atime_ns, "st_mtime_ns": mtime_ns, "st_ctime_ns": ctime_ns,
+         "st_blksize": blksize, "st_blocks": blocks, "st_rdev": rdev})
+
+
+class ReadPool:
+    def __init__(self, root_fd: int, threads: int):
+        assert available(), "check read_pool.available() first"
+        self._root_fd, self._threads = root_fd, threads
+        # started with the first read: a source may never read a block
+        self._pool: _readpool.Pool | None = None
+        # read ident -> the task waiting for it, or the slots to give its slot back to if
+        # its task was cancelled
+        self._waiting: dict[int, trio.lowlevel.Task | Slots] = {}
+        self._next_ident = 0
+        self._collecting: trio.lowlevel.TrioToken | None = None  # the run `_collect` is in
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+
+    async def read(self, slots: Slots, relpath: bytes, offset: int, max_bytes: int,
+                   delay_s: float = 0.0) -> PoolRead:
+        """Up to `max_bytes` of `relpath` from `offset` (to its end), holding one of `slots`;
+        OSError as the system calls failed (module docstring). `delay_s`: the source's
+        testing delay, slept before the open and before the read."""
+        if self._pool is None:
+            assert _readpool is not None  # available()
+            self._pool = _readpool.Pool(self._root_fd, self._threads)
+        token = trio.lowlevel.current_trio_token()
+        if self._collecting is not token:
+            # the first read of this trio run (tests run several over one source)
+            self._collecting = token
+            trio.lowlevel.spawn_system_task(self._collect, name="cachefs-read-pool")
+        await slots.acquire()
+        ident = self._next_ident
+        self._next_ident += 1
+        try:
+            self._pool.submit(ident, relpath, offset, max_bytes, int(delay_s * 1e9))
+        except BaseException:
+            slots.release()
+            raise
+        self._waiting[ident] = trio.lowlevel.current_task()
+
+        def abort(_raise_cancel) -> trio.lowlevel.Abort:
+            self._waiting[ident] = slots  # the slot goes back when the thread is done
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        errno_, read = await trio.lowlevel.wait_task_rescheduled(abort)
+        slots.release()
+        if errno_:
+            raise OSError(errno_, os.strerror(errno_), relpath)
+        return read
+
+    async def _collect(self) -> None:
+        """Wake the task of each finished read, a batch per wake-up (module docstring)."""
+        pool = self._pool
+        assert pool is not None  # started by the read that started this
+        fd = pool.fileno()
+        waiting = self._waiting
+        while True:
+            await trio.lowlevel.wait_readable(fd)
+            for ident, errno_, data, before, after, elapsed_ns in pool.completed():
+                waiter = waiting.pop(ident, None)
+                if isinstance(waiter, Slots):
+                    waiter.release()
+                    continue
+                if waiter is None:  # a read of an earlier trio run, long cancelled
+                    continue
+                read = None
+                if not errno_:
+                    assert data is not None and before is not None and after is not None
+                    read = PoolRead(data, _stat_result(before), (after[6], after[8], after[1]),
+                                    elapsed_ns / 1e9)
+                trio.lowlevel.reschedule(waiter, outcome.Value((errno_, read)))

@@ -1,0 +1,196 @@
+"""The read pool (cachefs/read_pool.py, cachefs/_readpool.c): block reads in threads without
+the GIL, as the source reads them, and the source's use of it."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+
+import pytest
+import trio
+
+from cachefs import read_pool
+from cachefs import source as source_mod
+from cachefs.threads import Slots
+from conftest import write_file
+
+
+def test_the_read_pool_is_built_here():
+    """The package's install builds it (setup.py), and CI must run the code users get: a
+    machine without a C compiler installs without it, and these tests would skip it."""
+    assert read_pool.available(), "cachefs._readpool is not built: pip install -e . again"
+
+
+needs_pool = pytest.mark.skipif(not read_pool.available(), reason="cachefs._readpool not built")
+
+
+def pool_of(root) -> read_pool.ReadPool:
+    return read_pool.ReadPool(os.open(root, os.O_PATH | os.O_DIRECTORY), threads=4)
+
+
+@needs_pool
+def test_a_pool_read_gives_the_bytes_and_the_stats_of_one_open_file(tmp_path):
+    data = write_file(tmp_path / "f", 10_000).read_bytes()
+    pool, slots = pool_of(tmp_path), Slots(4)
+
+    async def main():
+        whole = await pool.read(slots, b"f", 0, 1 << 20)
+        assert whole.data == data
+        st = os.stat(tmp_path / "f")
+        assert whole.before == st  # os.stat_result compares its fields
+        assert whole.before.st_mtime_ns == st.st_mtime_ns and whole.before.st_ino == st.st_ino
+        assert whole.after == (st.st_size, st.st_mtime_ns, st.st_ino)
+        assert whole.elapsed_s > 0
+        part = await pool.read(slots, b"f", 4096, 4096)
+        assert part.data == data[4096:8192]
+        assert (await pool.read(slots, b"f", 8192, 4096)).data == data[8192:]
+        assert (await pool.read(slots, b"f", 20_000, 4096)).data == b""
+        assert slots.free == 4
+
+    trio.run(main)
+    pool.close()
+
+
+@needs_pool
+def test_reads_many_at_once_each_get_their_own_bytes(tmp_path):
+    """More reads than threads, finished in batches: every task wakes with its file."""
+    files = {f"f{index}".encode(): write_file(tmp_path / f"f{index}", 100 + index * 37,
+                                              seed=index).read_bytes()
+             for index in range(200)}
+    pool, slots = pool_of(tmp_path), Slots(4)
+    got = {}
+
+    async def main():
+        async def one(name):
+            got[name] = (await pool.read(slots, name, 0, 1 << 20)).data
+        async with trio.open_nursery() as nursery:
+            for name in files:
+                nursery.start_soon(one, name)
+
+    trio.run(main)
+    assert got == files
+    pool.close()
+
+
+@needs_pool
+def test_a_pool_read_refuses_what_the_source_never_reads(tmp_path):
+    """Links (ELOOP), a way out (EXDEV), a directory (EISDIR), a missing file (ENOENT) and a
+    FIFO (EINVAL, at once: opened non-blocking, no writer needed), each an OSError with its
+    path; the slot comes back each time."""
+    write_file(tmp_path / "f", 10)
+    (tmp_path / "link").symlink_to("f")
+    (tmp_path / "d").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    pool, slots = pool_of(tmp_path), Slots(1)
+
+    async def main():
+        for relpath, code in [(b"link", errno.ELOOP), (b"../" + tmp_path.name.encode() + b"/f",
+                                                      errno.EXDEV),
+                              (b"d", errno.EISDIR), (b"missing", errno.ENOENT),
+                              (b"fifo", errno.EINVAL)]:
+            with pytest.raises(OSError) as caught:
+                await pool.read(slots, relpath, 0, 4096)
+            assert caught.value.errno == code and caught.value.filename == relpath
+        assert slots.free == 1
+
+    trio.run(main)
+    pool.close()
+
+
+@needs_pool
+def test_a_cancelled_read_returns_at_once_and_keeps_its_slot_until_its_thread_is_done(tmp_path):
+    write_file(tmp_path / "f", 10)
+    pool, slots = pool_of(tmp_path), Slots(1)
+
+    async def main():
+        started_s = time.monotonic()
+        with trio.move_on_after(0.05):
+            await pool.read(slots, b"f", 0, 4096, delay_s=0.4)  # sleeps before open and read
+        assert time.monotonic() - started_s < 0.3
+        assert slots.free == 0  # the thread is still in the read
+        await trio.sleep(1.0)
+        assert slots.free == 1
+        assert (await pool.read(slots, b"f", 0, 4096)).data == (tmp_path / "f").read_bytes()
+
+    trio.run(main)
+    pool.close()
+
+
+@needs_pool
+def test_a_pool_serves_the_reads_of_several_trio_runs(tmp_path):
+    """A source outlives one trio run in tests and in `cachefs warm`: each run collects."""
+    data = write_file(tmp_path / "f", 100).read_bytes()
+    pool, slots = pool_of(tmp_path), Slots(2)
+
+    async def main():
+        assert (await pool.read(slots, b"f", 0, 4096)).data == data
+
+    trio.run(main)
+    trio.run(main)
+    pool.close()
+
+
+@needs_pool
+def test_the_source_reads_its_blocks_through_the_pool(tmp_path):
+    data = write_file(tmp_path / "f", 300_000).read_bytes()
+    source = source_mod.Source(tmp_path, threads=2)
+    assert source.status()["block_reads"] == "read pool"
+    sync_reads = []
+    real_sync = source.read_block_sync
+    source.read_block_sync = lambda *args: sync_reads.append(args) or real_sync(*args)
+
+    async def main():
+        for index in range(3):
+            block = await source.read_block(b"f", index, 131_072, background=index == 1)
+            assert block.data == data[index * 131_072:(index + 1) * 131_072]
+            assert block.identity == source.identity_of(os.stat(tmp_path / "f"))
+        with pytest.raises(OSError) as caught:
+            await source.read_block(b"a/../f", 0, 4096)
+        assert caught.value.errno == errno.EXDEV
+
+    trio.run(main)
+    assert sync_reads == [] and source.requests["block_read"] == 4
+
+
+@needs_pool
+@pytest.mark.parametrize("after", ["changed", "short"])
+def test_a_pool_read_of_two_versions_is_read_again_with_the_sources_retries(tmp_path,
+                                                                            monkeypatch, after):
+    """The fstat after the pool's read says another version, or the read got less than its
+    size: the source reads the block again in a worker thread (`_one_version`'s rules)."""
+    data = write_file(tmp_path / "f", 5000).read_bytes()
+    st = os.stat(tmp_path / "f")
+    real_read = read_pool.ReadPool.read
+
+    async def racing_read(self, slots, relpath, offset, max_bytes, delay_s=0.0):
+        got = await real_read(self, slots, relpath, offset, max_bytes, delay_s)
+        if after == "changed":
+            return read_pool.PoolRead(b"o" * 5000, got.before,
+                                      (st.st_size, st.st_mtime_ns + 1, st.st_ino),
+                                      got.elapsed_s)
+        return read_pool.PoolRead(got.data[:100], got.before, got.after, got.elapsed_s)
+
+    monkeypatch.setattr(read_pool.ReadPool, "read", racing_read)
+    source = source_mod.Source(tmp_path, threads=2)
+    sync_reads = []
+    real_sync = source.read_block_sync
+    source.read_block_sync = lambda *args: sync_reads.append(args) or real_sync(*args)
+
+    async def main():
+        return await source.read_block(b"f", 0, 8192)
+
+    assert trio.run(main).data == data
+    assert sync_reads == [(b"f", 0, 8192)]
+
+
+def test_without_the_pool_the_source_reads_in_worker_threads(tmp_path, monkeypatch):
+    monkeypatch.setattr(read_pool, "_readpool", None)
+    data = write_file(tmp_path / "f", 5000).read_bytes()
+    source = source_mod.Source(tmp_path, threads=2)
+    assert source.status()["block_reads"] == "worker threads"
+
+    async def main():
+        return await source.read_block(b"f", 0, 8192)
+
+    assert trio.run(main).data == data
