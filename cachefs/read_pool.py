@@ -99,10 +99,12 @@ class ReadPool:
             self._pool.close()
 
     async def read(self, slots: Slots, relpath: bytes, offset: int, max_bytes: int,
-                   delay_s: float = 0.0) -> PoolRead:
+                   delay_s: float = 0.0, size_hint: int = 0) -> PoolRead:
         """Up to `max_bytes` of `relpath` from `offset` (to its end), holding one of `slots`;
         OSError as the system calls failed (module docstring). `delay_s`: the source's
-        testing delay, slept before the open and before the read."""
+        testing delay, slept before the open and before the read. `size_hint` > 0: the
+        bytes expected, read straight into the bytes object returned (cachefs/_readpool.c),
+        and no more than that."""
         if self._pool is None:
             assert _readpool is not None  # available()
             self._pool = _readpool.Pool(self._root_fd, self._threads)
@@ -115,7 +117,8 @@ class ReadPool:
         ident = self._next_ident
         self._next_ident += 1
         try:
-            self._pool.submit(ident, relpath, offset, max_bytes, int(delay_s * 1e9))
+            self._pool.submit(ident, relpath, offset, max_bytes, int(delay_s * 1e9),
+                              size_hint)
         except BaseException:
             slots.release()
             raise

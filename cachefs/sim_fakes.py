@@ -93,7 +93,8 @@ class SimSource:
         return identity
 
     async def read_block(self, relpath: bytes, block_index: int, block_bytes: int, *,
-                         background: bool = False, item: int | None = None) -> BlockData:
+                         background: bool = False, item: int | None = None,
+                         expected_bytes: int = 0) -> BlockData:
         identity = self.identity(relpath)
         length = block_length(identity, block_index, block_bytes)
         await self._request(relpath, length, item)

@@ -377,12 +377,16 @@ class Source:
                                  "read", relpath)
 
     async def read_block(self, relpath: bytes, block_index: int, block_bytes: int, *,
-                         background: bool = False, item: int | None = None) -> BlockData:
+                         background: bool = False, item: int | None = None,
+                         expected_bytes: int = 0) -> BlockData:
+        """The block's bytes and identity (module docstring). `expected_bytes` > 0: its
+        length as last seen, which the read pool reads into at once (cachefs/read_pool.py)."""
         asked_s = now_s()
         self.requests["block_read"] += 1
         block: BlockData | None = None
         if self._reads is not None:
-            read = self._pooled_block(relpath, block_index, block_bytes, background)
+            read = self._pooled_block(relpath, block_index, block_bytes, background,
+                                      expected_bytes)
             block = (await read)[0] if self._observer is None else \
                 await self._observing(relpath, item, read)
         if block is None:  # no pool, or its read was not all of one version: read again here
@@ -395,7 +399,8 @@ class Source:
         return block
 
     async def _pooled_block(self, relpath: bytes, block_index: int, block_bytes: int,
-                            background: bool) -> tuple[BlockData | None, float]:
+                            background: bool, expected_bytes: int
+                            ) -> tuple[BlockData | None, float]:
         """One read of the block by the read pool, and its seconds in the pool's thread: None
         unless the fstats before and after it say one version and it got all of the block at
         that version (else `read_block_sync` reads it again, with its retries)."""
@@ -403,7 +408,8 @@ class Source:
         offset = block_index * block_bytes
         assert self._reads is not None
         read = await self._reads.read(self._background if background else self._demand,
-                                      relpath or b".", offset, block_bytes, self.delay_s)
+                                      relpath or b".", offset, block_bytes, self.delay_s,
+                                      expected_bytes)
         st = read.before
         whole = len(read.data) == max(0, min(block_bytes, st.st_size - offset))
         if not whole or read.after != (st.st_size, st.st_mtime_ns, st.st_ino):

@@ -53,6 +53,25 @@ def test_a_pool_read_gives_the_bytes_and_the_stats_of_one_open_file(tmp_path):
 
 
 @needs_pool
+def test_a_read_given_the_size_it_expects_lands_in_the_object_returned(tmp_path):
+    """`size_hint`: the bytes object is made at submit and read into; one too long is
+    shortened to what was read, one too short gets that much (the caller sees it short)."""
+    data = write_file(tmp_path / "f", 10_000).read_bytes()
+    pool, slots = pool_of(tmp_path), Slots(2)
+
+    async def main():
+        for hint in (10_000, 50_000, 1):
+            got = await pool.read(slots, b"f", 0, 1 << 20, size_hint=hint)
+            assert got.data == data[:hint] and type(got.data) is bytes
+        assert (await pool.read(slots, b"f", 8192, 4096, size_hint=4096)).data == data[8192:]
+        with pytest.raises(FileNotFoundError):
+            await pool.read(slots, b"missing", 0, 4096, size_hint=4096)
+
+    trio.run(main)
+    pool.close()
+
+
+@needs_pool
 def test_reads_many_at_once_each_get_their_own_bytes(tmp_path):
     """More reads than threads, finished in batches: every task wakes with its file."""
     files = {f"f{index}".encode(): write_file(tmp_path / f"f{index}", 100 + index * 37,
@@ -63,7 +82,8 @@ def test_reads_many_at_once_each_get_their_own_bytes(tmp_path):
 
     async def main():
         async def one(name):
-            got[name] = (await pool.read(slots, name, 0, 1 << 20)).data
+            hint = len(files[name]) if int(name[1:]) % 2 else 0  # both ways of landing
+            got[name] = (await pool.read(slots, name, 0, 1 << 20, size_hint=hint)).data
         async with trio.open_nursery() as nursery:
             for name in files:
                 nursery.start_soon(one, name)
@@ -142,15 +162,21 @@ def test_the_source_reads_its_blocks_through_the_pool(tmp_path):
 
     async def main():
         for index in range(3):
-            block = await source.read_block(b"f", index, 131_072, background=index == 1)
+            block = await source.read_block(b"f", index, 131_072, background=index == 1,
+                                            expected_bytes=131_072 if index < 2 else 0)
             assert block.data == data[index * 131_072:(index + 1) * 131_072]
             assert block.identity == source.identity_of(os.stat(tmp_path / "f"))
         with pytest.raises(OSError) as caught:
             await source.read_block(b"a/../f", 0, 4096)
         assert caught.value.errno == errno.EXDEV
+        assert sync_reads == []
+        # expected shorter than the file is now (it grew): the pool's read is short of the
+        # fstat's size, and the block is read again in a worker thread
+        block = await source.read_block(b"f", 0, 131_072, expected_bytes=1000)
+        assert block.data == data[:131_072] and sync_reads == [(b"f", 0, 131_072)]
 
     trio.run(main)
-    assert sync_reads == [] and source.requests["block_read"] == 4
+    assert source.requests["block_read"] == 5
 
 
 @needs_pool
@@ -163,8 +189,8 @@ def test_a_pool_read_of_two_versions_is_read_again_with_the_sources_retries(tmp_
     st = os.stat(tmp_path / "f")
     real_read = read_pool.ReadPool.read
 
-    async def racing_read(self, slots, relpath, offset, max_bytes, delay_s=0.0):
-        got = await real_read(self, slots, relpath, offset, max_bytes, delay_s)
+    async def racing_read(self, slots, relpath, offset, max_bytes, delay_s=0.0, size_hint=0):
+        got = await real_read(self, slots, relpath, offset, max_bytes, delay_s, size_hint)
         if after == "changed":
             return read_pool.PoolRead(b"o" * 5000, got.before,
                                       (st.st_size, st.st_mtime_ns + 1, st.st_ino),

@@ -253,7 +253,9 @@ class TieredCache:
             fetched = await self._read_ssd(key, identity) if identity else None
             if fetched is None:
                 item, manifest = self.item_now(relpath, item, manifest)  # after the await
-                fetched = await self._read_source(key, identity, demand, item)
+                fetched = await self._read_source(
+                    key, identity, demand, item,
+                    expected if identity or expected_bytes is not None else 0)
             # the manifest may have changed during the read: the block lands numbered anew
             item, manifest = self.item_now(relpath, item, manifest)
             if fetched.from_source:
@@ -290,13 +292,15 @@ class TieredCache:
         return Fetched(data, identity, stats_mod.ORIGIN_SSD, False)
 
     async def _read_source(self, key: BlockKey, identity: SourceIdentity | None,
-                           demand: bool, item: int) -> Fetched:
+                           demand: bool, item: int, expected_bytes: int = 0) -> Fetched:
         """`item`: the file's in the manifest in force now (the source's observer, the
-        storage targets, need not search the manifest for it)."""
+        storage targets, need not search the manifest for it); `expected_bytes`: the
+        block's length as last seen (0: unknown), for the source's read pool."""
         relpath, block_index = key
         asked_s = now_s()
         block = await self.source.read_block(relpath, block_index, self.block_bytes,
-                                             background=not demand, item=item)
+                                             background=not demand, item=item,
+                                             expected_bytes=expected_bytes)
         if identity is not None and block.identity != identity:
             log.info("source file changed: %r", relpath)
             self.source_changed(relpath, block.identity)
