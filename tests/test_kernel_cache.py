@@ -270,6 +270,55 @@ def test_a_store_waiting_on_a_page_holds_up_no_other_and_invalidations_keep_thei
         3, 3 * 4096, 1), status
 
 
+def test_a_store_of_an_inode_with_nothing_queued_skips_a_busy_fifo():
+    """KernelPages with recording fakes: while the FIFO's thread is held by an invalidation,
+    a store of another inode lands (it has nothing queued to keep order with), and a store
+    of the inode being invalidated lands after the invalidation."""
+    import threading
+
+    import trio
+
+    from cachefs.pagecache import KernelPages
+
+    events, lock = [], threading.Lock()
+    drop_may_finish = threading.Event()
+
+    def store_fn(inode: int, offset: int, data: bytes) -> None:
+        with lock:
+            events.append(("store", inode))
+
+    def invalidate_fn(inode: int) -> None:
+        assert drop_may_finish.wait(10)
+        with lock:
+            events.append(("invalidate", inode))
+
+    pages = KernelPages(store_fn, invalidate_fn)
+
+    async def main() -> None:
+        pages.start()
+        pages.invalidate(3)  # holds the FIFO's thread
+        pages.store(3, 0, b"x" * 4096)  # behind it
+        pages.store(4, 0, b"y" * 4096)  # nothing of inode 4 queued: straight to a store thread
+        with trio.fail_after(10):
+            while ("store", 4) not in events:
+                await trio.sleep(0.01)
+        assert events == [("store", 4)], events
+        drop_may_finish.set()
+        with trio.fail_after(10):
+            await pages.drain()
+        assert events == [("store", 4), ("invalidate", 3), ("store", 3)], events
+        pages.store(3, 4096, b"z" * 4096)  # the invalidation has run: straight through too
+        with trio.fail_after(10):
+            await pages.drain()
+
+    try:
+        trio.run(main)
+    finally:
+        pages.stop()
+    assert pages.pending == 0
+    assert pages.status()["stores"] == 3
+
+
 @PLANES
 @pytest.mark.parametrize("publish", [True, False], ids=["order", "no-order"])
 def test_a_rewritten_source_file_is_never_served_stale(dataset, mounter, publish, plane):
