@@ -24,8 +24,12 @@ the read; the source (cachefs/source.py) keeps the bytes only if both say the sa
 the read got all of it, and otherwise reads the block again its own way, with its retry rules
 (`Source._one_version`), so there is one definition of "one version".
 
+Where the caller knows the size to expect (`size_hint`), the bytes object is made when the read
+is queued and the thread reads straight into it: no copy at the end on the trio thread.
+
 Without the compiled module (a build without a C compiler) `available()` is False and the
-source reads in Python worker threads, as before; `cachefs stats` says which (`source.reads`).
+source reads in Python worker threads, as before; `cachefs stats --json` says which
+(`source.block_reads`).
 
 Slots: the caller holds one of the source's `threads.Slots` for each read, as for a thread
 call, so the slots still bound the reads in flight; the pool has a thread per slot, so a read
