@@ -99,8 +99,18 @@ class ReadPool:
         self._collecting: trio.lowlevel.TrioToken | None = None  # the run `_collect` is in
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
+        """End the pool's threads (reads still queued are dropped; a later read starts a new
+        pool): when no read is waiting, since none that is will finish. In a trio run, the
+        collecting task is told first, and ends."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        self._collecting = None  # a new pool's first read starts a task for it
+        try:
+            trio.lowlevel.notify_closing(pool.fileno())
+        except RuntimeError:
+            pass  # outside a trio run: no task waits on it
+        pool.close()
 
     async def read(self, slots: Slots, relpath: bytes, offset: int, max_bytes: int,
                    delay_s: float = 0.0, size_hint: int = 0) -> PoolRead:
@@ -145,7 +155,10 @@ class ReadPool:
         fd = pool.fileno()
         waiting = self._waiting
         while True:
-            await trio.lowlevel.wait_readable(fd)
+            try:
+                await trio.lowlevel.wait_readable(fd)
+            except trio.ClosedResourceError:
+                return  # `close`
             for ident, errno_, data, before, after, elapsed_ns in pool.completed():
                 waiter = waiting.pop(ident, None)
                 if isinstance(waiter, Slots):

@@ -152,6 +152,21 @@ def test_a_pool_serves_the_reads_of_several_trio_runs(tmp_path):
 
 
 @needs_pool
+def test_a_pool_closed_in_a_trio_run_ends_its_collecting_task_and_may_start_again(tmp_path):
+    data = write_file(tmp_path / "f", 100).read_bytes()
+    pool, slots = pool_of(tmp_path), Slots(2)
+
+    async def main():
+        assert (await pool.read(slots, b"f", 0, 4096)).data == data
+        pool.close()
+        await trio.sleep(0.05)  # the collecting task has ended, with no error
+        assert (await pool.read(slots, b"f", 0, 4096)).data == data  # a new pool
+
+    trio.run(main)
+    pool.close()
+
+
+@needs_pool
 def test_the_source_reads_its_blocks_through_the_pool(tmp_path):
     data = write_file(tmp_path / "f", 300_000).read_bytes()
     source = source_mod.Source(tmp_path, threads=2)
