@@ -138,31 +138,25 @@ def test_a_cancelled_read_returns_at_once_and_keeps_its_slot_until_its_thread_is
 
 
 @needs_pool
-def test_a_pool_serves_the_reads_of_several_trio_runs(tmp_path):
-    """A source outlives one trio run in tests and in `cachefs warm`: each run collects."""
+def test_a_pool_serves_several_trio_runs_and_a_close_inside_one(tmp_path):
+    """A source outlives one trio run in tests and in `cachefs warm`: each run collects. A
+    close inside a run ends its collecting task with no error, and a later read starts a new
+    pool."""
     data = write_file(tmp_path / "f", 100).read_bytes()
     pool, slots = pool_of(tmp_path), Slots(2)
 
-    async def main():
+    async def read_once():
         assert (await pool.read(slots, b"f", 0, 4096)).data == data
 
-    trio.run(main)
-    trio.run(main)
-    pool.close()
-
-
-@needs_pool
-def test_a_pool_closed_in_a_trio_run_ends_its_collecting_task_and_may_start_again(tmp_path):
-    data = write_file(tmp_path / "f", 100).read_bytes()
-    pool, slots = pool_of(tmp_path), Slots(2)
-
-    async def main():
-        assert (await pool.read(slots, b"f", 0, 4096)).data == data
+    async def read_close_read():
+        await read_once()
         pool.close()
-        await trio.sleep(0.05)  # the collecting task has ended, with no error
-        assert (await pool.read(slots, b"f", 0, 4096)).data == data  # a new pool
+        await trio.sleep(0.05)  # the collecting task ends
+        await read_once()
 
-    trio.run(main)
+    trio.run(read_once)
+    trio.run(read_once)
+    trio.run(read_close_read)
     pool.close()
 
 
