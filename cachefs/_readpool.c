@@ -58,7 +58,8 @@ struct result {
     PyObject *bytes;  /* the job's, if it had one: the bytes read are at its start */
     char *data;       /* else malloc'd */
     long long nbytes;
-    long long before[STAT_FIELDS], after[STAT_FIELDS];
+    long long before[STAT_FIELDS];
+    long long after_size, after_mtime_ns, after_ino; /* what the caller compares */
     long long elapsed_ns; /* from the open to the last fstat */
 };
 
@@ -80,12 +81,8 @@ static void pool_let_go(struct pool *pool) /* called with the lock held; unlocks
     pthread_mutex_unlock(&pool->lock);
     if (!last)
         return;
-    for (struct job *job = pool->head, *next; job; job = next) {
-        next = job->next;
-        free(job);
-    }
-    for (size_t i = 0; i < pool->done_count; i++)
-        free(pool->done[i].data);
+    /* no job is queued and no read waits in `done`: pool_close took them, with the GIL that
+       their bytes objects need, and no thread adds one once it is closing */
     free(pool->done);
     free(pool->spare);
     close(pool->root_fd);
@@ -189,7 +186,9 @@ static void read_block(int root_fd, const struct job *job, struct result *res)
         res->err = errno;
         goto out;
     }
-    stat_fields(&st, res->after);
+    res->after_size = st.st_size;
+    res->after_mtime_ns = ns_of(st.st_mtim);
+    res->after_ino = (long long)st.st_ino;
 out:
     res->elapsed_ns = monotonic_ns() - started_ns;
     if (res->err) {
@@ -423,7 +422,9 @@ static PyObject *result_tuple(struct result *res)
         data = PyBytes_FromStringAndSize(res->data, res->nbytes);
     else if (res->nbytes < PyBytes_GET_SIZE(data) && _PyBytes_Resize(&data, res->nbytes) < 0)
         data = NULL; /* (freed by _PyBytes_Resize, MemoryError set) */
-    PyObject *before = stat_tuple(res->before), *after = stat_tuple(res->after);
+    PyObject *before = stat_tuple(res->before);
+    PyObject *after = Py_BuildValue("(LLL)", res->after_size, res->after_mtime_ns,
+                                    res->after_ino);
     PyObject *tuple = NULL;
     if (data && before && after)
         tuple = Py_BuildValue("(LiOOOL)", res->ident, 0, data, before, after,
@@ -484,8 +485,8 @@ static PyMethodDef Pool_methods[] = {
      "submit(ident, relpath, offset, max_bytes, delay_ns, size_hint): queue a block read "
      "(size_hint > 0: the bytes expected, read straight into the object returned)"},
     {"completed", (PyCFunction)Pool_completed, METH_NOARGS,
-     "completed() -> [(ident, errno, data, stat_before, stat_after, elapsed_ns)]: the reads "
-     "done since the last call"},
+     "completed() -> [(ident, errno, data, stat_before, (size, mtime_ns, ino) after, "
+     "elapsed_ns)]: the reads done since the last call"},
     {"fileno", (PyCFunction)Pool_fileno, METH_NOARGS,
      "fileno() -> the eventfd that is readable when reads are done"},
     {"close", (PyCFunction)Pool_close, METH_NOARGS,

@@ -169,6 +169,5 @@ class ReadPool:
                 read = None
                 if not errno_:
                     assert data is not None and before is not None and after is not None
-                    read = PoolRead(data, _stat_result(before), (after[6], after[8], after[1]),
-                                    elapsed_ns / 1e9)
+                    read = PoolRead(data, _stat_result(before), after, elapsed_ns / 1e9)
                 trio.lowlevel.reschedule(waiter, outcome.Value((errno_, read)))
