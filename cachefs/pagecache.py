@@ -219,10 +219,11 @@ class KernelPages:
         while (job := self._jobs.get()) is not _STOP:
             kind, inode, offset, data = job
             if kind == "store" and self._store_threads:
+                # counted among its inode's stores before it leaves the FIFO's count: an
+                # invalidation or drain finds it in one or the other
+                self._hand_to_store_threads(job)
                 with self._finished:
-                    self._storing[inode] = self._storing.get(inode, 0) + 1
                     self._out_of_fifo(inode)
-                self._store_jobs.put(job)
                 continue  # done when its store thread is
             try:
                 if kind == "store":
@@ -240,6 +241,13 @@ class KernelPages:
                     self.done += 1
                     if kind != "drain":
                         self._out_of_fifo(inode)
+
+    def _hand_to_store_threads(self, job: tuple) -> None:
+        """A store job to the store threads, counted as one of its inode's not done yet."""
+        inode = job[1]
+        with self._finished:
+            self._storing[inode] = self._storing.get(inode, 0) + 1
+        self._store_jobs.put(job)
 
     def _out_of_fifo(self, inode: int) -> None:
         """A job of `inode` left the FIFO (handed out, or run); under `_finished`."""
@@ -375,10 +383,8 @@ class KernelPages:
         # the thread only takes the inode's jobs out of `_in_fifo`: none there now, none
         # comes before this store (module docstring)
         if self._store_threads and inode not in self._in_fifo:
-            with self._finished:
-                self._storing[inode] = self._storing.get(inode, 0) + 1
             self.queued += 1
-            self._store_jobs.put(("store", inode, offset, data))
+            self._hand_to_store_threads(("store", inode, offset, data))
             return
         self._put(("store", inode, offset, data))
 
