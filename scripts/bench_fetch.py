@@ -61,9 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def list_files(root: Path, count: int) -> list[bytes]:
-    relpaths = sorted(os.path.relpath(os.path.join(directory, name), root).encode()
-                      for directory, _, names in os.walk(root) for name in names
-                      if not name.endswith(".json"))
+    """The first `count` files of the source, as cachefs indexes them."""
+    relpaths = benchlib.Manifest.scan(root).relpaths
     if len(relpaths) < count:
         raise benchlib.BenchError(f"{root} has {len(relpaths)} files, fewer than {count}")
     return relpaths[:count]
@@ -126,10 +125,9 @@ def one_pass(args, root: Path, relpaths: list[bytes], contender: str) -> dict:
     if contender == "direct":
         read_direct(root, relpaths, args.threads)
     else:
+        # (main has checked that the pool is built)
         source = Source(root, threads=args.threads,
                         read_pool_wanted=contender == "read pool")
-        if contender == "read pool" and source.status()["block_reads"] != "read pool":
-            raise benchlib.BenchError("cachefs._readpool is not built (pip install -e .)")
         slices, busy_cpu_s = trio.run(read_through_source, source, relpaths, args.threads,
                                       args.busy)
     wall_s = time.perf_counter() - started_s
