@@ -241,9 +241,10 @@ class TieredCache:
         # an estimate of 0 (an empty file's last size) is 0, not "unknown": a whole block
         # reserved for it took RAM the walk had not found room for, which evicted the kept
         # head of the next epoch, or failed, and the walk started it again forever
-        expected = (block_length(identity, block_index, self.block_bytes) if identity
-                    else self.block_bytes if expected_bytes is None
-                    else min(expected_bytes, self.block_bytes))
+        known = (block_length(identity, block_index, self.block_bytes) if identity
+                 else None if expected_bytes is None
+                 else min(expected_bytes, self.block_bytes))
+        expected = self.block_bytes if known is None else known
         priority = self.priority_of(item, block_index, identity)
         charge = self.ram.charge_of(expected)
         reserved = charge if priority is not None and self.ram.reserve(charge, priority) else 0
@@ -253,9 +254,7 @@ class TieredCache:
             fetched = await self._read_ssd(key, identity) if identity else None
             if fetched is None:
                 item, manifest = self.item_now(relpath, item, manifest)  # after the await
-                fetched = await self._read_source(
-                    key, identity, demand, item,
-                    expected if identity or expected_bytes is not None else 0)
+                fetched = await self._read_source(key, identity, demand, item, known or 0)
             # the manifest may have changed during the read: the block lands numbered anew
             item, manifest = self.item_now(relpath, item, manifest)
             if fetched.from_source:
