@@ -3,11 +3,12 @@
  * A Pool owns a descriptor of the source's root (a dup), a FIFO of jobs and `threads` POSIX
  * threads. A job is one block read as cachefs.source reads it: the file opened beneath the
  * root with openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS), fstat'ed
- * (a regular file only), pread from `offset` for up to `max_bytes` (to its end), fstat'ed
- * again, closed. A thread runs the whole job with no Python object in reach, so it needs the
- * GIL for nothing. Finished jobs wait in a list until `completed()`, which the trio thread calls
- * when the pool's eventfd is readable: a thread writes to it only when it finds the list empty,
- * so a burst of completions wakes the trio thread once.
+ * (a regular file only), pread from `offset` for up to `max_bytes` (to its end), stat'ed
+ * again (its size, mtime and inode: `stat_after`), closed. A thread runs the whole job with no
+ * Python object in reach, so it needs the GIL for nothing. Finished jobs wait in a list until
+ * `completed()`, which the trio thread calls when the pool's eventfd is readable: a thread
+ * writes to it only when it finds the list empty, so a burst of completions wakes the trio
+ * thread once.
  *
  * The bytes land where they are kept. Given the size the caller expects (`size_hint`, the
  * file's size as last seen), `submit` makes the bytes object then, holding the GIL, and the
@@ -124,6 +125,30 @@ static void stat_fields(const struct stat *st, long long *out)
     memcpy(out, fields, sizeof fields);
 }
 
+/* The size, mtime and inode of the file after the read (`res->after_*`), from a statx asking
+ * for those three alone, which on FUSE needs no GETATTR round trip after a read
+ * (cachefs/read_pool.py); fstat where statx is missing or does not give them. -1 and errno on
+ * failure. */
+static int stat_after(int fd, struct result *res)
+{
+    struct statx stx;
+    const unsigned int want = STATX_SIZE | STATX_MTIME | STATX_INO;
+    if (statx(fd, "", AT_EMPTY_PATH, want, &stx) == 0 && (stx.stx_mask & want) == want) {
+        res->after_size = (long long)stx.stx_size;
+        res->after_mtime_ns = (long long)stx.stx_mtime.tv_sec * 1000000000LL
+                              + stx.stx_mtime.tv_nsec;
+        res->after_ino = (long long)stx.stx_ino;
+        return 0;
+    }
+    struct stat st;
+    if (fstat(fd, &st) < 0)
+        return -1;
+    res->after_size = st.st_size;
+    res->after_mtime_ns = ns_of(st.st_mtim);
+    res->after_ino = (long long)st.st_ino;
+    return 0;
+}
+
 /* One block read (the file comment); fills `res` (`res->err` on failure). */
 static void read_block(int root_fd, const struct job *job, struct result *res)
 {
@@ -182,13 +207,10 @@ static void read_block(int root_fd, const struct job *job, struct result *res)
             break;
         res->nbytes += got;
     }
-    if (fstat(fd, &st) < 0) {
+    if (stat_after(fd, res) < 0) {
         res->err = errno;
         goto out;
     }
-    res->after_size = st.st_size;
-    res->after_mtime_ns = ns_of(st.st_mtim);
-    res->after_ino = (long long)st.st_ino;
 out:
     res->elapsed_ns = monotonic_ns() - started_ns;
     if (res->err) {

@@ -13,14 +13,21 @@ trio thread on its own (a `run_sync_soon`, and a wake-up of the loop, per file).
 
 How. `cachefs/_readpool.c` runs each read whole in a POSIX thread that touches no Python
 object: the file opened beneath the source's root exactly as `cachefs.beneath` opens it
-(openat2, no symbolic link, nothing outside), fstat'ed, pread, fstat'ed again, closed. Reads
+(openat2, no symbolic link, nothing outside), fstat'ed, pread, stat'ed again, closed. Reads
 that finished wait in a list; the first one into an empty list writes to an eventfd, and one
 trio task (`_collect`, started with the pool's first read in each trio run) takes the whole
 list when the eventfd is readable and wakes each waiting task. A burst of reads costs the trio
 thread one wake-up.
 
-What it does not do: decide whether the bytes are good. It returns the fstat before and after
-the read; the source (cachefs/source.py) keeps the bytes only if both say the same version and
+The stat after the read asks for the size, mtime and inode alone (statx), which is all the
+source compares: a read leaves a FUSE file's atime stale, so an fstat after it waited for a
+GETATTR round trip to the file system's daemon (87 us a file on the sshfs source of the
+benchmarks, against 10 us for the fstat before the read, and about 30 us for the statx), taking
+that daemon's CPU from the reads it serves. The three fields are the kernel's, asked of the
+file system again once they time out, as the fstat before the read's are.
+
+What it does not do: decide whether the bytes are good. It returns the fstat before and the
+stat after the read; the source (cachefs/source.py) keeps the bytes only if both say the same version and
 the read got all of it, and otherwise reads the block again its own way, with its retry rules
 (`Source._one_version`), so there is one definition of "one version".
 
@@ -66,8 +73,8 @@ def available() -> bool:
 @dataclass(frozen=True, slots=True)
 class PoolRead:
     """A block as the pool's thread read it: its bytes, the fstat before them (an
-    os.stat_result) and the (size, mtime_ns, ino) of the fstat after them, and the seconds
-    from the open to the last fstat."""
+    os.stat_result) and the (size, mtime_ns, ino) of the stat after them, and the seconds
+    from the open to that stat."""
 
     data: bytes
     before: os.stat_result
