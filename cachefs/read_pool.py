@@ -27,9 +27,9 @@ that daemon's CPU from the reads it serves. The three fields are the kernel's, a
 file system again once they time out, as the fstat before the read's are.
 
 What it does not do: decide whether the bytes are good. It returns the fstat before and the
-stat after the read; the source (cachefs/source.py) keeps the bytes only if both say the same version and
-the read got all of it, and otherwise reads the block again its own way, with its retry rules
-(`Source._one_version`), so there is one definition of "one version".
+stat after the read; the source (cachefs/source.py) keeps the bytes only if both say the same
+version and the read got all of it, and otherwise reads the block again its own way, with its
+retry rules (`Source._one_version`), so there is one definition of "one version".
 
 Where the caller knows the size to expect (`size_hint`), the bytes object is made when the read
 is queued and the thread reads straight into it: no copy at the end on the trio thread.
