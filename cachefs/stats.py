@@ -28,13 +28,16 @@ left out of the snapshot (ctrl.py).
 
 `Histogram` is a distribution in fixed buckets, for the latency of source reads
 (`Source.read_seconds`): a dozen integers, no per-read memory, and the same buckets in the
-JSON snapshot and in Prometheus, which wants cumulative counts per upper bound.
+JSON snapshot and in Prometheus, which wants cumulative counts per upper bound. The storage
+targets time their requests in one each too, with finer buckets for their p99
+(cachefs/targets.py).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from collections import OrderedDict
+from itertools import accumulate
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
@@ -99,6 +102,20 @@ class Histogram:
     def observe(self, value_s: float) -> None:
         self.counts[bisect_left(self.bounds_s, value_s)] += 1
         self.sum_s += value_s
+
+    @property
+    def mean_s(self) -> float | None:
+        count = sum(self.counts)
+        return self.sum_s / count if count else None
+
+    def quantile_s(self, fraction: float) -> float | None:
+        """The upper bound of the bucket holding the `fraction` quantile (the last bound if
+        it is above them all); None before any value."""
+        cumulative = list(accumulate(self.counts))
+        if not cumulative[-1]:
+            return None
+        bucket = bisect_left(cumulative, fraction * cumulative[-1])
+        return self.bounds_s[min(bucket, len(self.bounds_s) - 1)]
 
     def snapshot(self) -> dict:
         return {"bounds_s": list(self.bounds_s), "counts": list(self.counts),

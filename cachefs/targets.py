@@ -78,37 +78,11 @@ LATENCY_WEIGHT = 0.1  # of each new request's latency in a target's average
 FLOOR_FRACTION = 0.25  # of a target's share of the threads by files to read, whatever its latency
 SIZE_INTERVAL_S = 0.1  # the slots are shared out again at most this often
 COST_REQUESTS = 20  # requests timed on every target before their read costs are compared
-# Latency histogram: 20 buckets per decade from 1 us to 1000 s (12 % wide), for the p99
+# Request latencies: buckets 20 to a decade (12 % wide, for the p99) from 1 us to 1,000 s
 BUCKETS_PER_DECADE = 20
 MIN_LATENCY_S = 1e-6
-BUCKETS = 9 * BUCKETS_PER_DECADE
-
-
-class LatencyHistogram:
-    """Request latencies in logarithmic buckets: bounded memory for a mount's lifetime."""
-
-    def __init__(self):
-        self.counts = np.zeros(BUCKETS + 1, np.int64)
-        self.count = 0
-        self.total_s = 0.0
-
-    def add(self, seconds: float) -> None:
-        self.count += 1
-        self.total_s += seconds
-        bucket = (int(math.log10(seconds / MIN_LATENCY_S) * BUCKETS_PER_DECADE)
-                  if seconds > MIN_LATENCY_S else 0)
-        self.counts[min(bucket, BUCKETS)] += 1
-
-    @property
-    def mean_s(self) -> float | None:
-        return self.total_s / self.count if self.count else None
-
-    def quantile_s(self, fraction: float) -> float | None:
-        """The upper edge of the bucket holding the `fraction` quantile."""
-        if not self.count:
-            return None
-        bucket = int(np.searchsorted(np.cumsum(self.counts), fraction * self.count))
-        return MIN_LATENCY_S * 10 ** ((bucket + 1) / BUCKETS_PER_DECADE)
+LATENCY_BOUNDS_S = tuple(MIN_LATENCY_S * 10 ** (bucket / BUCKETS_PER_DECADE)
+                         for bucket in range(1, 9 * BUCKETS_PER_DECADE + 1))
 
 
 @dataclass(eq=False)
@@ -137,7 +111,8 @@ class Target:
     stall_s: float = 0.0
     batches: int = 0  # demand misses that started a batch (prefetch.py, demand_miss)
     batch_items: int = 0  # items those batches started
-    latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+    latency: stats_mod.Histogram = field(
+        default_factory=lambda: stats_mod.Histogram(LATENCY_BOUNDS_S))
     latency_avg_s: float | None = None  # exponential average, for the sizing
 
     @property
@@ -357,7 +332,7 @@ class Targets:
         target.in_flight -= 1
         target.requests += 1
         target.bytes += nbytes
-        target.latency.add(elapsed_s)
+        target.latency.observe(elapsed_s)
         average = target.latency_avg_s
         target.latency_avg_s = (elapsed_s if average is None
                                 else average + LATENCY_WEIGHT * (elapsed_s - average))

@@ -25,7 +25,8 @@ from cachefs.placement import MAX_TARGETS, OTHER_DEVICES, Placement
 from cachefs.planner import Planner
 from cachefs.publish import publish
 from cachefs.sim import SimConfig, simulate
-from cachefs.targets import COST_REQUESTS, LatencyHistogram, Targets, allocate_slots
+from cachefs.stats import Histogram
+from cachefs.targets import COST_REQUESTS, LATENCY_BOUNDS_S, Targets, allocate_slots
 from conftest import epoch_record, make_flat_dataset, run_cachefs
 
 TARGET_KEYS = {"target", "by", "items", "bytes", "requests", "mean_latency_s", "p99_latency_s",
@@ -182,14 +183,17 @@ def test_a_targets_share_counts_the_files_it_must_deliver_not_those_ram_holds():
 
 
 def test_latency_histogram_p99_is_a_bucket_edge_above_it():
-    histogram = LatencyHistogram()
+    histogram = Histogram(LATENCY_BOUNDS_S)
+    assert histogram.mean_s is None and histogram.quantile_s(0.99) is None
     for _ in range(990):
-        histogram.add(0.001)
+        histogram.observe(0.001)
     for _ in range(10):
-        histogram.add(0.050)
+        histogram.observe(0.050)
     assert histogram.mean_s == pytest.approx((990 * 0.001 + 10 * 0.050) / 1000)
     assert 0.001 <= histogram.quantile_s(0.99) <= 0.00113
     assert 0.050 <= histogram.quantile_s(0.999) <= 0.0565
+    histogram.observe(5000.0)  # past the last bound: counted, and the quantile is that bound
+    assert histogram.quantile_s(1.0) == LATENCY_BOUNDS_S[-1] == pytest.approx(1000.0)
 
 
 # -- the policy, on the simulator ---------------------------------------------------------------
