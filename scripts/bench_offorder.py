@@ -10,9 +10,11 @@ order published; medians of `--passes` rounds, a fresh mount each, the two mount
 to go first; and the ratio of the two mounts' times round by round, with its median.
 
 It also reports what the daemon's bookkeeping costs per cached block (case 9): its resident
-memory (VmRSS) after the read, less its RSS once the source was scanned, over the blocks its
-RAM tier holds then (one per tiny file: the files read with no order, the read-ahead window's
-with one), beside the RAM tier's own count of the bytes it holds.
+memory (VmRSS) after the read, less its RSS before it (once the source was scanned, and the
+order published if there is one), over the blocks its RAM tier holds then (one per tiny file:
+the files read with no order, the read-ahead window's with one), beside the RAM tier's own
+count of the bytes it holds. The order's own memory (its arrays over the 200,000 files, a
+fixed base) is the RSS after its publication less the RSS after the scan.
 
 Usage: python scripts/bench_offorder.py [--files 200000] [--read-dirs 50] [--passes 3]
            [--workdir DIR] [--json out.json] [--smoke]
@@ -87,8 +89,9 @@ def through_mount(args, source: Path, dirs: list[str], ordered: bool
         pid = benchlib.daemon_pid(mount)
         memory = {"rss_scanned": rss_bytes(pid)}
         cpu = benchlib.DaemonCpu(mount)
-        if ordered:
+        if ordered:  # returns once the daemon took it (and made its arrays)
             publish(mountpoint, 0, permutation(files, 0, 0), next=permutation(files, 0, 1))
+        memory["rss_before"] = rss_bytes(pid)
         seconds = read_dirs(mountpoint, dirs)
         cpu_ms = cpu.per_file_ms(len(dirs) * FILES_PER_DIR)
         time.sleep(1.0)  # the read-ahead's last completions
@@ -143,16 +146,17 @@ def main(argv=None) -> int:
           f"(median {benchlib.median(round_ratios):.2f}x)")
     rows = []
     for name, rounds in memory.items():
-        per_block = benchlib.median([(used["rss_read"] - used["rss_scanned"])
+        per_block = benchlib.median([(used["rss_read"] - used["rss_before"])
                                      / max(used["blocks"], 1) for used in rounds])
         last = rounds[-1]
         rows.append([name, last["blocks"], f"{last['rss_scanned'] / 2**20:.1f}",
+                     f"{(last['rss_before'] - last['rss_scanned']) / 2**20:.1f}",
                      f"{last['rss_read'] / 2**20:.1f}", f"{last['ram_bytes'] / 2**20:.1f}",
                      f"{per_block:.0f}"])
     print("\nDaemon memory (last round; bytes per block: median)\n")
     print(benchlib.markdown_table(["mount", "blocks in RAM", "RSS scanned MiB",
-                                   "RSS after MiB", "RAM tier MiB", "RSS bytes per block"],
-                                  rows))
+                                   "order MiB", "RSS after MiB", "RAM tier MiB",
+                                   "RSS bytes per block"], rows))
     if args.json:
         benchlib.write_json(args.json, {"benchmark": "bench_offorder", "args": vars(args),
                                         "seconds": figures, "medians": medians,

@@ -260,6 +260,10 @@ def test_bench_offorder_smoke(tmp_path):
     assert result["round_ratios"] == [result["seconds"]["order"][0]
                                       / result["seconds"]["no order"][0]]
     assert "order / no order, round by round: " in done.stdout
+    assert "| mount | blocks in RAM | RSS scanned MiB | order MiB |" in done.stdout
+    for name in ("no order", "order"):  # the RSS before the read is the base per block
+        used = result["memory"][name][0]
+        assert used["rss_scanned"] > 0 and used["rss_before"] > 0 and used["blocks"] > 0
     assert_no_mount_under(tmp_path)
 
 
