@@ -37,8 +37,8 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import OrderedDict
-from itertools import accumulate
 from dataclasses import asdict, dataclass, fields
+from itertools import accumulate
 
 import numpy as np
 
