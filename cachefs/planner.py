@@ -79,9 +79,12 @@ RECENT_CONSUMPTIONS = 32  # positions consumed last, which say where the readers
 READERS_SPREAD_ITEMS = 2048
 # positions looked at a time, in the read-ahead's lists (`entry_chunks`) and past the cursor
 ENTRY_CHUNK = 256
-# a batch of fewer items is handled item by item: numpy's fixed cost per call (a few us)
-# outweighs the work (a reader off the order closes files one or two to a fanotify batch)
-ARRAY_MIN_ITEMS = 8
+# a batch of fewer items is handled item by item: numpy's fixed cost per call (a few us, and
+# np.unique's sort) outweighs the work. A reader off the order closes files about eight to a
+# fanotify batch; at 8 the arrays took it 1.7 us an item against 1.45 item by item, and in the
+# daemon its consumption took 45 us a batch against 23 (scripts/bench_offorder.py); at 64,
+# 0.34 against 0.94
+ARRAY_MIN_ITEMS = 64
 
 
 class Planner:
@@ -442,12 +445,19 @@ class Planner:
         return taken, completed
 
     def _consume_each(self, items: list[int]) -> tuple[int, bool]:
-        """`consume_many`, one item at a time."""
-        consume = self.consume
-        for taken, item in enumerate(items, 1):
-            if consume(item):
-                return taken, True
-        return len(items), False
+        """`consume_many`, one item at a time; where the readers are is noted once."""
+        positions: list[int] = []
+        taken, completed = len(items), False
+        for index, item in enumerate(items):
+            position = self._consume_one(item)
+            if position >= 0:
+                positions.append(position)
+                if self.consumed_count == len(self.current):
+                    taken, completed = index + 1, True
+                    break
+        if positions:
+            self._note_positions(positions)
+        return taken, completed
 
     def _advance_cursor(self) -> None:
         """Move the cursor past the consumed positions at it, a stretch at a time (the
@@ -460,19 +470,24 @@ class Planner:
 
     def consume(self, item: int) -> bool:
         """A reader finished `item`. Returns True if that completed the current order."""
+        return self._consume_each([item])[1]
+
+    def _consume_one(self, item: int) -> int:
+        """Mark `item` consumed at its first unconsumed position, which it returns (-1 if it
+        has none: not in the current order, or consumed already). The readers' whereabouts
+        are the caller's to note."""
         if item < 0 or item >= len(self.pos_cur):
-            return False
+            return -1
         position = int(self.pos_cur[item])
         if position < 0:
-            return False  # not in the current order, or consumed already
+            return -1
         self.consumed[position] = True
         self.consumed_count += 1
         later = self._later_positions.get(item)
         self.pos_cur[item] = later.pop(0) if later else -1
         if position == self.cursor:  # else the cursor stays, at an unconsumed position
             self._advance_cursor()
-        self._note_positions([position])
-        return self.consumed_count == len(self.current)
+        return position
 
     def status(self) -> dict:
         if self.order is None:

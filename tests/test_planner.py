@@ -123,15 +123,19 @@ def test_cursor_is_lowest_unconsumed_position_under_out_of_order_consumption():
 def test_a_batch_of_consumptions_is_what_consuming_them_one_by_one_makes(seed):
     """`consume_many` (vectorised: the closes of one batch) takes the same items, completes
     the order at the same one and leaves the same plan as `consume` one item at a time;
-    repeats in a batch, items outside the order or the manifest, and -1 included."""
+    repeats in a batch, items outside the order or the manifest, and -1 included; batches
+    both below ARRAY_MIN_ITEMS (item by item) and above (as arrays)."""
+    from cachefs.planner import ARRAY_MIN_ITEMS
+
     rng = np.random.default_rng(seed)
-    current = rng.permutation(200)
-    manifest = Manifest.from_paths([f"f{i}" for i in range(260)])
+    current = rng.permutation(1000)
+    manifest = Manifest.from_paths([f"f{i}" for i in range(1060)])
     batched, single = Planner(50), Planner(50)
     for planner in (batched, single):
         assert planner.set_order(order(1, current, manifest=manifest))
     while batched.consumed_count < len(current):
-        items = rng.choice(np.r_[current, current[:10], [-1, 250, 300]], 23).tolist()
+        size = int(rng.integers(1, 2 * ARRAY_MIN_ITEMS))
+        items = rng.choice(np.r_[current, current[:10], [-1, 1050, 1100]], size).tolist()
         expected = (len(items), False)
         for index, item in enumerate(items, 1):
             if single.consume(item):
@@ -689,18 +693,20 @@ def test_a_consumed_block_not_worth_keeping_goes_at_once():
     assert ram.farthest_priority() == 3 + 1  # f2 at position 1 of the next epoch
 
 
-@pytest.mark.parametrize("batch_items", [1, 3, 8, 20])
+@pytest.mark.parametrize("batch_items", [1, 3, 8, 20, 64, 100])
 def test_a_batch_drops_what_its_items_drop_one_by_one(batch_items):
-    """Ranking.rerank_many: a batch of fewer than ARRAY_MIN_ITEMS items is looked at item by
-    item, a larger one as arrays; either way the blocks with no further use, and those kept
-    only for the next epoch that the SSD tier holds, go at once, and the others stay."""
+    """Ranking.rerank_many: a batch of fewer than ARRAY_MIN_ITEMS (64) items is looked at
+    item by item, a larger one as arrays; either way the blocks with no further use, and
+    those kept only for the next epoch that the SSD tier holds, go at once, and the others
+    stay."""
 
     class Ssd:
         def contains(self, key, identity):
             return key[0] in (b"f3", b"f11")
 
-    count = 20
-    next_ = [3, 11, 5, 7, 1, 19, 13, 17, 9, 15]  # odd files, and f3 and f11 on the SSD
+    count = 100
+    # odd files, and f3 and f11 on the SSD
+    next_ = np.random.default_rng(0).permutation(np.arange(1, count, 2)).tolist()
     planner, ranking, ram = ranked_ram(list(range(count)), next_, ssd=Ssd())
     items = list(range(count))
     for item in items:
@@ -709,7 +715,24 @@ def test_a_batch_drops_what_its_items_drop_one_by_one(batch_items):
         ranking.rerank_many(items[start:start + batch_items],
                             [100] * len(items[start:start + batch_items]))
     kept = sorted(int(path[1:]) for path, _ in ram.blocks)
-    assert kept == [1, 5, 7, 9, 13, 15, 17, 19]
+    assert kept == [item for item in range(1, count, 2) if item not in (3, 11)]
+
+
+@pytest.mark.parametrize("next_has_all", [True, False])
+def test_without_an_ssd_a_consumption_drops_only_what_the_next_order_lacks(next_has_all):
+    """With no SSD tier, a consumed block goes at once only if the next order lacks its item
+    (no further use); when the next order holds every item of the current one (the usual
+    next permutation), `rerank_many` looks at no item's next use, and drops nothing."""
+    count = 12
+    next_ = list(range(count)) if next_has_all else list(range(0, count, 2))
+    planner, ranking, ram = ranked_ram(list(range(count)), next_)
+    for start in range(0, count, 5):
+        items = list(range(start, min(count, start + 5)))
+        for item in items:
+            planner.consume(item)
+        ranking.rerank_many(items, [100] * len(items))
+    kept = sorted(int(path[1:]) for path, _ in ram.blocks)
+    assert kept == sorted(next_)  # the items of the next order, and only they
 
 
 def test_reranks_put_off_past_the_blocks_held_become_one_rebuild():
