@@ -81,10 +81,10 @@ READERS_SPREAD_ITEMS = 2048
 ENTRY_CHUNK = 256
 # a batch of fewer items is handled item by item: numpy's fixed cost per call (a few us, and
 # np.unique's sort) outweighs the work. A reader off the order closes files about eight to a
-# fanotify batch; at 8 the arrays took it 1.7 us an item against 1.45 item by item, and in the
-# daemon its consumption took 45 us a batch against 23 (scripts/bench_offorder.py); at 64,
-# 0.34 against 0.94
-ARRAY_MIN_ITEMS = 64
+# fanotify batch (scripts/bench_offorder.py): in the daemon its consumption took 45 us a batch
+# as arrays, 23 item by item. Alone, a consumption takes 1.7 us an item as arrays against 1.45
+# item by item in batches of 8, 0.90 against 0.96 in batches of 16, 0.53 against 0.96 of 32
+ARRAY_MIN_ITEMS = 16
 
 
 class Planner:
@@ -110,7 +110,7 @@ class Planner:
         self._near_max = 0
         # max - min of `_recent`, found when `follows` is first asked after a consumption
         # (None: not yet): it is asked at every demand miss, at every file of a reader off
-        # the order, whose closes come two or three to a batch
+        # the order, whose closes come about eight to a batch
         self._recent_spread: int | None = None
         # the read-ahead of an order of byte ranges (cachefs/range_prefetch.py), which walks
         # one list, `window`, has handled every window position below this

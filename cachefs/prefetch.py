@@ -310,8 +310,8 @@ class Prefetcher:
                 self.ranges.rerank(item)
         elif read:
             sizes = self.meta.size
-            # one file or two (a reader off the order) each by itself: numpy's fixed cost of
-            # an index array was most of the look-up
+            # a few files (a reader off the order's, about eight a batch) each by itself:
+            # numpy's fixed cost of an index array was most of the look-up
             known_sizes = (sizes[read].tolist() if len(read) >= ARRAY_MIN_ITEMS
                            else [sizes.item(item) for item in read])
             self.ranking.rerank_many(read, [

@@ -249,7 +249,7 @@ class Ranking:
         has free stays true, and the tiers disjoint; the others' new rank is set when the RAM
         tier's order is next read (RamTier.defer_ranks). The next uses of a batch are read as
         one array (per item, numpy scalars were most of a re-rank); a batch of a few items,
-        item by item (a reader off the order closes files one or two to a batch, and the
+        item by item (a reader off the order closes files about eight to a batch, and the
         arrays' fixed cost was most of its consumption)."""
         if not items:
             return

@@ -693,9 +693,9 @@ def test_a_consumed_block_not_worth_keeping_goes_at_once():
     assert ram.farthest_priority() == 3 + 1  # f2 at position 1 of the next epoch
 
 
-@pytest.mark.parametrize("batch_items", [1, 3, 8, 20, 64, 100])
+@pytest.mark.parametrize("batch_items", [1, 3, 8, 16, 20, 100])
 def test_a_batch_drops_what_its_items_drop_one_by_one(batch_items):
-    """Ranking.rerank_many: a batch of fewer than ARRAY_MIN_ITEMS (64) items is looked at
+    """Ranking.rerank_many: a batch of fewer than ARRAY_MIN_ITEMS (16) items is looked at
     item by item, a larger one as arrays; either way the blocks with no further use, and
     those kept only for the next epoch that the SSD tier holds, go at once, and the others
     stay."""
