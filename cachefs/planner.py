@@ -67,6 +67,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from cachefs.sorted_arrays import index_left
+
 if TYPE_CHECKING:
     from cachefs.order import Order
 
@@ -392,7 +394,10 @@ class Planner:
         list, cachefs/targets.py) from index `start` on, below position `end`, that have an
         item to read ahead (`due_items`), nearest first, a stretch of the list at a time: its
         entries' (indices, virtual positions, items), and the index past the stretch."""
-        stop = start + int(np.searchsorted(positions[start:], end))
+        # not np.searchsorted, which lets go of the GIL: on the trio thread each walk then
+        # waited for it back from a store thread, 71 us a search in a DataLoader's first epoch
+        # over slow storage (cProfile of the daemon; cachefs/sorted_arrays.py)
+        stop = index_left(positions, end, start)
         for chunk_start in range(start, stop, ENTRY_CHUNK):
             chunk_stop = min(chunk_start + ENTRY_CHUNK, stop)
             chunk = positions[chunk_start:chunk_stop]
