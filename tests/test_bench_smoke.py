@@ -341,3 +341,17 @@ def test_bench_targets_smoke(tmp_path):
     assert [t["items"] for t in targets] == [30, 30]
     assert all(t["requests"] >= 30 for t in targets)
     assert_no_mount_under(tmp_path)
+
+
+def test_bench_listing_smoke(tmp_path):
+    """Listing directories of a busy source: cachefs beside the source and the passthrough."""
+    out = tmp_path / "listing.json"
+    done = run_script("bench_listing.py", "--smoke", "--workdir", tmp_path / "work",
+                      "--json", out)
+    assert done.returncode == 0, done.stderr
+    assert "| contender | median s per directory | speed / direct | speed / bare |" in done.stdout
+    result = json.loads(out.read_text())
+    assert set(result["seconds"]) == {"direct", "bare", "cachefs"}
+    assert all(len(values) == len(result["dirs"]) and all(value > 0 for value in values)
+               for values in result["seconds"].values())
+    assert_no_mount_under(tmp_path)
