@@ -15,15 +15,23 @@ context switches per file, and how much work the busy task got done (its rate ag
 `--rounds`; the source's page cache is dropped before each read (`--source-backing` too, for a
 network mount of a local directory, as in scripts/bench.py).
 
+`--cpu-load CORES` keeps that much of the machine's CPU busy in other processes for the whole
+run (a process per core, each spinning a share of every 10 ms): what the readers' storage
+client gets when a daemon beside it takes that CPU. On network storage served by a local
+client (sshfs and ssh on the same two cores), the `direct` files/s with and without the load
+say what each core the daemon takes costs the storage.
+
 Usage: python scripts/bench_fetch.py --source DIR [--source-backing DIR] [--files 3000]
-           [--threads 64] [--busy 0.5] [--rounds 3] [--json out.json] [--smoke]
+           [--threads 64] [--busy 0.5] [--cpu-load 0] [--rounds 3] [--json out.json] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import os
+import subprocess
 import resource
 import sys
 import time
@@ -54,10 +62,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=64, help="reads in flight")
     parser.add_argument("--busy", type=float, default=0.5,
                         help="share of the trio thread a busy task takes (0: none)")
+    parser.add_argument("--cpu-load", type=float, default=0.0,
+                        help="cores kept busy by other processes meanwhile (module docstring)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/cachefs-bench-fetch"))
     parser.add_argument("--json", type=Path, help="write every figure here")
     return benchlib.parse_args_with_smoke(parser, argv, SMOKE, "few files, one round")
+
+
+# a process of `--cpu-load`: spins `share` of every BURN_PERIOD_S, sleeps the rest
+BURN_PERIOD_S = 0.01
+_BURN = """
+import sys, time
+share, period_s = float(sys.argv[1]), float(sys.argv[2])
+while True:
+    started_s = time.monotonic()
+    while time.monotonic() - started_s < share * period_s:
+        pass
+    time.sleep((1 - share) * period_s)
+"""
+
+
+@contextlib.contextmanager
+def cpu_load(cores: float):
+    """Processes keeping `cores` of CPU busy while the block runs (a whole core each, and
+    one for the fraction left)."""
+    shares = [1.0] * int(cores) + ([cores % 1] if cores % 1 else [])
+    burners = [subprocess.Popen([sys.executable, "-c", _BURN, str(share), str(BURN_PERIOD_S)])
+               for share in shares]
+    try:
+        yield
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
 
 
 def list_files(root: Path, count: int) -> list[bytes]:
@@ -151,10 +189,11 @@ def main(argv=None) -> int:
     try:
         relpaths = list_files(root, args.files)
         passes: dict[str, list[dict]] = {name: [] for name in CONTENDERS}
-        for round_index in range(args.rounds):
-            turn = round_index % len(CONTENDERS)
-            for contender in CONTENDERS[turn:] + CONTENDERS[:turn]:
-                passes[contender].append(one_pass(args, root, relpaths, contender))
+        with cpu_load(args.cpu_load):
+            for round_index in range(args.rounds):
+                turn = round_index % len(CONTENDERS)
+                for contender in CONTENDERS[turn:] + CONTENDERS[:turn]:
+                    passes[contender].append(one_pass(args, root, relpaths, contender))
     except benchlib.BenchError as exc:
         print(f"bench_fetch: {exc}", file=sys.stderr)
         return 1
@@ -170,7 +209,8 @@ def main(argv=None) -> int:
              f"{figures['busy_slices_per_s'] / max(threads['busy_slices_per_s'], 1e-9):.2f}"]
             for name, figures in medians.items()]
     print(f"{len(relpaths)} files of {root}, {args.threads} reads in flight, the trio thread "
-          f"{args.busy:.0%} busy besides; medians of {args.rounds}\n")
+          f"{args.busy:.0%} busy besides, {args.cpu_load:g} cores kept busy by other "
+          f"processes; medians of {args.rounds}\n")
     print(benchlib.markdown_table(
         ["contender", "files/s", "/ direct", "CPU us/file", "CPU / direct",
          "context switches/file", "busy task's work / threads'"], rows))

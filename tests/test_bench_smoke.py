@@ -270,8 +270,10 @@ def test_bench_offorder_smoke(tmp_path):
 def test_bench_fetch_smoke(tmp_path):
     """The source's block reads, the read pool against Python threads and direct reads."""
     out = tmp_path / "fetch.json"
-    done = run_script("bench_fetch.py", "--smoke", "--workdir", tmp_path / "work", "--json", out)
+    done = run_script("bench_fetch.py", "--smoke", "--workdir", tmp_path / "work", "--json", out,
+                      "--cpu-load", "0.2")
     assert done.returncode == 0, done.stderr
+    assert "0.2 cores kept busy by other processes" in done.stdout
     assert "| contender | files/s | / direct | CPU us/file |" in done.stdout
     result = json.loads(out.read_text())
     assert set(result["passes"]) == {"direct", "threads", "read pool"}
