@@ -37,6 +37,17 @@ def assert_no_mount_under(path: Path) -> None:
     assert not [p for p in mounted_paths() if p.startswith(str(path))]
 
 
+def run_smoke(tmp_path: Path, name: str, header: str, *args) -> tuple[
+        subprocess.CompletedProcess, dict]:
+    """`name --smoke` in tmp_path, which must succeed and print the table `header`; its
+    output and its JSON."""
+    out = tmp_path / "out.json"
+    done = run_script(name, "--smoke", "--workdir", tmp_path / "work", "--json", out, *args)
+    assert done.returncode == 0, done.stderr
+    assert header in done.stdout
+    return done, json.loads(out.read_text())
+
+
 @pytest.mark.timeout(240)
 def test_bench_fuse_smoke(tmp_path):
     out = tmp_path / "fuse.json"
@@ -249,12 +260,7 @@ def test_readers_split_an_order_as_dataloader_workers_do():
 
 
 def test_bench_offorder_smoke(tmp_path):
-    out = tmp_path / "offorder.json"
-    done = run_script("bench_offorder.py", "--smoke", "--workdir", tmp_path / "work",
-                      "--json", out)
-    assert done.returncode == 0, done.stderr
-    assert "| reader | seconds | / no order |" in done.stdout
-    result = json.loads(out.read_text())
+    done, result = run_smoke(tmp_path, "bench_offorder.py", "| reader | seconds | / no order |")
     assert set(result["seconds"]) == {"direct", "no order", "order"}
     assert all(len(values) == 1 and values[0] > 0 for values in result["seconds"].values())
     assert result["round_ratios"] == [result["seconds"]["order"][0]
@@ -269,13 +275,10 @@ def test_bench_offorder_smoke(tmp_path):
 
 def test_bench_fetch_smoke(tmp_path):
     """The source's block reads, the read pool against Python threads and direct reads."""
-    out = tmp_path / "fetch.json"
-    done = run_script("bench_fetch.py", "--smoke", "--workdir", tmp_path / "work", "--json", out,
-                      "--cpu-load", "0.2")
-    assert done.returncode == 0, done.stderr
+    done, result = run_smoke(tmp_path, "bench_fetch.py",
+                             "| contender | files/s | / direct | CPU us/file |",
+                             "--cpu-load", "0.2")
     assert "0.2 cores kept busy by other processes" in done.stdout
-    assert "| contender | files/s | / direct | CPU us/file |" in done.stdout
-    result = json.loads(out.read_text())
     assert set(result["passes"]) == {"direct", "threads", "read pool"}
     for rounds in result["passes"].values():
         assert len(rounds) == 1 and rounds[0]["files_per_s"] > 0
@@ -347,12 +350,8 @@ def test_bench_targets_smoke(tmp_path):
 
 def test_bench_listing_smoke(tmp_path):
     """Listing directories of a busy source: cachefs beside the source and the passthrough."""
-    out = tmp_path / "listing.json"
-    done = run_script("bench_listing.py", "--smoke", "--workdir", tmp_path / "work",
-                      "--json", out)
-    assert done.returncode == 0, done.stderr
-    assert "| contender | median s per directory | speed / direct | speed / bare |" in done.stdout
-    result = json.loads(out.read_text())
+    _, result = run_smoke(tmp_path, "bench_listing.py",
+                          "| contender | median s per directory | speed / direct | speed / bare |")
     assert set(result["seconds"]) == {"direct", "bare", "cachefs"}
     assert all(len(values) == len(result["dirs"]) and all(value > 0 for value in values)
                for values in result["seconds"].values())
