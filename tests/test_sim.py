@@ -227,6 +227,40 @@ def test_dataloader_workers_reading_batches_are_all_read_ahead():
     assert result.data_errors == 0
 
 
+def test_the_walk_starts_files_a_batch_of_threads_at_a_time(monkeypatch):
+    """The walk waits until 1/WALK_BATCH_FRACTION of the source threads are free, then
+    starts files into them (a walk at each fetch's end started one or two files, for more
+    of the trio thread than those starts); the read-ahead still keeps the DataLoader's
+    reads ahead, and the retained head whole."""
+    from cachefs import prefetch as prefetch_mod
+    walks = []  # (threads free when the walk began, files it started)
+    started = [0]
+    start_item, start_fetches = (prefetch_mod.Prefetcher._start_item,
+                                 prefetch_mod.Prefetcher._start_fetches)
+
+    def counting_start_item(self, *args):
+        started[0] += 1
+        return start_item(self, *args)
+
+    def recording_walk(self, nursery):
+        free, before = self.max_inflight - len(self._inflight_items), started[0]
+        start_fetches(self, nursery)
+        walks.append((free, started[0] - before))
+
+    monkeypatch.setattr(prefetch_mod.Prefetcher, "_start_item", counting_start_item)
+    monkeypatch.setattr(prefetch_mod.Prefetcher, "_start_fetches", recording_walk)
+    n = 2000
+    result = dataloader_run(n, ram_fraction=0.25)  # 32 source threads: batches of 4
+    batch = 32 // prefetch_mod.WALK_BATCH_FRACTION
+    starting = [(free, count) for free, count in walks if count]
+    assert starting and all(free >= batch for free, _ in starting)
+    assert sum(count for _, count in starting) >= batch * len(starting) * 0.9
+    for epoch in result.epochs:
+        assert classes_add_up(epoch) and epoch.misses < 0.25 * n, epoch
+    low, high = retained_bounds(int(n * ITEM_BYTES * 0.25))
+    assert low <= result.epochs[1].hits_ram <= high
+
+
 def test_workers_moving_to_their_next_batches_find_them_read_ahead():
     """With room in RAM for the readers' spread, the window reaches a spread past the front:
     when the workers move on to their next round of batches, those were read ahead (here 30
