@@ -254,7 +254,6 @@ def test_the_walk_starts_files_a_batch_of_threads_at_a_time(monkeypatch):
     batch = 32 // prefetch_mod.WALK_BATCH_FRACTION
     starting = [(free, count) for free, count in walks if count]
     assert starting and all(free >= batch for free, _ in starting)
-    assert sum(count for _, count in starting) >= batch * len(starting) * 0.9
     for epoch in result.epochs:
         assert classes_add_up(epoch) and epoch.misses < 0.25 * n, epoch
     low, high = retained_bounds(int(n * ITEM_BYTES * 0.25))
