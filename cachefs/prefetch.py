@@ -11,11 +11,11 @@ the nearest uses within its budget, ranked by cachefs/ranking.py. This module co
   prefetch as soon as the block you would displace is needed after the one you fetch). When
   nothing can start it sleeps until something changes: a consumption that moves the window
   (or frees RAM it waits for), a finished fetch, a new order. It walks once a batch of threads
-  is free (`WALK_BATCH_FRACTION` of them), not at each fetch's end. With one target (files on one
-  device, no `targets` in the order) its list is the window over the whole order. The lists
-  are read a stretch at a time (`Planner.entry_chunks`), and a file the kernel holds whole
-  whose identity is not due for a re-check is gone past with the others of its stretch, one
-  array look for all (`_entries_to_walk`, `RamTier.kernel_blocks_of`): in a pass the kernel
+  is free (1/`WALK_BATCH_FRACTION` of them), not at each fetch's end. With one target (files
+  on one device, no `targets` in the order) its list is the window over the whole order. The
+  lists are read a stretch at a time (`Planner.entry_chunks`), and a file the kernel holds
+  whole whose identity is not due for a re-check is gone past with the others of its stretch,
+  one array look for all (`_entries_to_walk`, `RamTier.kernel_blocks_of`): in a pass the kernel
   serves from its pages, that is every file.
 - `demand_miss(item)` is called by the reader when it must wait for a file of the order: the
   next `--miss-batch` - 1 files of that file's target list start at once (the seed "001"'s
