@@ -31,8 +31,8 @@ import argparse
 import concurrent.futures
 import contextlib
 import os
-import subprocess
 import resource
+import subprocess
 import sys
 import time
 from pathlib import Path

@@ -164,12 +164,18 @@ class Manifest:
 
 # -- page cache ----------------------------------------------------------------------------------
 
+def drop_caches(what: int) -> None:
+    """`echo what > /proc/sys/vm/drop_caches` (needs root; OSError without it): 1 the clean
+    page cache, 2 dentries and inodes, 3 both."""
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write(f"{what}\n")
+
+
 def drop_page_cache() -> None:
     """Write dirty pages and drop the clean page cache, dentries and inodes (needs root)."""
     os.sync()
     try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
+        drop_caches(3)
     except OSError as exc:
         raise BenchError(f"cannot drop the page cache ({exc.strerror}); run as root or pass "
                          f"--no-drop-caches") from None
