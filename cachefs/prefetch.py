@@ -154,7 +154,6 @@ class Prefetcher:
             self._inflight_items = {}
         self.targets.use(order.manifest, self._placement(order), self.ranking.item_of)
         self._recount_inflight()
-        self.ranking.set_members(order.current, order.next, order.item_count)
         started = self.planner.set_order(order)
         if started:
             self.stats.start_epoch(order.epoch)
@@ -328,7 +327,6 @@ class Prefetcher:
         if completed and planner.switch_to_next():
             assert planner.epoch is not None  # the switch set it
             self.stats.start_epoch(planner.epoch)
-            self.ranking.set_members(planner.current, item_count=len(planner.pos_cur))
             self.ranking.rerank_all()
             self._rebuild_targets()
             self._read_whole = set()

@@ -77,10 +77,6 @@ class Ranking:
         self.block_bytes = block_bytes
         self._manifest: Manifest | None = None
         self._items: Items | None = None  # the order's byte-range items, if it has them
-        self._member = np.zeros(0, bool)  # items in the current or next order
-        # the next order holds every item of the current: no consumption leaves an item with
-        # no next use (`rerank_many`)
-        self._next_holds_current = False
         # relpath -> manifest index of files read ahead or looked up lately: an open finds its
         # item without hashing the path (Manifest.index_of was about 5% of the daemon's busy
         # main thread), and a file read outside the read-ahead is hashed once, not at its
@@ -148,19 +144,6 @@ class Ranking:
             return self._items.find(self._manifest.index_of(relpath), where[0], where[1])
         return -1 if self._items is not None else self._manifest.index_of(relpath)
 
-    def set_members(self, current, next_=None, item_count: int | None = None) -> None:
-        """The items of the current order and of the next (None: none known), of the order's
-        `item_count` items (byte-range items, cachefs.order_items; None: the manifest's)."""
-        assert self._manifest is not None  # an order is in force (use_manifest came first)
-        self._member = np.zeros(len(self._manifest) if item_count is None else item_count, bool)
-        self._member[current] = True
-        self._next_holds_current = False
-        if next_ is not None:
-            in_next = np.zeros(len(self._member), bool)
-            in_next[next_] = True
-            self._next_holds_current = bool(in_next[current].all())
-            self._member |= in_next
-
     def consumed_at(self, now_s: float, count: int = 1) -> None:
         """`count` files of the order were consumed at `now_s` (the closes of one batch, in
         the zero-request mode): the rate of consumption (for kernel_may_keep), each counted
@@ -210,11 +193,7 @@ class Ranking:
 
     def _use_of(self, item: int) -> float | None:
         """The item's next use, or None if it has no known future (no order, or in none)."""
-        planner = self.planner
-        member = self._member  # the items of the orders
-        if not planner.active or not 0 <= item < len(member) or not member[item]:
-            return None
-        return planner.next_use(item)
+        return self.planner.member_use(item)
 
     def _ranked(self, item: int, block_index: int, identity: SourceIdentity | None,
                 use: float) -> float | None:
@@ -257,15 +236,16 @@ class Ranking:
         # a trainer that publishes the next epoch's permutation leaves nothing to drop here
         # unless an SSD tier serves the next epoch (`_doomed`): the look at each item's next
         # use was two fifths of a consumption for a reader off the order (scripts/bench_offorder.py)
-        if planner.active and (self.ssd is not None or not self._next_holds_current):
+        if planner.active and (self.ssd is not None or not planner.next_holds_current):
             if len(items) < ARRAY_MIN_ITEMS:
                 doomed = [item for item in items
                           if (use := self._use_of(item)) is not None and self._doomed(use)]
             else:
                 batch = np.array(items, np.int64)
-                known = (batch >= 0) & (batch < len(self._member))
-                members = batch[known][self._member[batch[known]]]
-                doomed = members[self._doomed(planner.next_uses(members))].tolist()
+                batch = batch[(batch >= 0) & (batch < len(planner.uses))]
+                uses = planner.uses[batch]
+                members = ~np.isnan(uses)
+                doomed = batch[members][self._doomed(uses[members])].tolist()
             if doomed:
                 sizes_of = dict(zip(items, sizes_bytes, strict=True))
                 for item in doomed:
@@ -355,19 +335,18 @@ class Ranking:
         self.ram.defer_ranks(self._rerank_stale)
 
     def _rerank_all_now(self) -> None:
-        """`rerank_all`'s, with the items' next uses and membership read once as lists
-        (numpy scalars per block cost 5x more)."""
+        """`rerank_all`'s, with the items' next uses (NaN: in neither order) read once as a
+        list (numpy scalars per block cost 5x more)."""
         if not self.planner.active:
             self.ram.rebuild(lambda key, block: math.inf)
             return
-        uses = self.planner.next_uses().tolist()
-        members = self._member.tolist()
+        uses = self.planner.uses.tolist()
 
         def priority(key: BlockKey, block) -> float | None:
             item = block.item
-            if item < 0 or item >= len(members) or not members[item]:
+            if item < 0 or item >= len(uses) or (use := uses[item]) != use:
                 return math.inf
-            return self._ranked(item, key[1], block.identity, uses[item])
+            return self._ranked(item, key[1], block.identity, use)
         self.ram.rebuild(priority)
 
     # -- item numbers ------------------------------------------------------------------------

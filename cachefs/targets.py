@@ -217,7 +217,7 @@ class Targets:
         placement = self.placement
         if placement is None or not 0 <= item < len(placement.ids):
             return None
-        return self.all[placement.ids[item]]
+        return self.all[placement.ids.item(item)]
 
     # -- the lists -------------------------------------------------------------------------
 

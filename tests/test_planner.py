@@ -148,6 +148,55 @@ def test_a_batch_of_consumptions_is_what_consuming_them_one_by_one_makes(seed):
         assert batched.pos_cur.tolist() == single.pos_cur.tolist()
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_uses_is_the_next_use_of_every_item_through_every_change_of_the_plan(seed):
+    """`uses` (what every rank reads) is `next_use` of each item, and NaN for an item in
+    neither order, after batches of consumptions of every size (as arrays, and item by item),
+    rank padding (an item twice in an order: odd seeds), a new next order published for the
+    epoch in force, and epoch switches."""
+    from cachefs.planner import ARRAY_MIN_ITEMS
+
+    rng = np.random.default_rng(seed)
+    manifest = Manifest.from_paths([f"f{i}" for i in range(300)])
+
+    def padded(count):  # an order of `count` of the manifest's items (odd seeds: 2 repeated)
+        chosen = rng.choice(300, count, replace=False)
+        return np.r_[chosen, chosen[:2]] if seed % 2 else chosen
+
+    def check(planner):
+        in_orders = set(planner.current.tolist()) | set(
+            [] if planner.next is None else planner.next.tolist())
+        expected = [planner.next_uses()[item] if item in in_orders else np.nan
+                    for item in range(300)]
+        np.testing.assert_array_equal(planner.uses, expected)
+        assert planner.next_holds_current == (planner.next is not None and set(
+            planner.current.tolist()) <= set(planner.next.tolist()))
+
+    planner = Planner(20)
+    current = padded(200)
+    assert planner.set_order(order(1, current, padded(150), manifest=manifest))
+    check(planner)
+    for switch in range(3):
+        republished = False
+        while planner.consumed_count < len(planner.current):
+            size = int(rng.integers(1, 2 * ARRAY_MIN_ITEMS))
+            batch = rng.choice(np.r_[planner.current, [-1, 299, 400]], size).tolist()
+            taken, completed = planner.consume_many(batch)
+            check(planner)
+            if not republished and planner.consumed_count > len(planner.current) // 2:
+                # the trainer publishes the epoch in force again, with another next epoch
+                assert not planner.set_order(order(planner.epoch, planner.current,
+                                                   None if switch == 2 else padded(100),
+                                                   manifest=manifest))
+                republished = True
+                check(planner)
+            if completed:
+                break
+        if not planner.switch_to_next():
+            break
+        check(planner)
+
+
 def test_consuming_an_item_twice_or_outside_the_order_changes_nothing():
     planner = planner_with([0, 1, 2])
     planner.consume(1)
@@ -638,7 +687,6 @@ def ranked_ram(current, next_, ssd=None, ram_blocks=None):
                   block_overhead_bytes=0)
     ranking = Ranking(planner, ram, ssd, block_bytes=4096)
     ranking.use_manifest(manifest)
-    ranking.set_members(planner.current, planner.next, count)
     for item in range(count):
         b = block(100, item)
         b.item, b.priority = item, ranking.priority_of(item, 0, IDENTITY)
@@ -665,7 +713,6 @@ def test_a_consumption_reranks_its_blocks_when_room_is_next_needed():
     planner.consume(2)
     ranking.rerank(2, 100)
     assert planner.switch_to_next()
-    ranking.set_members(planner.current, item_count=3)
     ranking.rerank_all()
     assert ram.get((b"f2", 0)).priority == 2.0  # put off
     # f1 at position 1 of the new epoch (it was at 3 + 1), f2 first

@@ -398,7 +398,6 @@ def test_the_kernel_keeps_a_file_by_its_distance_not_by_its_cost_scaled_rank():
                                   rank=None, world_size=None, total_length=n, file=None))
     ranking = Ranking(planner, RamTier(1 << 20, block_bytes=1 << 20), None, block_bytes=1 << 20)
     ranking.use_manifest(manifest)
-    ranking.set_members(planner.current, planner.next, n)
     ranking.set_read_costs([4.0] * n)
     ranking.consumed_at(0.0)
     ranking.consumed_at(0.012)  # the readers' pace: 12 ms a file
