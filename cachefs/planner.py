@@ -287,11 +287,8 @@ class Planner:
         return -1
 
     def next_use(self, item: int) -> float:
-        uses = self.uses
-        if not 0 <= item < len(uses):
-            return NEVER
-        use = uses.item(item)
-        return NEVER if use != use else use  # NaN: in neither order
+        use = self.member_use(item)
+        return NEVER if use is None else use
 
     def member_use(self, item: int) -> float | None:
         """`next_use` of an item of the orders in force; None for one in neither (no known
@@ -300,7 +297,7 @@ class Planner:
         if not 0 <= item < len(uses):
             return None
         use = uses.item(item)
-        return None if use != use else use
+        return None if use != use else use  # NaN: in neither order
 
     def use_after_read(self, item: int) -> float:
         """The item's next use once the read of it under way is consumed (what `consume`
