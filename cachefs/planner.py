@@ -154,7 +154,7 @@ class Planner:
         Neither bumps `order_serial`: files open during the change keep consuming. Any other
         order is a new plan, and so is any order over a manifest with other paths or other
         byte-range items: item numbers are indices into the manifest (or the item table), and
-        every per-item array (`pos_cur`, `pos_next`) is sized to it.
+        every per-item array (`pos_cur`, `pos_next`, `uses`) is sized to it.
         """
         same_epoch = (self.order is not None and order.epoch == self.epoch
                       and order.manifest.same_paths(self.order.manifest)

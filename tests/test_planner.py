@@ -400,6 +400,8 @@ def test_a_rank_joining_keeps_what_was_consumed():
     assert planner.consumed.tolist() == [False, True, False, False]
     assert planner.consumed_count == 1 and planner.cursor == 0
     assert planner.next_use(4) == 4 + 3  # consumed: its place in the merged next order
+    # the array every rank reads, refreshed after the replay (NaN: in neither order)
+    np.testing.assert_array_equal(planner.uses, [0, 2, np.nan, np.nan, 7, 3, np.nan, np.nan])
     # the window skips the consumed position; of the next order only item 4 is not ahead
     assert window(planner) == [(0, 0), (2, 1), (3, 5), (7, 4)]
     planner.consume(0)
@@ -433,6 +435,8 @@ def test_a_rank_joining_carries_padding_repeats_over_once_each():
     # item 5 was read once: one of its two positions, the first, is consumed
     assert planner.consumed.tolist() == [True, True, False, False]
     assert planner.next_use(5) == 3 and planner.cursor == 2
+    np.testing.assert_array_equal(planner.uses,
+                                  [np.nan] * 5 + [3, NEVER, 2])  # 6 read, in no next order
 
 
 @pytest.mark.parametrize("change", ["epoch", "world_size", "fewer ranks", "other slice",
