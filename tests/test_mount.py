@@ -366,6 +366,39 @@ def test_umount_aborts_the_connection_of_a_killed_daemon_with_a_thread_left(tree
         stand_in.wait()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root may abort a FUSE connection")
+def test_umount_aborts_the_connection_when_fusermount_does_not_return(tree, mounter, tmp_path):
+    """A fusermount3 that does not return (in the kernel, the teardown of a mount whose FUSE
+    connection nobody answers; here a stand-in that sleeps) has the mount's connection aborted
+    after FUSERMOUNT_WAIT_S, and `cachefs umount` fails in bounded time with exit 1, naming it,
+    instead of hanging; requests to the mount then fail with ENOTCONN, and a second `cachefs
+    umount` removes it."""
+    from cachefs.cli import FUSERMOUNT_WAIT_S
+
+    mount = mounter(tree)
+    stuck = tmp_path / "bin"
+    stuck.mkdir()
+    (stuck / "fusermount3").write_text("#!/bin/sh\nexec sleep 600\n")
+    (stuck / "fusermount3").chmod(0o755)
+    fd = os.open(mount.mountpoint / "with space.bin", os.O_RDONLY)
+    try:
+        started_s = time.monotonic()
+        done = run_cachefs("umount", mount.mountpoint, "--state-dir", mount.state_dir,
+                           env={**os.environ, "PATH": f"{stuck}:{os.environ['PATH']}"})
+        assert time.monotonic() - started_s < 2 * FUSERMOUNT_WAIT_S + 10
+        assert done.returncode == 1
+        assert "fusermount3 (pid" in done.stderr and "has not returned" in done.stderr
+        os.kill(int(done.stderr.split("(pid ")[1].split(")")[0]), signal.SIGKILL)
+        with pytest.raises(OSError) as raised:
+            os.pread(fd, 10, 0)
+        assert raised.value.errno == errno.ENOTCONN
+    finally:
+        os.close(fd)
+    done = run_cachefs("umount", mount.mountpoint, "--state-dir", mount.state_dir)
+    assert done.returncode == 0, done.stderr
+    assert not mount.mounted
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root may set a device's read-ahead")
 def test_the_mount_reads_ahead_one_mebibyte(tree, mounter):
     """man/cachefs-mount.1: run as root, the daemon sets the mount's kernel read-ahead to
