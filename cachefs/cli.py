@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, NoReturn
 import click
 
 from cachefs import __version__, errors, mount_helper, stats_table
-from cachefs.client import abort_fuse_connection, daemon_killed, process_exited
+from cachefs.client import (abort_fuse_connection, daemon_killed, fusermount_unmount,
+                            process_exited)
 from cachefs.config import (DATA_PLANES, INT64_MAX, MISS_BATCH_ITEMS, SOURCE_THREADS, CacheConfig,
                             MountConfig, PrefetchConfig, default_state_dir, parse_address,
                             parse_size)
@@ -42,10 +43,6 @@ log = logging.getLogger(__name__)
 MOUNT_WAIT_S = 60.0
 XATTR_NAME_MAX = 255  # the kernel's limit on an extended attribute's name
 UMOUNT_WAIT_S = 20.0
-# fusermount3's unmount waits in the kernel for the mount's teardown, which a FUSE connection
-# that nobody answers can hold up for good; a fusermount3 still running after this long has the
-# connection aborted (`_fusermount`)
-FUSERMOUNT_WAIT_S = 5.0
 FUSE_OPTIONS = ("allow_other",)  # the values `cachefs mount -o` accepts
 _ARGV = "cachefs.argv"  # click's ctx.meta key: the command line as the group parsed it
 
@@ -272,42 +269,17 @@ def umount(mountpoint, state_dir):
         # killed while a thread waited in the kernel on a READ it can no longer answer: the
         # mount hangs every request until its connection is aborted (cachefs/client.py)
         abort_fuse_connection(real)
-    status, message = _fusermount(mountpoint, real)
+    status, message = fusermount_unmount(real)
+    if status is None:
+        _fail(f"could not unmount {mountpoint}: {message}")  # aborted, and still in the kernel
     if status != 0:
         # a dead daemon or a busy mount: detach it now, the kernel finishes when idle
-        lazy_status, lazy_message = _fusermount(mountpoint, real, "-z")
+        lazy_status, lazy_message = fusermount_unmount(real, "-z")
         if lazy_status != 0:
             _fail(f"could not unmount {mountpoint}: {lazy_message or message}")
     if pid is not None:
         _wait_for_exit(pid, UMOUNT_WAIT_S)
     click.echo(f"unmounted {mountpoint}")
-
-
-def _fusermount(mountpoint, real: str, *flags: str) -> tuple[int, str]:
-    """`fusermount3 -u [flags]` of the mount at `real`: its exit status and message. One still
-    running after FUSERMOUNT_WAIT_S waits in the kernel on the mount's FUSE connection (its
-    daemon dead with the connection still open, or stuck): the connection is aborted, which ends
-    that wait; if it still runs FUSERMOUNT_WAIT_S later, the command fails and leaves it."""
-    process = subprocess.Popen(["fusermount3", "-u", *flags, real], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        return process.wait(timeout=FUSERMOUNT_WAIT_S), _stderr(process)
-    except subprocess.TimeoutExpired:
-        log.warning("fusermount3 -u %s has not returned in %.0f s: aborting the mount's FUSE "
-                    "connection", real, FUSERMOUNT_WAIT_S)
-        abort_fuse_connection(real)
-    try:
-        return process.wait(timeout=FUSERMOUNT_WAIT_S), _stderr(process)
-    except subprocess.TimeoutExpired:
-        _fail(f"could not unmount {mountpoint}: fusermount3 (pid {process.pid}) has not "
-              f"returned in {2 * FUSERMOUNT_WAIT_S:.0f} s, the mount's FUSE connection aborted")
-
-
-def _stderr(process: subprocess.Popen) -> str:
-    """The message of a process that has ended."""
-    assert process.stderr is not None
-    with process.stderr:
-        return process.stderr.read().strip()
 
 
 def _daemon_pid(state_dir: Path) -> int | None:

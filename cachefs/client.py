@@ -16,7 +16,8 @@ that one piece of code:
 - `process_exited` tells a daemon that exited, also one killed and not reaped yet (a zombie),
   which `cachefs umount` must not wait for; `daemon_killed` one whose main thread is gone
   while a thread of it still waits in the kernel, whose mount `cachefs umount` unblocks with
-  `abort_fuse_connection`;
+  `abort_fuse_connection`; `fusermount_unmount` runs fusermount3 for `cachefs umount` in
+  bounded time, aborting the connection of a mount whose teardown it waits on;
 - `stats_totals` gives the per-epoch counters of a `cachefs stats` snapshot summed (an epoch
   switch in the middle of a pass splits the pass between two records); `stats_delta` subtracts
   two sums;
@@ -90,6 +91,38 @@ def daemon_killed(pid: int) -> bool:
     connection is aborted (`abort_fuse_connection`)."""
     states = _task_states(pid)
     return not states or states[0] in ("Z", "X")
+
+
+# fusermount3's unmount waits in the kernel for the mount's teardown, which a FUSE connection
+# that nobody answers can hold up for good; one still running after this long has the
+# connection aborted (`fusermount_unmount`)
+FUSERMOUNT_WAIT_S = 5.0
+
+
+def fusermount_unmount(mountpoint: str, *flags: str) -> tuple[int | None, str]:
+    """`fusermount3 -u [flags]` of the mount at `mountpoint`: its exit status and message. One
+    still running after FUSERMOUNT_WAIT_S waits in the kernel on the mount's FUSE connection (its
+    daemon dead with the connection still open, or stuck): the connection is aborted, which ends
+    that wait. If it still runs FUSERMOUNT_WAIT_S later, None and a message naming it; it is
+    left running (a process in the kernel's uninterruptible wait cannot be reaped before it
+    ends)."""
+    process = subprocess.Popen(["fusermount3", "-u", *flags, mountpoint],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    for attempt in range(2):
+        try:
+            status = process.wait(timeout=FUSERMOUNT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            if attempt == 0:
+                log.warning("fusermount3 -u %s has not returned in %.0f s: aborting the mount's "
+                            "FUSE connection", mountpoint, FUSERMOUNT_WAIT_S)
+                abort_fuse_connection(mountpoint)
+            continue
+        assert process.stderr is not None
+        with process.stderr:
+            return status, process.stderr.read().strip()
+    return None, (f"fusermount3 (pid {process.pid}) has not returned in "
+                f"{2 * FUSERMOUNT_WAIT_S:.0f} s, the mount's FUSE connection aborted")
 
 
 def abort_fuse_connection(mountpoint: str) -> bool:

@@ -373,7 +373,7 @@ def test_umount_aborts_the_connection_when_fusermount_does_not_return(tree, moun
     after FUSERMOUNT_WAIT_S, and `cachefs umount` fails in bounded time with exit 1, naming it,
     instead of hanging; requests to the mount then fail with ENOTCONN, and a second `cachefs
     umount` removes it."""
-    from cachefs.cli import FUSERMOUNT_WAIT_S
+    from cachefs.client import FUSERMOUNT_WAIT_S
 
     mount = mounter(tree)
     stuck = tmp_path / "bin"
