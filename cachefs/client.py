@@ -224,13 +224,13 @@ class MountProcess:
             return
         done = subprocess.run(cachefs_command("umount", os.path.abspath(self.mountpoint),
                                               "--state-dir", self.state_dir),
-                              capture_output=True, text=True, timeout=UMOUNT_WAIT_S + 10,
+                              capture_output=True, text=True,
+                              timeout=UMOUNT_WAIT_S + 2 * FUSERMOUNT_WAIT_S + 10,
                               start_new_session=True)
         if done.returncode != 0 or self.mounted:
             log.warning("cachefs umount %s failed (%s); detaching it", self.mountpoint,
                         (done.stderr or done.stdout).strip())
-            subprocess.run(["fusermount3", "-u", "-z", os.path.abspath(self.mountpoint)],
-                           capture_output=True, timeout=UMOUNT_WAIT_S)
+            fusermount_unmount(os.path.abspath(self.mountpoint), "-z")
 
 
 # -- what the kernel holds -----------------------------------------------------------------
