@@ -472,8 +472,7 @@ class Planner:
         self.consumed[consumed_positions] = True
         gone = batch[found]
         self.pos_cur[gone] = -1
-        after = self.pos_next[gone]
-        self.uses[gone] = np.where(after >= 0, len(self.current) + after.astype(float), NEVER)
+        self.uses[gone] = self.next_uses(gone)
         self.consumed_count += len(found)
         self._advance_cursor()
         self._note_positions(consumed_positions.tolist())
@@ -519,13 +518,9 @@ class Planner:
             return -1
         self.consumed[position] = True
         self.consumed_count += 1
+        self.uses[item] = self.use_after_read(item)
         later = self._later_positions.get(item)
-        if later:  # its next position in this order (rank padding)
-            pos_cur[item] = self.uses[item] = later.pop(0)
-        else:
-            pos_cur[item] = -1
-            in_next = self.pos_next.item(item)
-            self.uses[item] = len(self.current) + in_next if in_next >= 0 else NEVER
+        pos_cur[item] = later.pop(0) if later else -1
         if position == self.cursor:  # else the cursor stays, at an unconsumed position
             self._advance_cursor()
         return position
