@@ -17,8 +17,15 @@ READ. An open that must drop the kernel's pages (a first open, or the file chang
 waits for stores already queued for the inode, so no store of older bytes lands after it.
 In the keep-cache mode, opening a cached file revalidates its source identity when the one we
 know is no longer trusted (cachefs/freshness.py; cachefs/revalidate.py keeps that rare); a
-changed file drops its cached copies and the kernel's attributes and pages
-(`KernelInvalidation`, which the read path calls, whichever of its parts finds the change).
+changed file drops its cached copies and the kernel's pages (`KernelInvalidation`, which the
+read path calls, whichever of its parts finds the change).
+
+An inode is one version of a file (cachefs/inodes.py): a change found retires the file's
+inode, and every request on a retired inode but its release and forget is answered ESTALE.
+So is the request that found the change on the inode (an open, a GETATTR, a READ): the kernel
+meets the ESTALE of an open or stat with a lookup anew, which gives the new version an inode
+of its own, and a reader with the old version open gets the bytes of that version or ESTALE,
+never a mix of two.
 
 What the handlers touch: the source (metadata, directories, extended attributes), the inode
 table, the kernel data plane, and of the read path and the control channel only their public
@@ -51,8 +58,7 @@ import trio
 from cachefs import errors, threads
 from cachefs.ctrl import Control
 from cachefs.dirs import DirListings, Listing
-from cachefs.cache.ram import page_bytes
-from cachefs.freshness import Freshness, now_s
+from cachefs.freshness import Freshness
 from cachefs.inodes import ROOT_INODE, InodeTable, PackedStat
 from cachefs.pagecache import KernelPages
 from cachefs.reader import AloneFile, OpenFile, Reader
@@ -65,9 +71,6 @@ INVALIDATE_THREADS = 4  # invalidate_inode calls at once, with no kernel data pl
 # that cannot be served while every FUSE task waits for the mark, a request waits this long
 # and is answered anyway (closes in that directory may go unreported until the mark lands)
 MARK_WAIT_S = 1.0
-# how long after a file's size changed a READ past the new size's last page is taken for a
-# kernel that still holds the old size (`read`)
-SIZE_CHANGE_S = 10.0
 # entries of a listing whose item numbers are searched at once (`_listed_item`): a search of
 # 256 paths costs 0.5 us a path, of 25 (a READDIRPLUS reply) 3.5, of one 8
 LISTED_ITEMS = 256
@@ -179,17 +182,36 @@ class Operations(pyfuse3.Operations):
         relpath = self.inodes.child_path(parent_inode, name)
         # a file just read ahead is answered from the fstat of that read: no round trip
         st, stat_time_s = await self.source.lstat_recent(relpath, self.freshness)
-        inode = self.inodes.remember(relpath, st, lookup=True, stat_time_s=stat_time_s)
+        inode = self._remember(relpath, st, lookup=True, stat_time_s=stat_time_s)
         # the table's stat: a newer one than the memo's stays there (InodeTable.remember)
         return self._attrs(inode, self.inodes.get(inode).stat)
 
+    def _remember(self, relpath: bytes, st, *, lookup: bool, stat_time_s: float) -> int:
+        """`InodeTable.remember`; if that retired the file's inode (a new version), the
+        read path drops the old version's copies."""
+        known = self.inodes.inode_of(relpath)
+        inode = self.inodes.remember(relpath, st, lookup=lookup, stat_time_s=stat_time_s)
+        if known is not None and inode != known:
+            self.reader.source_changed(relpath, self.source.identity_of(st))
+        return inode
+
     @_guarded
     async def getattr(self, inode, ctx=None):
-        entry = self._entry(inode)
+        entry = self._live_entry(inode)
         if not self.freshness.trusted(entry.stat_time_s):
-            self.inodes.update_stat(inode, *await self.source.lstat_recent(
-                entry.relpath, self.freshness))
+            st, stat_time_s = await self.source.lstat_recent(entry.relpath, self.freshness)
+            entry = self._live_entry(inode)  # not retired while the source was asked
+            if stat.S_ISREG(entry.stat.st_mode):  # a directory stays one inode (inodes.py)
+                self._check_told(inode, self.source.identity_of(st), self.inodes.identity(inode))
+            self.inodes.update_stat(inode, st, stat_time_s)
         return self._attrs(inode, entry.stat)
+
+    def _live_entry(self, inode: int):
+        """The entry of an inode that is not retired; ESTALE for one that is."""
+        entry = self._entry(inode)
+        if entry.retired:
+            raise errors.StaleFileError(f"{entry.relpath!r} changed in the source")
+        return entry
 
     def forget(self, inode_list):
         for inode, count in inode_list:
@@ -242,7 +264,7 @@ class Operations(pyfuse3.Operations):
         for index in range(start_id, len(entries)):
             name, st = entries[index]
             relpath = parent + b"/" + name if parent else name
-            inode = self.inodes.remember(relpath, st, lookup=False, stat_time_s=listed_at_s)
+            inode = self._remember(relpath, st, lookup=False, stat_time_s=listed_at_s)
             entry = self.inodes.get(inode)
             if entry.numbering != numbering and stat.S_ISREG(st.st_mode):
                 # the item number `_item_of` would search for at the file's first READ
@@ -284,7 +306,7 @@ class Operations(pyfuse3.Operations):
         if self.no_open:
             # the kernel stops sending OPEN and RELEASE for this connection from now on
             raise pyfuse3.FUSEError(errno.ENOSYS)
-        entry = self._entry(inode)
+        entry = self._live_entry(inode)
         if not stat.S_ISREG(entry.stat.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(entry.stat.st_mode)
                                     else errno.EINVAL)
@@ -302,7 +324,7 @@ class Operations(pyfuse3.Operations):
         pages_of = entry.page_identity if self.kernel is not None else None
         handle = await self.reader.open(inode, entry.relpath, item, given if recent else None,
                                         pages_of)
-        self._check_told(entry, handle.identity, given)
+        self._check_told(inode, handle.identity, given)
         if not handle.kernel_whole and self.kernel is not None:
             # The kernel drops the inode's pages when this open is answered: stores of the
             # pages of another version still queued must land before that, not after.
@@ -316,15 +338,15 @@ class Operations(pyfuse3.Operations):
         self._files[fh] = handle
         return pyfuse3.FileInfo(fh=fh, keep_cache=handle.kernel_whole)
 
-    def _check_told(self, entry, identity: SourceIdentity, told: SourceIdentity) -> None:
-        """The source's file is `identity`; the kernel was told of `told`. If the file changed
-        since: of the same size, the new version is served whole (an open drops the kernel's
-        pages of the old one); of another, the size the kernel holds would cut or pad it:
-        StaleFileError, and the kernel learns the new version before the next."""
+    def _check_told(self, inode: int, identity: SourceIdentity, told: SourceIdentity) -> None:
+        """The source's file is `identity`; the inode is the version `told`. If the file
+        changed since, the inode is retired, the read path drops the old version's copies, and
+        the request that found it is answered ESTALE (module docstring)."""
         if identity != told:
-            self.reader.source_changed(entry.relpath, identity)
-            if identity.size != told.size:
-                raise errors.StaleFileError(f"{entry.relpath!r} changed in the source")
+            relpath = self.inodes.get(inode).relpath
+            self.inodes.retire(inode)
+            self.reader.source_changed(relpath, identity)
+            raise errors.StaleFileError(f"{relpath!r} changed in the source")
 
     def _item_of(self, entry) -> int:
         """The file's index in the order's manifest, searched once per item numbering."""
@@ -339,18 +361,6 @@ class Operations(pyfuse3.Operations):
         handle = self._files.get(fh) if not self.no_open else await self._read_without_open(fh)
         if handle is None:
             raise pyfuse3.FUSEError(errno.EBADF)
-        told = handle.told or handle.identity  # the size the handle serves
-        if (offset + size > page_bytes(told.size) and now_s() - self.inodes.get(
-                handle.inode).size_changed_s < SIZE_CHANGE_S):
-            # The page cache never reads past the last page of the size the kernel holds:
-            # it holds a larger one than this version's, of a file whose size changed a
-            # moment ago (its update of the attributes lost a race, or has not come). Answered
-            # short, the kernel zero-filled up to its size, and a reader got the new bytes,
-            # then zeros (the soak, once in several runs). ESTALE, and the kernel is told
-            # again. Only just after a change: an O_DIRECT read asks past the end unclamped.
-            self.reader.source_changed(handle.relpath, handle.identity)
-            raise errors.StaleFileError(
-                f"{handle.relpath!r}: the kernel holds a larger size than {told.size}")
         return await self.reader.read(handle, offset, size)
 
     def read_without_open(self) -> list[bytes]:
@@ -363,21 +373,19 @@ class Operations(pyfuse3.Operations):
         The first READ of a file the kernel was told of over a TTL ago checks the source, as
         an open would (`_open`; Reader.checked_handle_without_open)."""
         handle = self._without_open.get(inode)
-        entry = self._entry(inode)
-        told = self.source.identity_of(entry.stat)  # the version whose size the kernel holds
-        # not `handle.identity`: a READ moves that on to a new version of the same size, and
-        # a new handle for every READ after it read each block again and lost the first's count
-        if handle is not None and handle.told == told:
+        entry = self._live_entry(inode)
+        if handle is not None:
             return handle
         item = self._item_of(entry)
+        told = self.inodes.identity(inode)
         if self.freshness.trusted(entry.stat_time_s):
             handle = self.reader.handle_without_open(inode, entry.relpath, item, told)
         else:
             handle = await self.reader.checked_handle_without_open(inode, entry.relpath, item,
                                                                    told)
-            self._check_told(entry, handle.identity, told)
+            self._check_told(inode, handle.identity, told)
             made = self._without_open.get(inode)
-            if made is not None and made.told == told:
+            if made is not None:
                 return made  # another READ of the file made one while this one checked
         self._without_open[inode] = handle
         return handle
@@ -509,19 +517,25 @@ for _name in _WRITE_OPS:
 
 
 class KernelInvalidation:
-    """Drops the kernel's cached attributes and pages of a file that changed at the source.
+    """Tells the kernel that a file changed at the source: the file's inode is retired
+    (cachefs/inodes.py), the kernel's entry of its name is dropped, so that its next lookup
+    gets the new version's inode, and so are its pages of the old version.
 
     The read path's `on_source_changed` (read_path.build_read_path): built before the read path,
     which calls it whichever of its parts finds the change, and sharing the inode table with
-    the operations. With the kernel data plane the drop is queued behind the stores already
-    queued for the inode (KernelPages, one FIFO); without, `invalidate_inode` runs in a worker
-    thread, never inside a handler (the kernel may hold the inode while it waits for us), in
-    the nursery of `run`.
+    the operations. With the kernel data plane the drop of the pages is queued behind the
+    stores already queued for the inode (KernelPages, one FIFO); without, `invalidate_inode`
+    runs in a worker thread, never inside a handler (the kernel may hold the inode while it
+    waits for us), in the nursery of `run`. The entry goes through pyfuse3's own notification
+    thread (`invalidate_entry_async`): the kernel takes the directory's lock for it, which a
+    LOOKUP in it holds until we answer.
     """
 
-    def __init__(self, inodes: InodeTable, kernel: KernelPages | None):
+    def __init__(self, inodes: InodeTable, kernel: KernelPages | None,
+                 invalidate_entry: Callable[[int, bytes], None] | None = None):
         self._inodes = inodes
         self._kernel = kernel
+        self._invalidate_entry = invalidate_entry or _invalidate_entry
         self._run_sync = threads.pool(INVALIDATE_THREADS)
         self._nursery: trio.Nursery | None = None
 
@@ -532,13 +546,21 @@ class KernelInvalidation:
             await trio.sleep_forever()
 
     def source_changed(self, relpath: bytes, identity: SourceIdentity) -> None:
-        inode = self._inodes.inode_of(relpath)
-        if inode is None:
-            return
-        self._inodes.get(inode).page_identity = None
-        # the kernel's next read or stat of the file asks its attributes again (the mount's
-        # auto_inval_data) and learns the new version from the source (errors.StaleFileError)
-        self._inodes.expire(inode)
+        inodes = self._inodes
+        inode = inodes.inode_of(relpath)
+        if inode is not None and inodes.identity(inode) != identity:
+            inodes.retire(inode)
+        if inodes.inode_of(relpath) is None:
+            # no inode of the new version yet: the kernel's entry still names the old one
+            parent, _, name = relpath.rpartition(b"/")
+            parent_inode = inodes.inode_of(parent)
+            if parent_inode is not None:
+                self._invalidate_entry(parent_inode, name)
+        for old in inodes.retired_of(relpath):
+            if inodes.identity(old) != identity:
+                self._drop_inode_pages(old)
+
+    def _drop_inode_pages(self, inode: int) -> None:
         if self._kernel is not None:
             self._kernel.invalidate(inode)  # after any store queued before: one FIFO
         elif self._nursery is not None:
@@ -563,3 +585,8 @@ class KernelInvalidation:
             await self._run_sync(pyfuse3.invalidate_inode, inode)
         except OSError as exc:
             log.debug("invalidate_inode(%d): %s", inode, exc)
+
+
+def _invalidate_entry(parent_inode: int, name: bytes) -> None:
+    """The kernel drops its entry of `name` in the directory, if it holds one."""
+    pyfuse3.invalidate_entry_async(parent_inode, name, ignore_enoent=True)

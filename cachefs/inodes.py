@@ -28,12 +28,26 @@ at its entry (`remember_close`, `close_tokens`; fuse_ops.Operations.closed, cach
 per object (the readers' copies evict the daemon's objects between two closes of a file). It
 is forgotten whenever the file's attributes change and when the kernel forgets the inode.
 
-Invariant: `_inode_by_path[p] == i` iff `_entries[i].relpath == p`.
+An inode is one version of a file, as on NFS, where a file handle names one file: its size
+and modification time never change while the kernel holds it. A stat of another version
+(a newer one than the entry's: a lookup, a listing) makes a new inode for the path, and the
+old one is *retired* (`retire`): kept while the kernel holds it, under no path, answered
+ESTALE by fuse_ops, which the kernel's path walk meets with a lookup anew (the VFS retries an
+open or stat that got ESTALE once, revalidating the dentry). Why: the kernel has one page
+cache and one size per inode. When a file's inode took on the new version, a reader with the
+file open read the old version's pages and then the new one's (a size that grew between two
+reads, pages of the old version beside a READ answered with the new): a mix of two versions
+(scripts/soak.py saw several in every four minutes of rewrites). Now a reader gets the
+version it opened or ESTALE, never a mix.
+
+Invariant: `_inode_by_path[p] == i` iff `_entries[i].relpath == p` and `i` is not retired; a
+retired inode is in `_retired[p]` until the kernel forgets it.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import struct
 from dataclasses import dataclass
 
@@ -105,18 +119,17 @@ class InodeEntry:
     manifest_index: int = -1
     page_identity: object = None  # SourceIdentity of the pages the kernel may hold, or None
     open_handles: int = 0  # opens answered or in progress, not yet released
-    # when the stat that recorded another size of the file was taken (freshness.now_s()'s
-    # clock): the kernel may still hold the old size for a moment (fuse_ops.read)
-    size_changed_s: float = NEVER_S
+    retired: bool = False  # another version of the file has the path now (module docstring)
 
 
 class InodeTable:
     def __init__(self, root_stat: os.stat_result, identity_of=None):
         # identity_of(stat) -> SourceIdentity: the source's (Source.identity_of)
-        self._identity_of = identity_of
+        self._identity_of = identity_of or PackedStat.identity_fields
         self._entries: dict[int, InodeEntry] = {
             ROOT_INODE: InodeEntry(b"", PackedStat.of(root_stat), NEVER_S, lookups=1)}
         self._inode_by_path: dict[bytes, int] = {b"": ROOT_INODE}
+        self._retired: dict[bytes, list[int]] = {}  # by path, retired inodes the kernel holds
         self._next_inode = ROOT_INODE + 1
         # by inode: what the reader counts its next close by (module docstring)
         self._close_tokens: dict[int, object] = {}
@@ -138,23 +151,57 @@ class InodeTable:
     def remember(self, relpath: bytes, st: os.stat_result, *, lookup: bool,
                  stat_time_s: float | None = None) -> int:
         """Record `st` (taken at `stat_time_s`, default now) for `relpath`, unless a stat
-        taken later is recorded, and return its inode; `lookup` counts a kernel reference."""
+        taken later is recorded, and return its inode; `lookup` counts a kernel reference.
+        A newer stat of another version of a regular file, of an inode the kernel holds,
+        retires that inode and gives the version a new one (module docstring; a directory's
+        identity changes with its entries, and it stays one inode)."""
         inode = self._inode_by_path.get(relpath)
         now = now_s() if stat_time_s is None else stat_time_s
-        if inode is None:
-            inode = self._next_inode
-            self._next_inode += 1
-            self._entries[inode] = InodeEntry(relpath, PackedStat.of(st), now)
-            self._inode_by_path[relpath] = inode
-        else:
+        packed = PackedStat.of(st)
+        if inode is not None:
             entry = self._entries[inode]
             if now >= entry.stat_time_s:
                 # not over a newer one: a directory listing of some age (cachefs/dirs.py) would
                 # take the file back to the version it had then
-                self._set_stat(inode, entry, PackedStat.of(st), now)
+                if (entry.lookups > 0 and stat.S_ISREG(entry.stat.st_mode)
+                        and packed.identity_fields() != entry.stat.identity_fields()
+                        and self.identity(inode) != self._identity_of(packed)):
+                    self.retire(inode)
+                    inode = None
+                else:
+                    self._set_stat(inode, entry, packed, now)
+        if inode is None:
+            inode = self._next_inode
+            self._next_inode += 1
+            self._entries[inode] = InodeEntry(relpath, packed, now)
+            self._inode_by_path[relpath] = inode
         if lookup:
             self._entries[inode].lookups += 1
         return inode
+
+    def identity(self, inode: int):
+        """The source identity of the version the inode is."""
+        return self._identity_of(self._entries[inode].stat)
+
+    def retire(self, inode: int) -> bool:
+        """Another version of the file has its path now (module docstring): the inode stays
+        while the kernel holds it, under no path. False if it was retired already."""
+        entry = self._entries.get(inode)
+        if entry is None or entry.retired or inode == ROOT_INODE:
+            return False
+        entry.retired = True
+        entry.page_identity = None
+        self._forget_close(inode)
+        del self._inode_by_path[entry.relpath]
+        if entry.lookups > 0:
+            self._retired.setdefault(entry.relpath, []).append(inode)
+        else:
+            del self._entries[inode]  # the kernel holds it no more: nothing to keep it for
+        return True
+
+    def retired_of(self, relpath: bytes) -> list[int]:
+        """The retired inodes of the path that the kernel still holds."""
+        return self._retired.get(relpath, [])
 
     def add_lookup(self, inode: int) -> None:
         """The kernel took a reference without a lookup call (readdirplus)."""
@@ -167,25 +214,15 @@ class InodeTable:
 
     def _set_stat(self, inode: int, entry: InodeEntry, packed: PackedStat,
                   stat_time_s: float) -> None:
-        if packed.st_size != entry.stat.st_size:
-            entry.size_changed_s = stat_time_s
         if packed.identity_fields() != entry.stat.identity_fields():
             self._forget_close(inode)  # another version: its close is looked at again
         entry.stat = packed
         entry.stat_time_s = stat_time_s
 
-    def expire(self, inode: int) -> None:
-        """The source file changed: its attributes are no longer trusted, so the next lookup
-        or stat asks the source. They stay what the kernel was last told until then, which is
-        the version a READ of the inode is checked against (errors.StaleFileError)."""
-        entry = self._entries.get(inode)
-        if entry is not None:
-            entry.stat_time_s = NEVER_S
-            self._forget_close(inode)
-
     def forget(self, inode: int, count: int) -> bytes | None:
         """The kernel dropped `count` references; the relpath if it holds the inode no more
-        (and so none of its pages)."""
+        (and so none of its pages), unless the inode was retired (its version's copies went
+        when it was)."""
         entry = self._entries.get(inode)
         if entry is None or inode == ROOT_INODE:
             return None
@@ -194,8 +231,13 @@ class InodeTable:
             return None
         del self._entries[inode]
         self._forget_close(inode)
-        if self._inode_by_path.get(entry.relpath) == inode:
-            del self._inode_by_path[entry.relpath]
+        if entry.retired:
+            retired = self._retired[entry.relpath]
+            retired.remove(inode)
+            if not retired:
+                del self._retired[entry.relpath]
+            return None
+        del self._inode_by_path[entry.relpath]
         return entry.relpath
 
     # -- closes counted with no look at the entry (module docstring) --------------------------

@@ -111,10 +111,6 @@ class OpenFile:
     # a READ of this handle found pages gone that only the kernel held (reclaimed: the file
     # counts as the miss it became, and in `kernel_reclaimed`)
     kernel_reclaimed: bool = False
-    # the version the kernel was told of when this handle was made (None: as `identity`); a
-    # READ may move `identity` on to a new version of the same size (`_block`), and the
-    # zero-request mode's handle stays the file's until the kernel is told of another
-    told: SourceIdentity | None = None
 
     @property
     def size_bytes(self) -> int:
@@ -280,7 +276,7 @@ class Reader:
         return OpenFile(inode, relpath, identity, item, self._ranking.manifest,
                         epoch_record=self._stats.current,
                         order_serial=self._planner.order_serial,
-                        consume_at_release=True, told=identity)
+                        consume_at_release=True)
 
     def still_alone(self, tokens: list) -> list:
         """Of `tokens` (an `AloneFile` or None, by close), each whose close still counts from
@@ -398,7 +394,7 @@ class Reader:
                 handle.bytes_served += len(data)
                 return data
         block_bytes = self.block_bytes
-        identity = handle.identity  # the version the kernel was given: the only one served
+        identity = handle.identity  # the version the inode is: the only one served
         end = min(offset + size, identity.size)
         if offset >= end:
             if not handle.consume_at_release:
@@ -409,8 +405,7 @@ class Reader:
             start = block_index * block_bytes
             _note_read(handle, block_index, max(offset, start) - start, min(end - start,
                        block_bytes), min(block_bytes, identity.size - start))
-            data = await self._block(handle, block_index,
-                                     may_switch=not parts and not handle.bytes_served)
+            data = await self._block(handle, block_index)
             lo, hi = max(offset, start) - start, min(end, start + len(data)) - start
             parts.append(data if (lo, hi) == (0, len(data)) else data[lo:hi])
         result = parts[0] if len(parts) == 1 else b"".join(parts)
@@ -451,10 +446,11 @@ class Reader:
                     return False
         return True
 
-    async def _block(self, handle: OpenFile, block_index: int, may_switch: bool) -> bytes:
-        """The block's bytes of the handle's version. `may_switch`: nothing was served from
-        the handle yet, so a new version of the same size (all the kernel can tell apart)
-        may replace its own; any other change is a StaleFileError."""
+    async def _block(self, handle: OpenFile, block_index: int) -> bytes:
+        """The block's bytes of the handle's version; StaleFileError if the source holds
+        another. Never the other's, even of the same size with nothing served yet: the kernel
+        may hold pages of the handle's version that the reader has read or will read (pushed
+        ahead, or left by an earlier reader), and the two would mix (cachefs/inodes.py)."""
         key = (handle.relpath, block_index)
         block = self._tiered.lookup(key, handle.identity)  # a block with data, or None
         if block is not None and block.data is not None:  # the hot path: no await
@@ -480,12 +476,11 @@ class Reader:
         if fetched.identity != handle.identity:
             self._prefetcher.record_identity(handle.relpath, fetched.identity,
                                              seen_s=fetched.asked_s)
-            if not may_switch or fetched.identity.size != handle.identity.size:
-                # One handle, one version: the handle keeps the one the kernel was given, and
-                # its every read fails from now on rather than mix two (errors.StaleFileError)
-                raise errors.StaleFileError(
-                    f"{handle.relpath!r} changed in the source while it was read")
-            handle.identity = fetched.identity
+            # One handle, one version: the handle keeps the one the inode is, and its every
+            # read fails from now on rather than mix two (errors.StaleFileError); the tier
+            # has had the kernel told (TieredCache.source_changed)
+            raise errors.StaleFileError(
+                f"{handle.relpath!r} changed in the source while it was read")
         return fetched.data
 
     def _read_ahead(self, handle: OpenFile, first_block: int, last_block: int) -> None:

@@ -238,6 +238,22 @@ def cut_short(data: bytes, offset: int, length: int | None, versions: list[Versi
     return any(len(data) < len(want) and want.startswith(data) for want in wants)
 
 
+def read_range(fd: int, offset: int, length: int) -> bytes:
+    """`length` bytes at `offset`, fewer only at the end of the file: pread(2) again after a
+    short one, as a buffered reader reads (Python's `f.read(n)`, C's `fread`). A read the
+    kernel served in part from its pages and then failed returns the part (a file changed
+    under the reader: the rest is ESTALE); the next pread gets the error."""
+    parts: list[bytes] = []
+    got = 0
+    while got < length:
+        part = os.pread(fd, length - got, offset + got)
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
 def common_prefix(a: bytes, b: bytes) -> int:
     n = min(len(a), len(b))
     differ = np.flatnonzero(np.frombuffer(a, np.uint8, n) != np.frombuffer(b, np.uint8, n))
@@ -636,7 +652,7 @@ class Soak:
             size = None
             fd = os.open(path, os.O_RDONLY)
             try:
-                data = os.pread(fd, length, offset)
+                data = read_range(fd, offset, length)
             finally:
                 os.close(fd)
         ended_s = time.monotonic()

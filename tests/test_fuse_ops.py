@@ -20,7 +20,7 @@ import trio.testing
 from cachefs.cache.ram import RamTier, page_bytes
 from cachefs.ctrl import Control
 from cachefs.freshness import Freshness
-from cachefs.fuse_ops import LISTED_ITEMS, Operations
+from cachefs.fuse_ops import LISTED_ITEMS, KernelInvalidation, Operations
 from cachefs.inodes import ROOT_INODE, InodeTable
 from cachefs.manifest import scan_source
 from cachefs.order import Order
@@ -52,18 +52,29 @@ class PublicOnly:
 
 
 def operations(src: Path, ttl_s: float = TTL_S, changed: list | None = None,
-               stats: Stats | None = None) -> Operations:
+               stats: Stats | None = None, entries_dropped: list | None = None
+               ) -> Operations:
+    """The operations over a read path as a mount wires them: a change the read path finds
+    goes to `KernelInvalidation` (with no kernel: the entries it would have the kernel drop
+    go to `entries_dropped`), and its path to `changed`."""
     source = Source(src, threads=2)
     freshness = Freshness(ttl_s)
+    inodes = InodeTable(os.lstat(src), source.identity_of)
+    invalidation = KernelInvalidation(
+        inodes, None, invalidate_entry=lambda parent, name: (
+            entries_dropped if entries_dropped is not None else []).append((parent, name)))
+
+    def source_changed(relpath: bytes, identity) -> None:
+        if changed is not None:
+            changed.append(relpath)
+        invalidation.source_changed(relpath, identity)
     read_path = build_read_path(
         source, stats or Stats(), RamTier(16 * BLOCK_BYTES, block_bytes=BLOCK_BYTES), None,
         freshness,
         block_bytes=BLOCK_BYTES, source_threads=2, lookahead_items=0, sequential_blocks=0,
-        on_source_changed=None if changed is None else (
-            lambda relpath, identity: changed.append(relpath)))
+        on_source_changed=source_changed)
     control = Control(lambda: {}, src / "order", lambda request: {})
-    ops = Operations(source, PublicOnly(read_path.reader), control,
-                     InodeTable(os.lstat(src), source.identity_of), None, freshness,
+    ops = Operations(source, PublicOnly(read_path.reader), control, inodes, None, freshness,
                      kernel_timeout_s=1.0)
     ops.decide_mode(no_open=False)
     return ops
@@ -80,9 +91,9 @@ async def read_file(ops: Operations, inode: int) -> bytes:
 
 def test_the_handlers_use_only_the_readers_public_methods(tmp_path):
     """Lookup, open, read (twice: from the source, then from RAM), release, an open that finds
-    the file changed to another size (ESTALE, then the new version after a stat), and forget:
-    the operations need nothing of the read path but the reader's public methods (before, they
-    reached through it to the tiered cache and the prefetcher)."""
+    the file changed (ESTALE, then the new version under a new inode after a lookup), and
+    forget: the operations need nothing of the read path but the reader's public methods
+    (before, they reached through it to the tiered cache and the prefetcher)."""
     src = tmp_path / "src"
     write_file(src / "a", 100_000, seed=1)
     changed: list[bytes] = []
@@ -95,53 +106,81 @@ def test_the_handlers_use_only_the_readers_public_methods(tmp_path):
         assert await read_file(ops, inode) == (src / "a").read_bytes()
         write_file(src / "a", 50_000, seed=2)
         clock.jump(2.0)  # past the TTL: the open checks the file at the source
-        # the kernel holds the old size, which would cut or pad the new bytes: ESTALE, and
-        # the next stat learns the new version, whose open then reads it whole
         with pytest.raises(pyfuse3.FUSEError) as raised:
             await read_file(ops, inode)
         assert raised.value.errno == errno.ESTALE
         assert changed == [b"a"]
-        assert (await ops.getattr(inode, None)).st_size == 50_000
-        assert await read_file(ops, inode) == (src / "a").read_bytes()
-        ops.forget([(inode, 1)])
+        new = (await ops.lookup(ROOT_INODE, b"a", None)).st_ino
+        assert new != inode and ops.inodes.get(new).stat.st_size == 50_000
+        assert await read_file(ops, new) == (src / "a").read_bytes()
+        ops.forget([(inode, 1), (new, 1)])
 
     trio.run(main, clock=clock)
 
 
-def test_a_read_past_the_new_size_of_a_file_just_shrunk_is_refused(tmp_path):
-    """The kernel reads only within the size it holds. Just after a file shrank, a READ past
-    the last page of the new size comes from a kernel that still holds the old one (its
-    update of the attributes lost a race): answered short, the kernel zero-filled the rest up
-    to its size, and a reader got the new bytes, then zeros (the soak, once in several runs).
-    ESTALE, and the kernel is told again; a read past the end of a file whose size did not
-    change (O_DIRECT asks unclamped) is answered as ever."""
+@pytest.mark.parametrize("found_by", ["getattr", "open", "read", "lookup"])
+def test_an_inode_is_one_version_of_its_file(tmp_path, found_by):
+    """The kernel has one size and one page cache per inode. When a file's inode took on its
+    new version, a reader with it open read pages of the old version and then bytes of the
+    new one (a size that grew between two reads; an old page beside a new READ): a mix of
+    two, which scripts/soak.py found several times in four minutes of rewrites. Now a change
+    found (here by each request that can find it) retires the inode: that request and every
+    later one on it but forget is answered ESTALE, which the kernel meets with a lookup anew,
+    and the lookup gives the new version an inode of its own. A directory, whose identity
+    changes with its entries, stays one inode."""
     src = tmp_path / "src"
-    write_file(src / "a", 100_000, seed=1)
-    write_file(src / "b", 30_000, seed=3)
+    write_file(src / "d" / "a", 2 * BLOCK_BYTES, seed=1)
     changed: list[bytes] = []
-    ops = operations(src, ttl_s=1.0, changed=changed)
+    entries_dropped: list[tuple[int, bytes]] = []
+    ops = operations(src, ttl_s=1.0, changed=changed, entries_dropped=entries_dropped)
+    if found_by == "read":
+        ops.decide_mode(no_open=True)
     clock = trio.testing.MockClock()
 
-    async def read(inode: int, size: int) -> bytes:
-        info = await ops.open(inode, os.O_RDONLY, None)
-        try:
-            return await ops.read(info.fh, 0, size)
-        finally:
-            await ops.release(info.fh)
+    async def estale(request) -> None:
+        with pytest.raises(pyfuse3.FUSEError) as raised:
+            await request
+        assert raised.value.errno == errno.ESTALE
 
     async def main():
-        a = (await ops.lookup(ROOT_INODE, b"a", None)).st_ino
-        b = (await ops.lookup(ROOT_INODE, b"b", None)).st_ino
-        assert await read(b, 4 * BLOCK_BYTES) == (src / "b").read_bytes()  # unchanged
-        write_file(src / "a", 50_000, seed=2)
-        clock.jump(2.0)  # past the TTL
-        assert (await ops.getattr(a, None)).st_size == 50_000  # the table now holds it
-        with pytest.raises(pyfuse3.FUSEError) as raised:
-            await read(a, page_bytes(100_000))  # a kernel still at the old size
-        assert raised.value.errno == errno.ESTALE and changed == [b"a"]
-        assert await read(a, page_bytes(50_000)) == (src / "a").read_bytes()
-        clock.jump(60.0)  # long after the change: O_DIRECT's unclamped reads are served
-        assert await read(a, 4 * BLOCK_BYTES) == (src / "a").read_bytes()
+        directory = (await ops.lookup(ROOT_INODE, b"d", None)).st_ino
+        old = (await ops.lookup(directory, b"a", None)).st_ino
+        if found_by == "read":
+            assert await ops.read(old, 0, BLOCK_BYTES) == (src / "d" / "a").read_bytes()[
+                :BLOCK_BYTES]
+        write_file(src / "d" / "a", 2 * BLOCK_BYTES, seed=2)  # the same size: new bytes
+        os.utime(src / "d" / "a", ns=(0, 10**9))
+        clock.jump(2.0)  # past the TTL: the next look asks the source
+        if found_by == "getattr":
+            await estale(ops.getattr(old, None))
+        elif found_by == "open":
+            await estale(ops.open(old, os.O_RDONLY, None))
+        elif found_by == "read":
+            await estale(ops.read(old, BLOCK_BYTES, BLOCK_BYTES))  # the rest of the old
+        else:  # the lookup finds it, and the kernel's entry of the name is the new inode
+            assert not ops.inodes.get(old).retired
+            new = (await ops.lookup(directory, b"a", None)).st_ino
+        assert changed == [b"d/a"]  # the old version's copies go
+        assert ops.inodes.get(old).retired
+        # the kernel's entry of the name is dropped, so that its next lookup asks (unless the
+        # lookup found the change: its answer is the entry now)
+        assert entries_dropped == ([] if found_by == "lookup" else [(directory, b"a")])
+        if found_by != "lookup":
+            new = (await ops.lookup(directory, b"a", None)).st_ino
+        assert new != old and ops.inodes.inode_of(b"d/a") == new
+        await estale(ops.getattr(old, None))
+        if found_by != "read":
+            await estale(ops.open(old, os.O_RDONLY, None))
+            assert await read_file(ops, new) == (src / "d" / "a").read_bytes()
+        else:
+            await estale(ops.read(old, 0, BLOCK_BYTES))
+            assert await ops.read(new, 0, 2 * BLOCK_BYTES) == (src / "d" / "a").read_bytes()
+        assert (await ops.getattr(new, None)).st_mtime_ns == 10**9
+        assert (await ops.getattr(directory, None)).st_ino == directory  # listed anew: same
+        ops.forget([(old, 1)])  # the retired inode goes, and nothing of the file with it
+        with pytest.raises(KeyError):
+            ops.inodes.get(old)
+        assert ops.inodes.inode_of(b"d/a") == new
 
     trio.run(main, clock=clock)
 
@@ -161,16 +200,19 @@ def test_attributes_age_on_trios_clock(tmp_path):
         clock.jump(TTL_S / 2)
         assert (await ops.getattr(inode, None)).st_size == 10  # still trusted
         clock.jump(TTL_S)
-        assert (await ops.getattr(inode, None)).st_size == 20  # asked again
+        with pytest.raises(pyfuse3.FUSEError):  # asked again: another version, ESTALE
+            await ops.getattr(inode, None)
+        assert (await ops.lookup(ROOT_INODE, b"a", None)).st_size == 20
 
     trio.run(main, clock=clock)
 
 
-def test_reads_without_open_of_a_file_changed_to_the_same_size_keep_one_handle(tmp_path):
+def test_reads_without_open_of_a_changed_file_read_the_new_inode_with_one_handle(tmp_path):
     """The zero-request mode: the first READ finds the file changed to a new version of the
-    size the kernel holds and serves it; the next READs stay on that one handle (they made a
-    new one each, with the old version, and read every block again, the first handles never
-    counted), and the close counts the file once, with every byte served."""
+    same size: ESTALE (the kernel may hold pages of the old one), and the lookup that follows
+    gives the new version its inode, whose READs stay on one handle (they once made one
+    each, and read every block again), and whose close counts the file once, with every
+    byte served; the close of the old inode, whose READ failed, serves nothing."""
     src = tmp_path / "src"
     write_file(src / "a", 2 * BLOCK_BYTES, seed=1)
     stats = Stats()
@@ -178,17 +220,24 @@ def test_reads_without_open_of_a_file_changed_to_the_same_size_keep_one_handle(t
     ops.decide_mode(no_open=True)
 
     async def main():
-        inode = (await ops.lookup(ROOT_INODE, b"a", None)).st_ino
+        old = (await ops.lookup(ROOT_INODE, b"a", None)).st_ino
         write_file(src / "a", 2 * BLOCK_BYTES, seed=2)
+        os.utime(src / "a", ns=(0, 10**9))
         new = (src / "a").read_bytes()
+        with pytest.raises(pyfuse3.FUSEError) as raised:
+            await ops.read(old, 0, BLOCK_BYTES)
+        assert raised.value.errno == errno.ESTALE
+        inode = (await ops.lookup(ROOT_INODE, b"a", None)).st_ino
         for offset in (0, BLOCK_BYTES, 0):  # the last: the kernel reads block 0 again
             assert await ops.read(inode, offset, BLOCK_BYTES) == new[offset:offset + BLOCK_BYTES]
-        ops.closed([inode])
+        ops.closed([inode, old])
 
     trio.run(main)
     totals = stats.totals()
-    assert totals["reads"] == 1 and totals["bytes_served"] == 3 * BLOCK_BYTES
-    assert totals["backend_reads"] == 2  # each block once
+    assert totals["bytes_served"] == 3 * BLOCK_BYTES
+    # each block once: the old inode's READ found the change with block 0 of the new version,
+    # kept for the new inode's
+    assert totals["backend_reads"] == 2
 
 
 def test_a_close_whose_accounting_fails_does_not_stop_the_others(tmp_path, caplog):
@@ -237,13 +286,17 @@ def test_a_read_without_open_past_the_ttl_checks_the_source_first(tmp_path):
             assert await ops.read(inode, 0, BLOCK_BYTES) == (src / name).read_bytes()[
                 :BLOCK_BYTES]
         ops.closed([a, b])
-        write_file(src / "a", 2 * BLOCK_BYTES, seed=2)  # the same size: served new
-        write_file(src / "b", BLOCK_BYTES, seed=4)  # another size: ESTALE, then looked up
+        write_file(src / "a", 2 * BLOCK_BYTES, seed=2)  # the same size
+        os.utime(src / "a", ns=(0, 10**9))
+        write_file(src / "b", BLOCK_BYTES, seed=4)  # another size
         clock.jump(2.0)
-        assert await ops.read(a, 0, BLOCK_BYTES) == (src / "a").read_bytes()[:BLOCK_BYTES]
-        with pytest.raises(pyfuse3.FUSEError) as raised:
-            await ops.read(b, 0, BLOCK_BYTES)
-        assert raised.value.errno == errno.ESTALE
+        for inode, name in ((a, b"a"), (b, b"b")):  # ESTALE, then the new version's inode
+            with pytest.raises(pyfuse3.FUSEError) as raised:
+                await ops.read(inode, 0, BLOCK_BYTES)
+            assert raised.value.errno == errno.ESTALE
+            new = (await ops.lookup(ROOT_INODE, name, None)).st_ino
+            assert await ops.read(new, 0, BLOCK_BYTES) == (src / name.decode()).read_bytes()[
+                :BLOCK_BYTES]
 
     trio.run(main, clock=clock)
 
@@ -259,8 +312,10 @@ def test_an_older_stat_does_not_replace_a_newer_one(tmp_path):
     inode = inodes.remember(b"a", new, lookup=True, stat_time_s=10.0)
     assert inodes.remember(b"a", old, lookup=False, stat_time_s=5.0) == inode
     assert inodes.get(inode).stat.st_size == 20 and inodes.get(inode).stat_time_s == 10.0
-    inodes.remember(b"a", old, lookup=False, stat_time_s=11.0)  # newer: it is the file now
-    assert inodes.get(inode).stat.st_size == 10
+    # newer: it is the file now, another version, under an inode of its own (inodes.py)
+    now = inodes.remember(b"a", old, lookup=False, stat_time_s=11.0)
+    assert now != inode and inodes.get(now).stat.st_size == 10
+    assert inodes.get(inode).stat.st_size == 20 and inodes.get(inode).retired
 
 
 def test_what_a_close_is_counted_by_is_forgotten_when_its_file_changes(tmp_path):
@@ -282,7 +337,7 @@ def test_what_a_close_is_counted_by_is_forgotten_when_its_file_changes(tmp_path)
     write_file(tmp_path / "a", 10, seed=5)
     os.utime(tmp_path / "a", ns=(0, 123))  # another version of the same size
     inodes.update_stat(a, os.lstat(tmp_path / "a"), stat_time_s=3.0)
-    inodes.expire(b)  # the source changed, as a sweep or a READ found
+    inodes.retire(b)  # the source changed, as a sweep or a READ found
     assert inodes.close_tokens([a, b, c]) == [None, None, f"token {c}"]
     assert inodes.forget(c, 1) == b"c"
     inodes.remember_close(c, "late")  # forgotten: nothing to remember it by
@@ -305,7 +360,7 @@ def test_a_lookup_tells_the_kernel_the_newest_stat_the_table_holds(tmp_path):
         ops.inodes.remember(b"a", os.lstat(src / "a"), lookup=False,
                             stat_time_s=trio.current_time())  # as a listing does
         attrs = await ops.lookup(ROOT_INODE, b"a", None)
-        assert (attrs.st_ino, attrs.st_size) == (inode, 20)
+        assert attrs.st_ino != inode and attrs.st_size == 20  # another version: a new inode
 
     trio.run(main, clock=clock)
 

@@ -27,6 +27,7 @@ from conftest import (epoch_record, flat_dataset_fixture, make_flat_dataset, rea
 
 N_FILES = 120
 FILE_BYTES = 50_000
+BLOCK = 64 * 1024
 
 
 dataset = flat_dataset_fixture(N_FILES, FILE_BYTES, vary=False)
@@ -339,6 +340,54 @@ def test_a_rewritten_source_file_is_never_served_stale(dataset, mounter, publish
         assert (mount.mountpoint / relpath).read_bytes() == (src / relpath).read_bytes()
         assert os.stat(mount.mountpoint / relpath).st_size == os.stat(src / relpath).st_size
     assert mount.stats()["revalidation"]["changed"] >= 3
+
+
+@pytest.mark.parametrize("new_bytes", [BLOCK, 4 * BLOCK, 6 * BLOCK],
+                         ids=["shrunk", "same-size", "grown"])
+@pytest.mark.parametrize("plane", ["no-open", "keep-cache", "daemon"])
+def test_a_reader_with_a_file_open_across_its_change_reads_one_version(tmp_path, mounter,
+                                                                       plane, new_bytes):
+    """A reader that has read the first block of a file when the source replaces it reads on
+    in the old version (the bytes the kernel still holds) or gets ESTALE, never the new
+    version's bytes after the old one's: the file's inode is one version (cachefs/inodes.py).
+    Before, the change retold the inode's size to the kernel and it served the new bytes from
+    where the reader was (scripts/soak.py's mixes). A new open reads the new version whole,
+    with its size, with no error (the kernel meets the ESTALE of an open or stat of the old
+    inode with a new lookup)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    old, new = (rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+                for size in (4 * BLOCK, new_bytes))
+    (src / "a").write_bytes(old)
+    mount = mounter(src, "--ram-cache", 64 * BLOCK, "--block-size", BLOCK,
+                    "--metadata-ttl", 1, "--data-plane", plane)
+    path = mount.mountpoint / "a"
+    assert path.read_bytes() == old
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert os.read(fd, BLOCK) == old[:BLOCK]
+        (tmp_path / "new").write_bytes(new)
+        os.utime(tmp_path / "new", ns=(0, 10**9))  # another version even within a second
+        (tmp_path / "new").rename(src / "a")
+        time.sleep(1.6)  # past --metadata-ttl: the sweeps have found the change
+        try:
+            rest = os.read(fd, len(old) + len(new))
+        except OSError as exc:
+            assert exc.errno == errno.ESTALE, exc
+        else:
+            assert rest == old[BLOCK:], (
+                f"{len(rest)} bytes after the old version's first block, the new version's "
+                f"from there: {rest == new[BLOCK:BLOCK + len(rest)]}")
+        try:
+            assert os.fstat(fd).st_size == len(old)
+        except OSError as exc:
+            assert exc.errno == errno.ESTALE, exc
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == new
+    assert os.stat(path).st_size == len(new)
+    assert mount.stats()["revalidation"]["changed"] >= 1
 
 
 def test_with_metadata_ttl_0_a_change_is_seen_at_the_next_open(dataset, mounter):
