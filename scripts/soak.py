@@ -365,7 +365,7 @@ class SoakReport:
     remounts: int = 0
     outage_s: float = 0.0
     errors_while_down: int = 0
-    estale_reads: int = 0  # reads answered ESTALE (a size-changing rewrite), retried once
+    estale_reads: int = 0  # reads answered ESTALE (the file changed under them), retried
     max_stale_served_s: float = 0.0  # longest time after a rename an old version was served
     ssd_entries_at_remount: int | None = None  # kept by the killed daemon, still valid
     tier_hits: dict = field(default_factory=dict)  # per mount: the counters of its epochs
@@ -398,7 +398,7 @@ class SoakReport:
                f"({self.outage_s:.2f} s down, {self.errors_while_down} reads failed "
                f"meanwhile, as expected)",
                f"old versions served up to {self.max_stale_served_s:.2f} s after a rewrite; "
-               f"{self.estale_reads} reads answered ESTALE for a file whose size changed, "
+               f"{self.estale_reads} reads answered ESTALE for a file that changed under them, "
                f"each read again within {ESTALE_RETRIES * ESTALE_RETRY_S:.1f} s",
                f"SSD entries found at the remount: {self.ssd_entries_at_remount}"]
         for name, counters in self.tier_hits.items():
@@ -628,12 +628,12 @@ class Soak:
     def _read_checked(self, path: Path, relpath: str, offset: int, length: int | None,
                       final: bool = False) -> None:
         """A checked read; one answered ESTALE is read again (a few times, 10 ms apart, while
-        the mount's thread drops the kernel's attributes), and the last try must pass.
+        the kernel drops its entry of the file), and the last try must pass.
 
-        ESTALE is the mount's answer to a read of a file whose size changed since the kernel
-        was given its attributes (cachefs.errors.StaleFileError): the other choice would be
-        the new bytes cut or padded to the old size. A user's program sees the error once;
-        its next open of the file gets the new version."""
+        ESTALE is the mount's answer to a read of a version of the file that the source
+        replaced (its inode is retired: cachefs/inodes.py), beyond the pages the kernel
+        still holds of it: the other choice would be a mix of two versions. A user's program
+        sees the error once; its next open of the file gets the new version."""
         retry_estale(lambda: self._read_and_check(path, relpath, offset, length, final),
                      self._count_estale)
 
