@@ -334,6 +334,8 @@ class Operations(pyfuse3.Operations):
                     entry.page_identity is not None or self.kernel.dropped_lately(inode)):
                 await self.kernel.drain()
             entry.page_identity = handle.identity
+        if entry.retired:  # while the source or the kernel was waited for: ESTALE, retried
+            raise errors.StaleFileError(f"{entry.relpath!r} changed in the source")
         fh = self._new_fh()
         self._files[fh] = handle
         return pyfuse3.FileInfo(fh=fh, keep_cache=handle.kernel_whole)
@@ -384,6 +386,7 @@ class Operations(pyfuse3.Operations):
             handle = await self.reader.checked_handle_without_open(inode, entry.relpath, item,
                                                                    told)
             self._check_told(inode, handle.identity, told)
+            entry = self._live_entry(inode)  # not retired while the source was asked
             made = self._without_open.get(inode)
             if made is not None:
                 return made  # another READ of the file made one while this one checked
@@ -462,14 +465,20 @@ class Operations(pyfuse3.Operations):
         """A close of `inode` as `Reader.closed` takes it: the handle its READs used, else
         (inode, relpath, item, identity) of a regular file still known; None if neither."""
         handle = self._without_open.pop(inode, None)
+        current = self.inodes.inode_of(handle.relpath) if handle is not None else None
+        if handle is not None and current != inode:
+            # retired (or forgotten) since its READs: counted, with nothing to settle (as
+            # `release` of a retired inode's handle), and on its own, out of the batch
+            self.reader.release(handle, last=False)
+            return None
         if handle is not None:
             return handle
         try:
             entry = self.inodes.get(inode)
         except KeyError:
             return None  # forgotten since; nothing of it is held
-        if not stat.S_ISREG(entry.stat.st_mode):
-            return None
+        if not stat.S_ISREG(entry.stat.st_mode) or entry.retired:
+            return None  # a retired version's copies went with it: nothing was served
         return (inode, entry.relpath, self._item_of(entry),
                 self.source.identity_of(entry.stat))
 
@@ -479,7 +488,9 @@ class Operations(pyfuse3.Operations):
         if handle is not None:
             entry = self.inodes.get(handle.inode)  # the kernel holds the inode while it is open
             entry.open_handles -= 1
-            self.reader.release(handle, last=entry.open_handles == 0)
+            # a retired inode's pages went with its version's copies: nothing to settle, and
+            # settling by path would drop the new version's (Reader.release)
+            self.reader.release(handle, last=entry.open_handles == 0 and not entry.retired)
 
     async def flush(self, fh):
         # Nothing to flush on a read-only mount; ENOSYS makes the kernel stop sending FLUSH
@@ -545,20 +556,29 @@ class KernelInvalidation:
             task_status.started()
             await trio.sleep_forever()
 
-    def source_changed(self, relpath: bytes, identity: SourceIdentity) -> None:
+    def source_changed(self, relpath: bytes, identity: SourceIdentity,
+                       asked_s: float | None = None) -> None:
+        """The source's file is `identity` (seen by a look asked at `asked_s`; None: now).
+        The path's inode of another version is retired, unless its stat was asked after that
+        look (a source read that saw an older version landed late); the kernel drops its
+        entry of the name whenever an inode of another version is retired, even where a
+        lookup or a listing has just given the new version one: a listing's reply may end
+        before that name, and a retired inode left in the kernel's entry was ESTALE to every
+        open with no OPEN (the zero-request mode)."""
         inodes = self._inodes
         inode = inodes.inode_of(relpath)
-        if inode is not None and inodes.identity(inode) != identity:
+        if (inode is not None and inodes.identity(inode) != identity
+                and (asked_s is None or asked_s >= inodes.get(inode).stat_time_s)):
             inodes.retire(inode)
-        if inodes.inode_of(relpath) is None:
-            # no inode of the new version yet: the kernel's entry still names the old one
-            parent, _, name = relpath.rpartition(b"/")
-            parent_inode = inodes.inode_of(parent)
-            if parent_inode is not None:
-                self._invalidate_entry(parent_inode, name)
-        for old in inodes.retired_of(relpath):
-            if inodes.identity(old) != identity:
-                self._drop_inode_pages(old)
+        stale = [old for old in inodes.retired_of(relpath) if inodes.identity(old) != identity]
+        if not stale:
+            return
+        parent, _, name = relpath.rpartition(b"/")
+        parent_inode = inodes.inode_of(parent)
+        if parent_inode is not None:
+            self._invalidate_entry(parent_inode, name)
+        for old in stale:
+            self._drop_inode_pages(old)
 
     def _drop_inode_pages(self, inode: int) -> None:
         if self._kernel is not None:

@@ -185,10 +185,11 @@ class InodeTable:
 
     def retire(self, inode: int) -> bool:
         """Another version of the file has its path now (module docstring): the inode stays
-        while the kernel holds it, under no path. False if it was retired already."""
+        while the kernel holds it, under no path. False if it was retired already, or is no
+        regular file."""
         entry = self._entries.get(inode)
-        if entry is None or entry.retired or inode == ROOT_INODE:
-            return False
+        if entry is None or entry.retired or not stat.S_ISREG(entry.stat.st_mode):
+            return False  # a directory or a link stays one inode (`remember`)
         entry.retired = True
         entry.page_identity = None
         self._forget_close(inode)

@@ -47,7 +47,8 @@ def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, freshness
                     miss_batch_items: int = MISS_BATCH_ITEMS, per_target: bool = True,
                     retain_by_cost: bool = True, kernel: KernelPages | None = None,
                     kernel_inodes: KernelInodes | None = None,
-                    on_source_changed: Callable[[bytes, SourceIdentity], None] | None = None,
+                    on_source_changed: Callable[[bytes, SourceIdentity, float | None], None]
+                    | None = None,
                     run_ssd: RunSync | None = None,
                     drop_file_pages: DropFilePages | None = None) -> ReadPath:
     """Planner, ranking, tiered cache, prefetcher and reader, wired in that order (each is
@@ -58,8 +59,9 @@ def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, freshness
     `miss_batch_items`, `per_target`, `retain_by_cost`: the read-ahead's
     (cachefs/prefetch.py). `kernel` and `kernel_inodes`: the kernel data plane (None: the
     daemon serves every READ).
-    `on_source_changed(relpath, identity)`: a file changed at the source (its cached copies
-    are gone). `run_ssd`: the worker-thread hop of the SSD tier's calls (None: threads).
+    `on_source_changed(relpath, identity, asked_s)`: a file changed at the source (its cached
+    copies are gone; TieredCache.source_changed). `run_ssd`: the worker-thread hop of the SSD
+    tier's calls (None: threads).
     `drop_file_pages(relpath, keep)`: the kernel drops a file's pages (the range cache's drops,
     cachefs/range_cache.py; None: nothing to drop)."""
     targets = targets if targets is not None else Targets()

@@ -227,7 +227,12 @@ class Source:
                 "read_seconds": self.read_seconds.snapshot()}
 
     def _remember(self, relpath: bytes, st: os.stat_result, asked_s: float) -> None:
-        self._recent_stats.put(relpath, (st, asked_s))
+        seen = self._recent_stats.get(relpath)
+        if seen is None or asked_s >= seen[1]:
+            # not over one asked later: a lookup would make an inode of the older version
+            # (the file changed between the two looks), and the kernel's next open of it
+            # would get ESTALE (cachefs/inodes.py)
+            self._recent_stats.put(relpath, (st, asked_s))
 
     async def lstat_many(self, relpaths: list[bytes]
                          ) -> list[tuple[bytes, os.stat_result | OSError]]:

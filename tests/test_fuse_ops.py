@@ -51,23 +51,35 @@ class PublicOnly:
         return getattr(self._reader, name)
 
 
+class KernelDrops:
+    """What `KernelInvalidation` has the kernel drop, recorded (there is no kernel here)."""
+
+    def __init__(self):
+        self.entries: list[tuple[int, bytes]] = []  # (directory inode, name)
+        self.pages: list[int] = []  # inodes
+
+    def invalidate(self, inode: int, keep=None) -> bool:
+        self.pages.append(inode)
+        return False
+
+
 def operations(src: Path, ttl_s: float = TTL_S, changed: list | None = None,
-               stats: Stats | None = None, entries_dropped: list | None = None
-               ) -> Operations:
+               stats: Stats | None = None, drops: KernelDrops | None = None) -> Operations:
     """The operations over a read path as a mount wires them: a change the read path finds
-    goes to `KernelInvalidation` (with no kernel: the entries it would have the kernel drop
-    go to `entries_dropped`), and its path to `changed`."""
+    goes to `KernelInvalidation` (what it has the kernel drop, to `drops`), and its path to
+    `changed`."""
     source = Source(src, threads=2)
     freshness = Freshness(ttl_s)
     inodes = InodeTable(os.lstat(src), source.identity_of)
+    drops = drops if drops is not None else KernelDrops()
     invalidation = KernelInvalidation(
-        inodes, None, invalidate_entry=lambda parent, name: (
-            entries_dropped if entries_dropped is not None else []).append((parent, name)))
+        inodes, drops,  # type: ignore[arg-type]
+        invalidate_entry=lambda parent, name: drops.entries.append((parent, name)))
 
-    def source_changed(relpath: bytes, identity) -> None:
+    def source_changed(relpath: bytes, identity, asked_s: float | None) -> None:
         if changed is not None:
             changed.append(relpath)
-        invalidation.source_changed(relpath, identity)
+        invalidation.source_changed(relpath, identity, asked_s)
     read_path = build_read_path(
         source, stats or Stats(), RamTier(16 * BLOCK_BYTES, block_bytes=BLOCK_BYTES), None,
         freshness,
@@ -131,8 +143,8 @@ def test_an_inode_is_one_version_of_its_file(tmp_path, found_by):
     src = tmp_path / "src"
     write_file(src / "d" / "a", 2 * BLOCK_BYTES, seed=1)
     changed: list[bytes] = []
-    entries_dropped: list[tuple[int, bytes]] = []
-    ops = operations(src, ttl_s=1.0, changed=changed, entries_dropped=entries_dropped)
+    drops = KernelDrops()
+    ops = operations(src, ttl_s=1.0, changed=changed, drops=drops)
     if found_by == "read":
         ops.decide_mode(no_open=True)
     clock = trio.testing.MockClock()
@@ -160,11 +172,11 @@ def test_an_inode_is_one_version_of_its_file(tmp_path, found_by):
         else:  # the lookup finds it, and the kernel's entry of the name is the new inode
             assert not ops.inodes.get(old).retired
             new = (await ops.lookup(directory, b"a", None)).st_ino
-        assert changed == [b"d/a"]  # the old version's copies go
-        assert ops.inodes.get(old).retired
-        # the kernel's entry of the name is dropped, so that its next lookup asks (unless the
-        # lookup found the change: its answer is the entry now)
-        assert entries_dropped == ([] if found_by == "lookup" else [(directory, b"a")])
+        assert changed == [b"d/a"]  # the old version's copies go, and its pages
+        assert ops.inodes.get(old).retired and drops.pages == [old]
+        # the kernel's entry of the name is dropped, so that its next lookup asks (even if a
+        # lookup found the change: a listing's reply may end before the name)
+        assert drops.entries == [(directory, b"a")]
         if found_by != "lookup":
             new = (await ops.lookup(directory, b"a", None)).st_ino
         assert new != old and ops.inodes.inode_of(b"d/a") == new
@@ -176,7 +188,12 @@ def test_an_inode_is_one_version_of_its_file(tmp_path, found_by):
             await estale(ops.read(old, 0, BLOCK_BYTES))
             assert await ops.read(new, 0, 2 * BLOCK_BYTES) == (src / "d" / "a").read_bytes()
         assert (await ops.getattr(new, None)).st_mtime_ns == 10**9
-        assert (await ops.getattr(directory, None)).st_ino == directory  # listed anew: same
+        # a directory's identity changes with its entries: it stays one inode
+        write_file(src / "d" / "b", 10)
+        os.utime(src / "d", ns=(0, 5 * 10**9))
+        clock.jump(2.0)
+        assert (await ops.getattr(directory, None)).st_mtime_ns == 5 * 10**9
+        assert (await ops.lookup(ROOT_INODE, b"d", None)).st_ino == directory
         ops.forget([(old, 1)])  # the retired inode goes, and nothing of the file with it
         with pytest.raises(KeyError):
             ops.inodes.get(old)
@@ -200,8 +217,9 @@ def test_attributes_age_on_trios_clock(tmp_path):
         clock.jump(TTL_S / 2)
         assert (await ops.getattr(inode, None)).st_size == 10  # still trusted
         clock.jump(TTL_S)
-        with pytest.raises(pyfuse3.FUSEError):  # asked again: another version, ESTALE
+        with pytest.raises(pyfuse3.FUSEError) as raised:  # asked again: another version
             await ops.getattr(inode, None)
+        assert raised.value.errno == errno.ESTALE
         assert (await ops.lookup(ROOT_INODE, b"a", None)).st_size == 20
 
     trio.run(main, clock=clock)
@@ -425,3 +443,91 @@ def test_a_listing_gives_its_files_their_item_numbers_and_no_read_searches_again
         assert sum(target.requests for target in read_path.targets.all) == len(listed[::50])
 
     trio.run(main)
+
+
+def test_a_late_report_of_an_older_version_keeps_the_newer_inode(tmp_path):
+    """A source read that saw an older version can land after a lookup gave a newer one its
+    inode (the file changed twice while it read): its report drops the older copies, but the
+    inode of the version seen after it stays the path's; a report asked after the inode's
+    stat retires it. Either way the kernel drops its entry of the name and the pages of every
+    retired inode of another version."""
+    src = tmp_path / "src"
+    stats = []
+    for seed, mtime_s in ((1, 1), (2, 2), (3, 3)):
+        write_file(src / "a", 100, seed=seed)
+        os.utime(src / "a", ns=(0, mtime_s * 10**9))
+        stats.append(os.lstat(src / "a"))
+    source = Source(src, threads=1)
+    v1, v2, v3 = (source.identity_of(st) for st in stats)
+    inodes = InodeTable(os.lstat(src), source.identity_of)
+    drops = KernelDrops()
+    invalidation = KernelInvalidation(
+        inodes, drops, invalidate_entry=lambda parent, name: drops.entries.append(
+            (parent, name)))  # type: ignore[arg-type]
+    first = inodes.remember(b"a", stats[0], lookup=True, stat_time_s=1.0)
+    third = inodes.remember(b"a", stats[2], lookup=True, stat_time_s=3.0)  # a lookup: v3
+    assert third != first and inodes.get(first).retired
+    invalidation.source_changed(b"a", v2, asked_s=2.0)  # a read of v2, landing late
+    assert inodes.inode_of(b"a") == third and not inodes.get(third).retired
+    assert drops.pages == [first] and drops.entries == [(ROOT_INODE, b"a")]
+    invalidation.source_changed(b"a", v1, asked_s=4.0)  # asked after the lookup's stat
+    assert inodes.inode_of(b"a") is None and inodes.get(third).retired
+    assert drops.pages == [first, third]
+    assert v3 == inodes.identity(third)
+
+
+def test_the_source_remembers_the_stat_asked_last_whichever_lands_last(tmp_path):
+    """Two looks at a file that changed between them can land in either order; the lookup
+    answered from the memo must get the later one's, or it made an inode of the version the
+    source replaced, and the reader's next open of it got ESTALE (cachefs/inodes.py)."""
+    write_file(tmp_path / "a", 10)
+    old = os.lstat(tmp_path / "a")
+    write_file(tmp_path / "a", 20)
+    new = os.lstat(tmp_path / "a")
+    source = Source(tmp_path, threads=1)
+    source._remember(b"a", new, 5.0)
+    source._remember(b"a", old, 4.0)  # asked before, landed after
+    clock = trio.testing.MockClock()
+
+    async def main():
+        clock.jump(5.0)
+        st, asked_s = await source.lstat_recent(b"a", Freshness(TTL_S))
+        assert (st.st_size, asked_s) == (20, 5.0)
+
+    trio.run(main, clock=clock)
+
+
+def test_a_close_of_a_retired_inode_counts_its_read_and_settles_nothing(tmp_path):
+    """The zero-request mode: a reader read part of a file, which then changed; its close
+    comes after the new version's inode was read. The old handle counts its read, but does
+    not settle the kernel's pages: by path, that dropped the new version's pages, which the
+    kernel may hold alone."""
+    src = tmp_path / "src"
+    write_file(src / "a", 2 * BLOCK_BYTES, seed=1)
+    stats = Stats()
+    ops = operations(src, ttl_s=1.0, stats=stats)
+    ops.decide_mode(no_open=True)
+    reader = ops.reader._reader
+    settled: list = []
+    settle_pages = reader._settle_pages
+
+    def recording_settle_pages(handle):
+        settled.append(handle.inode)
+        return settle_pages(handle)
+    reader._settle_pages = recording_settle_pages
+    clock = trio.testing.MockClock()
+
+    async def main():
+        old = (await ops.lookup(ROOT_INODE, b"a", None)).st_ino
+        assert await ops.read(old, 0, BLOCK_BYTES) == (src / "a").read_bytes()[:BLOCK_BYTES]
+        write_file(src / "a", 2 * BLOCK_BYTES, seed=2)
+        os.utime(src / "a", ns=(0, 10**9))
+        clock.jump(2.0)
+        new = (await ops.lookup(ROOT_INODE, b"a", None)).st_ino
+        assert new != old
+        assert await ops.read(new, 0, 2 * BLOCK_BYTES) == (src / "a").read_bytes()
+        ops.closed([old, new])
+        assert settled == [new]
+
+    trio.run(main, clock=clock)
+    assert stats.totals()["reads"] == 2  # both reads are counted

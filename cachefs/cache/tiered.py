@@ -120,7 +120,8 @@ class TieredCache:
     def __init__(self, ram: RamTier, source: Source, stats: stats_mod.Stats, block_bytes: int,
                  ranking: BlockRanking, *, ssd=None, run_ssd: threads.RunSync | None = None,
                  kernel: KernelPages | None = None, kernel_inodes: KernelInodes | None = None,
-                 on_source_changed: Callable[[bytes, SourceIdentity], None] | None = None):
+                 on_source_changed: Callable[[bytes, SourceIdentity, float | None], None]
+                 | None = None):
         self.ram = ram
         self.source = source
         self.stats = stats
@@ -132,7 +133,7 @@ class TieredCache:
         self._run_ssd = run_ssd if run_ssd is not None else threads.pool(SSD_THREADS)
         self.inflight: dict[BlockKey, _Flight] = {}
         # (relpath, identity) of a file that changed at the source, once its copies are gone
-        self._on_source_changed = on_source_changed or (lambda relpath, identity: None)
+        self._on_source_changed = on_source_changed or (lambda relpath, identity, asked_s: None)
         self.admissions_skipped = 0
         self.kernel_reclaims = 0  # blocks only the kernel held whose pages it dropped
         self._admit_send, self._admit_recv = trio.open_memory_channel(ADMISSION_QUEUE_BLOCKS)
@@ -302,7 +303,7 @@ class TieredCache:
                                              expected_bytes=expected_bytes)
         if identity is not None and block.identity != identity:
             log.info("source file changed: %r", relpath)
-            self.source_changed(relpath, block.identity)
+            self.source_changed(relpath, block.identity, asked_s)
         self._queue_admission(key, block.identity, block.data)
         origin = stats_mod.ORIGIN_MISS if demand else stats_mod.ORIGIN_PREFETCHED
         return Fetched(block.data, block.identity, origin, True, asked_s)
@@ -436,15 +437,20 @@ class TieredCache:
 
     # -- changes ---------------------------------------------------------------------------
 
-    def source_changed(self, relpath: bytes, identity: SourceIdentity) -> None:
-        """Drop every cached copy of `relpath` that is not of `identity`."""
+    def source_changed(self, relpath: bytes, identity: SourceIdentity,
+                       asked_s: float | None = None) -> None:
+        """Drop every cached copy of `relpath` that is not of `identity`, and tell
+        `on_source_changed`. `asked_s`: when the look that saw `identity` was asked, if it
+        may land after a look at a newer version (a source read: the kernel's inode of that
+        newer version stays, fuse_ops.KernelInvalidation); None: a look just asked, or one
+        whose order the caller checked."""
         stale = [key for key, block in self.ram.blocks.items()
                  if key[0] == relpath and block.identity != identity]
         for key in stale:
             self.ram.drop(key)
         if self.ssd is not None and self._nursery is not None:
             self._nursery.start_soon(self._drop_ssd_file, relpath, identity)
-        self._on_source_changed(relpath, identity)
+        self._on_source_changed(relpath, identity, asked_s)
 
     async def _drop_ssd_file(self, relpath: bytes, keep: SourceIdentity) -> None:
         try:
