@@ -344,7 +344,7 @@ class Source:
         def read(st: os.stat_result) -> tuple[bytes, bool]:
             offset = block_index * block_bytes
             want = max(0, min(block_bytes, st.st_size - offset))
-            data = _pread_full(fd, want, offset)
+            data = pread_full(fd, want, offset)
             return data, len(data) == want
 
         try:
@@ -439,7 +439,7 @@ class Source:
             def at(st: os.stat_result) -> tuple[bytes, bool]:
                 wants = [(offset, max(0, min(length, st.st_size - offset)))
                          for offset, length in ranges]
-                parts = [_pread_full(fd, want, offset) for offset, want in wants]
+                parts = [pread_full(fd, want, offset) for offset, want in wants]
                 return b"".join(parts), all(len(part) == want
                                             for part, (_, want) in zip(parts, wants, strict=True))
             return self._one_version(relpath, fd, st, at)
@@ -468,8 +468,9 @@ class Source:
         return block
 
 
-def _pread_full(fd: int, size: int, offset: int) -> bytes:
-    """pread until `size` bytes or EOF: network file systems may return short reads."""
+def pread_full(fd: int, size: int, offset: int) -> bytes:
+    """pread until `size` bytes or EOF: network file systems may return short reads, and so
+    may a FUSE mount (scripts/soak.py reads through cachefs with it)."""
     data = os.pread(fd, size, offset)
     if len(data) == size or not data:
         return data

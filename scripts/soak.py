@@ -71,6 +71,7 @@ from cachefs.errors import CachefsError, OrderError  # noqa: E402
 from cachefs.mountinfo import mounted_paths  # noqa: E402
 from cachefs.order import permutation  # noqa: E402
 from cachefs.publish import publish, source_file_count  # noqa: E402
+from cachefs.source import pread_full  # noqa: E402
 from cachefs.revalidate import MIN_INTERVAL_S  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -236,22 +237,6 @@ def cut_short(data: bytes, offset: int, length: int | None, versions: list[Versi
     copied), so a read that spanned the daemon's kill is counted with the failed ones."""
     wants = (expected_range(version, offset, length) for version in versions)
     return any(len(data) < len(want) and want.startswith(data) for want in wants)
-
-
-def read_range(fd: int, offset: int, length: int) -> bytes:
-    """`length` bytes at `offset`, fewer only at the end of the file: pread(2) again after a
-    short one, as a buffered reader reads (Python's `f.read(n)`, C's `fread`). A read the
-    kernel served in part from its pages and then failed returns the part (a file changed
-    under the reader: the rest is ESTALE); the next pread gets the error."""
-    parts: list[bytes] = []
-    got = 0
-    while got < length:
-        part = os.pread(fd, length - got, offset + got)
-        if not part:
-            break
-        parts.append(part)
-        got += len(part)
-    return b"".join(parts)
 
 
 def common_prefix(a: bytes, b: bytes) -> int:
@@ -652,7 +637,10 @@ class Soak:
             size = None
             fd = os.open(path, os.O_RDONLY)
             try:
-                data = read_range(fd, offset, length)
+                # pread again after a short one, as a buffered reader does: a read the kernel
+                # served in part from its pages and then failed returns the part (the file
+                # changed under the reader), and the next pread gets the error (ESTALE)
+                data = pread_full(fd, length, offset)
             finally:
                 os.close(fd)
         ended_s = time.monotonic()

@@ -303,7 +303,7 @@ def test_a_file_rewritten_while_it_is_read_is_read_again(tmp_path, monkeypatch, 
     path = tmp_path / "f"
     path.write_bytes(b"o" * 2000)
     old_ns = path.stat().st_mtime_ns
-    real_pread = source_mod._pread_full
+    real_pread = source_mod.pread_full
     rewrites = []
 
     def pread_racing_a_writer(fd, size, offset):
@@ -313,7 +313,7 @@ def test_a_file_rewritten_while_it_is_read_is_read_again(tmp_path, monkeypatch, 
             os.utime(path, ns=(old_ns + 10**9, old_ns + 10**9))
         return real_pread(fd, size, offset)
 
-    monkeypatch.setattr(source_mod, "_pread_full", pread_racing_a_writer)
+    monkeypatch.setattr(source_mod, "pread_full", pread_racing_a_writer)
     source = source_mod.Source(tmp_path, threads=1)
     block = (source.read_ranges_sync(b"f", [(0, 4096)]) if ranged
              else source.read_block_sync(b"f", 0, 4096))
@@ -324,14 +324,14 @@ def test_a_file_rewritten_while_it_is_read_is_read_again(tmp_path, monkeypatch, 
 def test_a_file_that_keeps_changing_while_read_fails_with_eio(tmp_path, monkeypatch):
     path = tmp_path / "f"
     path.write_bytes(b"o" * 2000)
-    real_pread = source_mod._pread_full
+    real_pread = source_mod.pread_full
 
     def pread_racing_a_writer(fd, size, offset):
         stamp = path.stat().st_mtime_ns + 10**9
         os.utime(path, ns=(stamp, stamp))
         return real_pread(fd, size, offset)
 
-    monkeypatch.setattr(source_mod, "_pread_full", pread_racing_a_writer)
+    monkeypatch.setattr(source_mod, "pread_full", pread_racing_a_writer)
     source = source_mod.Source(tmp_path, threads=1)
     with pytest.raises(OSError) as caught:
         source.read_block_sync(b"f", 0, 4096)
@@ -371,14 +371,14 @@ def test_a_file_always_shorter_than_its_size_is_served_as_it_reads(tmp_path, mon
     """A source whose sizes are estimates (the read ends before the size, the file never
     changing) is read as before, not failed with EIO after the re-reads."""
     (tmp_path / "f").write_bytes(b"x" * 2000)
-    real_pread = source_mod._pread_full
+    real_pread = source_mod.pread_full
     reads = []
 
     def short(fd, size, offset):
         reads.append(offset)
         return real_pread(fd, size, offset)[:-10]
 
-    monkeypatch.setattr(source_mod, "_pread_full", short)
+    monkeypatch.setattr(source_mod, "pread_full", short)
     source = source_mod.Source(tmp_path, threads=1)
     assert source.read_block_sync(b"f", 0, 4096).data == b"x" * 1990
     assert len(reads) == 2  # read once more (a rewrite may have raced it), not three times
@@ -390,7 +390,7 @@ def test_a_short_read_after_a_change_is_read_again(tmp_path, monkeypatch):
     not be done yet) was served as it read."""
     path = tmp_path / "f"
     path.write_bytes(b"x" * 2000)
-    real_pread = source_mod._pread_full
+    real_pread = source_mod.pread_full
     reads = []
 
     def short(fd, size, offset):
@@ -399,7 +399,7 @@ def test_a_short_read_after_a_change_is_read_again(tmp_path, monkeypatch):
             path.write_bytes(b"y" * 3000)  # rewritten in place while the first read ran
         return real_pread(fd, size, offset)[:-10]
 
-    monkeypatch.setattr(source_mod, "_pread_full", short)
+    monkeypatch.setattr(source_mod, "pread_full", short)
     source = source_mod.Source(tmp_path, threads=1)
     block = source.read_block_sync(b"f", 0, 4096)
     assert block.data == b"y" * 2990 and block.identity.size == 3000
