@@ -306,14 +306,20 @@ class Source:
             os.close(fd)
 
     async def check_readable(self, relpath: bytes) -> SourceIdentity:
-        """Open the file for reading (permission check, as the reader's open would) and fstat it."""
+        """Open the file for reading (permission check, as the reader's open would) and fstat
+        it. The fstat is remembered as a block read's is: a change this check finds has the
+        kernel look the file up again, and a lookup answered from an older stat made an
+        inode of the version it replaced (cachefs/inodes.py), ESTALE to the open again."""
+        asked_s = now_s()
         self.requests["identity_check"] += 1
-        return await self._observed(relpath, self._open_identity)
+        st = await self._observed(relpath, self._open_stat)
+        self._remember(relpath, st, asked_s)
+        return self.identity_of(st)
 
-    def _open_identity(self, relpath: bytes) -> SourceIdentity:
+    def _open_stat(self, relpath: bytes) -> os.stat_result:
         fd, st = self._open(relpath)
         os.close(fd)
-        return self.identity_of(st)
+        return st
 
     # -- data ------------------------------------------------------------------------------
 

@@ -531,3 +531,31 @@ def test_a_close_of_a_retired_inode_counts_its_read_and_settles_nothing(tmp_path
 
     trio.run(main, clock=clock)
     assert stats.totals()["reads"] == 2  # both reads are counted
+
+
+def test_the_lookup_after_an_open_found_a_change_gives_the_new_version(tmp_path):
+    """The keep-cache mode: an open checks a file the inode table's stat of which is past the
+    TTL, while the source's stat memo (an lstat a sweep took since) is not; the check finds
+    the file changed: ESTALE, and the kernel looks the file up again, once. That lookup was
+    answered from the memo, of the version the source replaced: an inode of it, whose open
+    was ESTALE again, and the reader's open(2) failed. The check's stat is the memo's now."""
+    src = tmp_path / "src"
+    write_file(src / "a", 2 * BLOCK_BYTES, seed=1)
+    ops = operations(src, ttl_s=10.0)
+    clock = trio.testing.MockClock()
+
+    async def main():
+        old = (await ops.lookup(ROOT_INODE, b"a", None)).st_ino
+        clock.jump(6.0)
+        await ops.source.lstat(b"a")  # a sweep's look: the memo, still the first version
+        write_file(src / "a", 2 * BLOCK_BYTES, seed=2)
+        os.utime(src / "a", ns=(0, 10**9))
+        clock.jump(5.0)  # the table's stat is past the TTL, the memo's is not
+        with pytest.raises(pyfuse3.FUSEError) as raised:
+            await ops.open(old, os.O_RDONLY, None)
+        assert raised.value.errno == errno.ESTALE
+        new = (await ops.lookup(ROOT_INODE, b"a", None)).st_ino  # the kernel's one retry
+        assert new != old
+        assert await read_file(ops, new) == (src / "a").read_bytes()
+
+    trio.run(main, clock=clock)
