@@ -334,8 +334,7 @@ class Operations(pyfuse3.Operations):
                     entry.page_identity is not None or self.kernel.dropped_lately(inode)):
                 await self.kernel.drain()
             entry.page_identity = handle.identity
-        if entry.retired:  # while the source or the kernel was waited for: ESTALE, retried
-            raise errors.StaleFileError(f"{entry.relpath!r} changed in the source")
+        self._live_entry(inode)  # not retired while the source or the kernel was waited for
         fh = self._new_fh()
         self._files[fh] = handle
         return pyfuse3.FileInfo(fh=fh, keep_cache=handle.kernel_whole)
@@ -465,14 +464,13 @@ class Operations(pyfuse3.Operations):
         """A close of `inode` as `Reader.closed` takes it: the handle its READs used, else
         (inode, relpath, item, identity) of a regular file still known; None if neither."""
         handle = self._without_open.pop(inode, None)
-        current = self.inodes.inode_of(handle.relpath) if handle is not None else None
-        if handle is not None and current != inode:
+        if handle is not None:
+            if self.inodes.inode_of(handle.relpath) == inode:
+                return handle
             # retired (or forgotten) since its READs: counted, with nothing to settle (as
             # `release` of a retired inode's handle), and on its own, out of the batch
             self.reader.release(handle, last=False)
             return None
-        if handle is not None:
-            return handle
         try:
             entry = self.inodes.get(inode)
         except KeyError:
@@ -580,25 +578,23 @@ class KernelInvalidation:
         for old in stale:
             self._drop_inode_pages(old)
 
-    def _drop_inode_pages(self, inode: int) -> None:
-        if self._kernel is not None:
-            self._kernel.invalidate(inode)  # after any store queued before: one FIFO
-        elif self._nursery is not None:
-            self._nursery.start_soon(self._invalidate, inode)
-
-    def drop_pages(self, relpath: bytes, keep: list[tuple[int, int]] | None = None) -> bool:
-        """The kernel drops its pages of the file (cachefs/range_cache.py drops those of the
-        files whose samples are byte ranges, so that a sample read again is seen again): all,
-        or all but the byte extents in `keep` where it can drop a range. True if those stay."""
-        inode = self._inodes.inode_of(relpath)
-        if inode is None:
-            return False
+    def _drop_inode_pages(self, inode: int, keep: list[tuple[int, int]] | None = None
+                          ) -> bool:
+        """The kernel drops the inode's pages, all or all but `keep` (`drop_pages`); True if
+        those stay."""
         if self._kernel is not None:
             # after any store queued before: one FIFO
             return self._kernel.invalidate(inode, keep)
         if self._nursery is not None:
             self._nursery.start_soon(self._invalidate, inode)
         return False
+
+    def drop_pages(self, relpath: bytes, keep: list[tuple[int, int]] | None = None) -> bool:
+        """The kernel drops its pages of the file (cachefs/range_cache.py drops those of the
+        files whose samples are byte ranges, so that a sample read again is seen again): all,
+        or all but the byte extents in `keep` where it can drop a range. True if those stay."""
+        inode = self._inodes.inode_of(relpath)
+        return inode is not None and self._drop_inode_pages(inode, keep)
 
     async def _invalidate(self, inode: int) -> None:
         try:
