@@ -35,7 +35,7 @@ import numpy as np
 import pyfuse3
 import trio
 
-from cachefs import __version__, errors, heap, threads
+from cachefs import __version__, errors, heap, scheduling, threads
 from cachefs.cache.ram import RamTier
 from cachefs.mountinfo import listed_path, mounted_paths, mountinfo
 from cachefs.config import MountConfig
@@ -535,6 +535,7 @@ def _set_read_ahead(mountpoint: Path, kb: int) -> None:
 def run(config: MountConfig) -> int:
     """Mount in the foreground until unmounted or signalled; raises StartupError."""
     check_startup(config)
+    scheduling.run_as_batch_work()  # before any thread of the mount starts
     make_dirs(config.state_dir)
     make_dirs(config.order_file.parent)
     _check_order_directory(config.order_file.parent)

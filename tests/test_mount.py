@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import multiprocessing
@@ -71,6 +72,26 @@ def test_four_concurrent_reader_processes(tree, mounter):
         results = pool.map(hash_all, [(mount.mountpoint, relpaths)] * 4)
     for result in results:
         assert result == expected
+
+
+@pytest.mark.parametrize("started_under", ["the default policy", "chrt --idle 0"])
+def test_every_thread_of_the_daemon_runs_as_batch_work(tree, mounter, started_under):
+    """The daemon's threads do not preempt the storage client's on wake-up (SCHED_BATCH,
+    cachefs/scheduling.py): those that exist at start and every one started after, by
+    the read pool, the page cache's workers and trio's thread cache once files are read.
+    A daemon started under a policy of its caller's choice keeps it."""
+    if started_under == "the default policy":
+        mount, expected = mounter(tree), os.SCHED_BATCH
+    else:
+        mount, expected = mounter(tree, prefix=started_under.split()), os.SCHED_IDLE
+    assert source_files(mount.mountpoint) == source_files(tree)
+    tasks = os.listdir(f"/proc/{mount.process.pid}/task")
+    assert len(tasks) > 4  # the threads of the reads are there too
+    policies = {}
+    for task in tasks:
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            policies[task] = os.sched_getscheduler(int(task))
+    assert set(policies.values()) == {expected}, policies
 
 
 def test_metadata_walk_glob_symlinks(tree, mounter):
