@@ -31,6 +31,8 @@ batch of inode numbers to `deliver`; the batch's fds (if any) are closed when it
 By handle, `deliver` returns at once and the trio thread accounts for the batch when it can:
 fanotify merges the queued events of one file, so the kernel's queue must not wait on the
 trio thread (`close_delivery`); with fds, it returns once the batch is accounted.
+Before a new order goes in force, the order watcher has the thread hand over at once what the
+kernel has queued (`flushed`), so the closes of one epoch's last files count in it.
 Directories report nothing (no FAN_ONDIR). Two closes of one file within a batch's gathering
 (two readers of the same file at once) are one event, and count as one read.
 
@@ -41,6 +43,7 @@ what they lost is counted as not read.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
 import logging
@@ -49,7 +52,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 
 import trio
@@ -87,6 +89,12 @@ BUFFER_BYTES = 256 * 1024
 # batches of hundreds, not one wake-up of this thread and of the trio thread per file (the hot
 # pass of scripts/bench_fuse.py: the daemon's system time 0.2 -> 0.04 s per 50,000 files)
 GATHER_S = 0.002
+# `flushed` gives up after this long: a watcher thread stuck (it never is, but a new order must
+# not wait on it) only leaves a late close to count in the new epoch, as before it existed
+FLUSH_WAIT_S = 1.0
+# ... and reads at most this many batches for it: readers closing files all the while (a pass
+# the kernel serves from its pages, 50,000 files a second) would keep its queue from emptying
+FLUSH_BATCHES = 16
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fanotify_init.argtypes = [ctypes.c_uint, ctypes.c_uint]
@@ -235,6 +243,10 @@ class CloseWatcher:
         self._deliver = deliver
         self._thread: threading.Thread | None = None
         self._stop_read, self._stop_write = os.pipe()
+        # `flushed`: a byte in the pipe per request, its (trio token, event) in the deque
+        self._flush_read, self._flush_write = os.pipe()
+        self._flush_waiters: collections.deque[tuple[trio.lowlevel.TrioToken, trio.Event]] = \
+            collections.deque()
         self.events = 0
         self.overflows = 0
 
@@ -250,8 +262,32 @@ class CloseWatcher:
             self._thread = None
         if self._marker is not None:
             self._marker.close()
-        for fd in (self._fd, self._stop_read, self._stop_write):
+        for fd in (self._fd, self._stop_read, self._stop_write, self._flush_read,
+                   self._flush_write):
             os.close(fd)
+
+    async def flushed(self) -> bool:
+        """Return once every close the kernel has queued by now is handed to `deliver`, in
+        a batch ahead of this call's answer, so accounted before it (at most FLUSH_WAIT_S).
+        The order watcher calls it before it puts a new order in force: a trainer publishes
+        the next epoch's order once its readers have closed the last files of this one, and a
+        close still queued then was counted in the new epoch, as a read of the file's place
+        in it (the file was read ahead there, dropped as consumed, and read again). False:
+        not answered in time."""
+        if self._thread is None:
+            return True
+        answered = trio.Event()
+        self._flush_waiters.append((trio.lowlevel.current_trio_token(), answered))
+        try:
+            os.write(self._flush_write, b"x")
+        except OSError:  # stopped meanwhile (unmounting): nothing more will be counted
+            return False
+        with trio.move_on_after(FLUSH_WAIT_S):
+            await answered.wait()
+        if not answered.is_set():
+            log.warning("the close events reported before a new order were not all counted "
+                        "in %.0f s: a few may count in its epoch", FLUSH_WAIT_S)
+        return answered.is_set()
 
     def _work(self) -> None:
         import select
@@ -259,29 +295,56 @@ class CloseWatcher:
         poller = select.poll()
         poller.register(self._fd, select.POLLIN)
         poller.register(self._stop_read, select.POLLIN)
+        poller.register(self._flush_read, select.POLLIN)
+        queued = select.poll()  # the kernel's queue alone, looked at without waiting
+        queued.register(self._fd, select.POLLIN)
+        interrupts = select.poll()  # what ends a wait between batches: a flush, the stop
+        interrupts.register(self._stop_read, select.POLLIN)
+        interrupts.register(self._flush_read, select.POLLIN)
         while True:
             ready = {fd for fd, _ in poller.poll()}
             if self._stop_read in ready:
                 return
-            try:
-                buffer = os.read(self._fd, BUFFER_BYTES)
-            except OSError as exc:
-                if exc.errno in (errno.EAGAIN, errno.EINTR):
-                    continue
-                log.error("fanotify read failed: %s; close events are lost from now on", exc)
+            if self._flush_read in ready:
+                os.read(self._flush_read, 4096)  # then the waiters: each has written its byte
+                waiters = [self._flush_waiters.popleft() for _ in range(len(self._flush_waiters))]
+                for _ in range(FLUSH_BATCHES):
+                    if not queued.poll(0):
+                        break
+                    if not self._take_batch():
+                        return
+                for token, answered in waiters:
+                    try:
+                        token.run_sync_soon(answered.set)  # after the batches handed over
+                    except trio.RunFinishedError:
+                        pass
+                continue
+            if not self._take_batch():
                 return
-            fds, inodes = self._parse(buffer)
-            try:
-                if inodes:
-                    self._deliver(inodes)
-            except Exception:  # noqa: BLE001 - the trio loop is gone (unmounting)
-                return
-            finally:
-                for fd in fds:
-                    os.close(fd)
             # let the next closes gather: one wake-up per file read costs the machine more
-            # than the reads' accounting coming this much later
-            time.sleep(GATHER_S)
+            # than the reads' accounting coming this much later (a flush does not wait)
+            interrupts.poll(GATHER_S * 1000)
+
+    def _take_batch(self) -> bool:
+        """Read a batch of events and hand it to `deliver`; False once nothing more will come
+        (the fanotify fd failed, or the trio loop is gone)."""
+        try:
+            buffer = os.read(self._fd, BUFFER_BYTES)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EINTR):
+                return True
+            log.error("fanotify read failed: %s; close events are lost from now on", exc)
+            return False
+        fds, inodes = self._parse(buffer)
+        try:
+            if inodes:
+                self._deliver(inodes)
+        except Exception:  # noqa: BLE001 - the trio loop is gone (unmounting)
+            return False
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return True
 
     def mark_directory(self, path: bytes) -> None:
         """Report the closes of the files in the directory at `path` (by-handle events; a

@@ -233,7 +233,8 @@ class Mount:
         self.prefetcher = read_path.prefetcher
         self.reader = read_path.reader
         self.watcher = OrderWatcher(config.order_file, self._load_order,
-                                    self._order_in_force, resume=config.resume_order)
+                                    self._order_in_force, resume=config.resume_order,
+                                    before_order=self._closes_counted)
         # the kernel's read-ahead for the mount: set once it has our answer to FUSE_INIT
         # (`_serving`), and 0 while the order in force has byte-range items
         self._read_ahead_kb: int | None = None
@@ -275,6 +276,11 @@ class Mount:
             _, first = np.unique(files, return_index=True)
             upcoming = files[np.sort(first)]
         return [manifest.path(int(index)) for index in upcoming]
+
+    async def _closes_counted(self) -> None:
+        """The closes the kernel has reported so far are counted (before a new order)."""
+        if self.close_watcher is not None:
+            await self.close_watcher.flushed()
 
     def _order_in_force(self, order) -> None:
         """The order watcher's order comes into force (`OrderWatcher`'s `on_order`)."""

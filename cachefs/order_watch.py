@@ -49,7 +49,7 @@ import logging
 import os
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
@@ -142,14 +142,17 @@ class OrderWatcher:
 
     def __init__(self, order_path: Path, load: Callable[[Path], Order],
                  on_order: Callable[[Order], None], poll_interval_s: float = 0.05,
-                 resume: bool = False, inotify: bool = True):
+                 resume: bool = False, inotify: bool = True,
+                 before_order: Callable[[], Awaitable[None]] | None = None):
         """`inotify=False`: poll, as where inotify is unavailable (scripts/bench_pickup.py
-        measures both)."""
+        measures both). `before_order()` is awaited before an order goes in force: the reads
+        reported before it was published are counted first (fanotify.CloseWatcher.flushed)."""
         self.order_path = Path(order_path)
         self._use_inotify = inotify
         self.watching: str | None = None  # "inotify" or "polling", once `run` has begun
         self._load = load
         self._on_order = on_order
+        self._before_order = before_order
         self._poll_interval_s = poll_interval_s
         self._handled: dict[str, FileIdentity] = {}  # file name -> last identity loaded/rejected
         self._plain: Publication | None = None
@@ -250,6 +253,8 @@ class OrderWatcher:
                 publication = await self._load_one(name, rank, identity, accepted)
                 if publication is not None:
                     accepted.append(publication)
+            if accepted and self._before_order is not None:
+                await self._before_order()
         except BaseException:
             # cancelled (unmount) before the merge: files accepted but not committed are
             # loaded again by the next check, if there is one

@@ -672,6 +672,48 @@ def test_closes_by_handle_reach_the_trio_thread_without_the_watcher_waiting_for_
     assert accounted == [[1, 2], [3]]
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="fanotify needs CAP_SYS_ADMIN")
+def test_a_flush_hands_over_the_closes_queued_before_it(tmp_path, monkeypatch):
+    """`CloseWatcher.flushed` (awaited before a new order goes in force) returns once the
+    closes the kernel queued before it are counted, without waiting for the end of the
+    watcher's wait between two batches: a close of the last epoch's file counted after the
+    next epoch's order was taken as a read of that file's place in it."""
+    import trio
+
+    from cachefs import fanotify
+
+    monkeypatch.setattr(fanotify, "GATHER_S", 5.0)  # a long wait between batches
+    monkeypatch.setattr(fanotify, "FLUSH_WAIT_S", 30.0)  # not a bar of speed: a loaded machine
+    paths = [tmp_path / f"f{i}" for i in range(21)]
+    for path in paths:
+        path.write_bytes(b"x")
+    # with an fd per event: a handle group's events carry ext4's handles, not FUSE's, which
+    # the watcher does not read (fanotify.py); this marks the whole mount tmp_path is on
+    fd, marker = fanotify.open_close_events(os.fsencode(tmp_path), by_handle=False)
+    counted: list[int] = []
+
+    async def main():
+        token = trio.lowlevel.current_trio_token()
+        watcher = fanotify.CloseWatcher(fd, marker, fanotify.close_delivery(
+            token, counted.extend, by_handle=marker is not None))
+        watcher.start()
+        try:
+            paths[0].read_bytes()
+            with trio.fail_after(10):
+                while os.stat(paths[0]).st_ino not in counted:
+                    await trio.sleep(0.01)
+            # the thread now waits 5 s before its next batch; these closes queue
+            for path in paths[1:]:
+                path.read_bytes()
+            with trio.fail_after(10):
+                assert await watcher.flushed()
+            assert {os.stat(path).st_ino for path in paths} <= set(counted)
+        finally:
+            await trio.to_thread.run_sync(watcher.stop)
+
+    trio.run(main)
+
+
 def test_the_start_up_heap_is_frozen_and_cycles_made_later_are_still_collected():
     """cachefs/heap.py: what exists when the mount is built is left out of every later
     collection, young collections are rarer, and the collector still frees a cycle made

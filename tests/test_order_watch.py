@@ -111,6 +111,39 @@ def test_notices_a_file_rewritten_in_place(tmp_path, mode):
     run_with_watcher(tmp_path, body)
 
 
+def test_an_order_goes_in_force_once_the_reads_reported_before_it_are_counted(tmp_path):
+    """`before_order` (the mount's: the close events queued so far, counted) is awaited
+    before an order goes in force, so a read of the last epoch reported late is not counted
+    as one of the new order's files; an order published meanwhile waits for it too."""
+    events = []
+    hook_entered = trio.Event()
+    release = trio.Event()
+
+    async def before_order():
+        events.append("before")
+        hook_entered.set()
+        await release.wait()
+
+    async def main():
+        harness = Harness(tmp_path)
+        harness.watcher._before_order = before_order
+        original = harness.watcher._on_order
+        harness.watcher._on_order = lambda order: (events.append(order.epoch), original(order))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(harness.watcher.run)
+            write_order_file(harness.path, epoch=1, current=np.arange(8))
+            with trio.fail_after(PICKUP_S):
+                await hook_entered.wait()
+            await trio.sleep(0.1)  # a slow count holds the order back
+            assert events == ["before"] and harness.watcher.order is None
+            release.set()
+            assert (await harness.next_order()).epoch == 1
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert events == ["before", 1]
+
+
 def test_files_left_from_an_earlier_run_are_set_aside_until_they_change(tmp_path, mode):
     """A new mount does not adopt the previous run's order (issue 15, item 13)."""
     left = write_order_file(tmp_path / "order.npz", epoch=4, current=np.arange(8))
