@@ -300,7 +300,7 @@ class Source:
         waits its turn behind the reads in flight there: on the benchmarks' sshfs, with the
         read-ahead's reads queued, a directory of 1,000 files took 1.2-2.7 s to list in a
         first epoch, and the read-ahead's page stores that waited for it were READs
-        instead (pagecache.py, "listed")."""
+        instead (the listing for stores: cachefs/pagecache.py's module docstring)."""
         self.requests["listdir"] += 1
         names = await self._run(self._names_in, relpath)
         per_call = max(LISTING_STAT_MIN_NAMES, -(-len(names) // LISTING_STAT_CALLS))
