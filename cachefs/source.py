@@ -7,10 +7,11 @@ slots: that number is how many source requests are in flight at once, which is w
 source's latency. Block reads, the most of them by far, run in the read pool's threads instead
 (cachefs/read_pool.py: C threads that never take the GIL, their completions collected in
 batches), holding the same slots; where the pool is not built, in worker threads as the
-rest. There are two sets: read-ahead and warming (`background=True`) share `threads` slots,
-and what a reader is waiting for right now (a lookup, an open, a demand read) has
+rest. There are three sets: read-ahead and warming (`background=True`) share `threads`
+slots; what a reader is waiting for right now (a lookup, an open, a demand read) has
 `DEMAND_THREADS` slots of its own, so a reader's request never queues behind a full read-ahead
-window. Paths are relative and bytes (`b""` is the root),
+window; and directory listings, a call per few hundred entries, have `LISTING_THREADS`, so
+that neither waits behind them (`listdir`). Paths are relative and bytes (`b""` is the root),
 exactly as FUSE hands names to us, so no name is ever decoded.
 
 Every path is opened beneath a descriptor of the source's root, through no symbolic link
@@ -82,9 +83,11 @@ log = logging.getLogger(__name__)
 
 
 DEMAND_THREADS = 8
-# A listing's lstats run in up to this many calls at once, of DEMAND_THREADS' slots (`listdir`),
-# each of at least LISTING_STAT_MIN_NAMES names: half the slots, so that a reader's own demand
-# reads still find some free while a large directory is listed
+# Listings (a directory's names, then its entries' lstats) have slots of their own
+# (`listdir`): as many as four directories listed at full speed at once
+LISTING_THREADS = 16
+# A listing's lstats run in up to this many calls at once (`listdir`), each of at least
+# LISTING_STAT_MIN_NAMES names
 LISTING_STAT_CALLS = 4
 LISTING_STAT_MIN_NAMES = 64
 # Paths whose latest stat is remembered: a read-ahead window is tens of files, and a lookup
@@ -142,6 +145,7 @@ class Source:
         self.stable_inodes = not filesystem_type(self.root).startswith(b"fuse")
         self._background = threads_mod.Slots(threads)
         self._demand = threads_mod.Slots(DEMAND_THREADS)
+        self._listing = threads_mod.Slots(LISTING_THREADS)
         # block reads in threads without the GIL (cachefs/read_pool.py), a thread per slot;
         # None: in Python worker threads (no pool built, or not wanted: scripts/bench_fetch.py
         # compares the two)
@@ -300,15 +304,26 @@ class Source:
         waits its turn behind the reads in flight there: on the benchmarks' sshfs, with the
         read-ahead's reads queued, a directory of 1,000 files took 1.2-2.7 s to list in a
         first epoch, and the read-ahead's page stores that waited for it were READs
-        instead (the listing for stores: cachefs/pagecache.py's module docstring)."""
+        instead (the listing for stores: cachefs/pagecache.py's module docstring).
+
+        The calls hold slots of their own (LISTING_THREADS), neither a reader's nor the
+        read-ahead's. On the demand slots, the read-ahead's stores reaching the five
+        directories of a data set at once had the listings take all eight (twenty calls):
+        the readers' lookups of files not read ahead yet, whose lstats wait for those slots,
+        waited for the listings to end, and for 100-150 ms early in a first epoch
+        (DataLoader shape over sshfs) the eight readers read 8-16 files per 50 ms against
+        50-90 before and after, while the source delivered the read-ahead's 50. Bounded
+        together to half the demand slots instead, the listings took so long that most
+        files of the epoch's first second were read with no page store, each a READ (the
+        daemon's CPU a file up by a sixth)."""
         self.requests["listdir"] += 1
-        names = await self._run(self._names_in, relpath)
+        names = await threads_mod.run_sync(self._listing, self._names_in, relpath)
         per_call = max(LISTING_STAT_MIN_NAMES, -(-len(names) // LISTING_STAT_CALLS))
         parts: list[list[tuple[bytes, os.stat_result]]] = []
 
         async def stat_part(start: int) -> None:
-            parts.append(await self._run(self._lstat_in, relpath,
-                                         names[start:start + per_call]))
+            parts.append(await threads_mod.run_sync(
+                self._listing, self._lstat_in, relpath, names[start:start + per_call]))
         async with trio.open_nursery() as nursery:
             for start in range(0, len(names), per_call):
                 nursery.start_soon(stat_part, start)

@@ -390,6 +390,60 @@ def test_a_large_directory_is_stat_ed_in_several_calls_at_once(tmp_path, monkeyp
     assert 2 <= most <= source_mod.LISTING_STAT_CALLS
 
 
+def test_directories_listed_together_leave_demand_slots_to_a_reader(tmp_path, monkeypatch):
+    """The read-ahead's stores reach a data set's directories at once, and each listing took
+    up to LISTING_STAT_CALLS of the eight demand slots: five directories took them all, and a
+    reader's lookup of a file the read-ahead had not read waited for the listings to end.
+    Listings have slots of their own now: a lookup made while they run is answered before
+    any of them ends, the listings run at full speed (each in several calls at once, within
+    LISTING_THREADS in all), and each is whole."""
+    dirs = [f"d{i}" for i in range(5)]
+    for directory in dirs:
+        (tmp_path / directory).mkdir()
+        for i in range(128):  # two calls of LISTING_STAT_MIN_NAMES each
+            (tmp_path / directory / f"f{i:03d}").write_bytes(b"x")
+    (tmp_path / "wanted").write_bytes(b"w")
+    real_lstat = os.lstat
+    in_flight, most = 0, 0
+    lock = threading.Lock()
+
+    def slow_lstat(path, *, dir_fd=None):
+        nonlocal in_flight, most
+        with lock:
+            in_flight += 1
+            most = max(most, in_flight)
+        try:
+            time.sleep(0.004)  # a busy network source's round trip
+            return real_lstat(path, dir_fd=dir_fd)
+        finally:
+            with lock:
+                in_flight -= 1
+
+    monkeypatch.setattr(os, "lstat", slow_lstat)  # the listings' lstats (a lookup's is fstat)
+    source = source_mod.Source(tmp_path, threads=1)
+    listed: dict[str, tuple[list, float]] = {}
+
+    async def main():
+        async def list_one(directory: str) -> None:
+            entries = await source.listdir(directory.encode())
+            listed[directory] = (entries, trio.current_time())
+
+        async with trio.open_nursery() as nursery:
+            for directory in dirs:
+                nursery.start_soon(list_one, directory)
+            await trio.sleep(0.05)  # every listing has started its calls
+            assert (await source.lstat(b"wanted")).st_size == 1
+            answered_s = trio.current_time()
+        return answered_s
+
+    answered_s = trio.run(main)
+    monkeypatch.undo()
+    assert source_mod.DEMAND_THREADS < most <= source_mod.LISTING_THREADS
+    assert answered_s < min(ended_s for _, ended_s in listed.values())
+    for entries, _ in listed.values():
+        assert [name for name, _ in entries] == [f"f{i:03d}".encode() for i in range(128)]
+
+
 def test_a_file_always_shorter_than_its_size_is_served_as_it_reads(tmp_path, monkeypatch):
     """A source whose sizes are estimates (the read ends before the size, the file never
     changing) is read as before, not failed with EIO after the re-reads."""
