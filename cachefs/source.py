@@ -84,8 +84,9 @@ log = logging.getLogger(__name__)
 
 DEMAND_THREADS = 8
 # Listings (a directory's names, then its entries' lstats) have slots of their own
-# (`listdir`): as many as four directories listed at full speed at once
-LISTING_THREADS = 16
+# (`listdir`), as many as the demand slots they shared before: the listings of a data set's
+# directories, started together, run as fast as before, and no reader waits for them
+LISTING_THREADS = 8
 # A listing's lstats run in up to this many calls at once (`listdir`), each of at least
 # LISTING_STAT_MIN_NAMES names
 LISTING_STAT_CALLS = 4

@@ -395,12 +395,12 @@ def test_directories_listed_together_leave_demand_slots_to_a_reader(tmp_path, mo
     up to LISTING_STAT_CALLS of the eight demand slots: five directories took them all, and a
     reader's lookup of a file the read-ahead had not read waited for the listings to end.
     Listings have slots of their own now: a lookup made while they run is answered before
-    any of them ends, the listings run at full speed (each in several calls at once, within
-    LISTING_THREADS in all), and each is whole."""
+    any of them ends, the listings run together (within LISTING_THREADS calls in all), and
+    each is whole."""
     dirs = [f"d{i}" for i in range(5)]
     for directory in dirs:
         (tmp_path / directory).mkdir()
-        for i in range(128):  # two calls of LISTING_STAT_MIN_NAMES each
+        for i in range(256):  # four calls of LISTING_STAT_MIN_NAMES each
             (tmp_path / directory / f"f{i:03d}").write_bytes(b"x")
     (tmp_path / "wanted").write_bytes(b"w")
     real_lstat = os.lstat
@@ -438,10 +438,10 @@ def test_directories_listed_together_leave_demand_slots_to_a_reader(tmp_path, mo
 
     answered_s = trio.run(main)
     monkeypatch.undo()
-    assert source_mod.DEMAND_THREADS < most <= source_mod.LISTING_THREADS
+    assert source_mod.LISTING_STAT_CALLS < most <= source_mod.LISTING_THREADS
     assert answered_s < min(ended_s for _, ended_s in listed.values())
     for entries, _ in listed.values():
-        assert [name for name, _ in entries] == [f"f{i:03d}".encode() for i in range(128)]
+        assert [name for name, _ in entries] == [f"f{i:03d}".encode() for i in range(256)]
 
 
 def test_a_file_always_shorter_than_its_size_is_served_as_it_reads(tmp_path, monkeypatch):
