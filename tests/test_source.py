@@ -355,6 +355,29 @@ def test_an_entry_the_source_cannot_stat_leaves_the_others_listed(tmp_path, monk
     assert [name for name, _ in trio.run(source.listdir, b"")] == [b"a", b"c"]
 
 
+class SlowLstat:
+    """os.lstat taking `delay_s` (a network source's round trip: calls overlap only if they
+    run at once), counting the calls in flight at once (`most`). A lookup's stat is an
+    fstat (`Source.lstat_sync`), so only listings' lstats are slowed and counted."""
+
+    def __init__(self, delay_s: float):
+        self.delay_s = delay_s
+        self.real = os.lstat
+        self.in_flight = self.most = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, path, *, dir_fd=None):
+        with self._lock:
+            self.in_flight += 1
+            self.most = max(self.most, self.in_flight)
+        try:
+            time.sleep(self.delay_s)
+            return self.real(path, dir_fd=dir_fd)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+
 def test_a_large_directory_is_stat_ed_in_several_calls_at_once(tmp_path, monkeypatch):
     """A listing's lstats ran one after the other in one thread: on network storage busy
     with the read-ahead, each waited its turn there, and a directory of 1,000 files took
@@ -363,31 +386,16 @@ def test_a_large_directory_is_stat_ed_in_several_calls_at_once(tmp_path, monkeyp
     names = [f"f{i:03d}".encode() for i in range(300)]
     for name in reversed(names):
         (tmp_path / os.fsdecode(name)).write_bytes(name)
-    real_lstat = os.lstat
-    in_flight, most = 0, 0
-    lock = threading.Lock()
-
-    def slow_lstat(path, *, dir_fd=None):
-        nonlocal in_flight, most
-        with lock:
-            in_flight += 1
-            most = max(most, in_flight)
-        try:
-            time.sleep(0.002)  # a round trip: the calls overlap if they run at once
-            return real_lstat(path, dir_fd=dir_fd)
-        finally:
-            with lock:
-                in_flight -= 1
-
+    slow_lstat = SlowLstat(0.002)
     monkeypatch.setattr(os, "lstat", slow_lstat)
     source = source_mod.Source(tmp_path, threads=1)
     entries = trio.run(source.listdir, b"")
     monkeypatch.undo()
     assert [name for name, _ in entries] == names
     for name, st in entries:
-        assert (st.st_ino, st.st_size) == (real_lstat(tmp_path / os.fsdecode(name)).st_ino,
+        assert (st.st_ino, st.st_size) == (os.lstat(tmp_path / os.fsdecode(name)).st_ino,
                                            len(name))
-    assert 2 <= most <= source_mod.LISTING_STAT_CALLS
+    assert 2 <= slow_lstat.most <= source_mod.LISTING_STAT_CALLS
 
 
 def test_directories_listed_together_leave_demand_slots_to_a_reader(tmp_path, monkeypatch):
@@ -403,23 +411,8 @@ def test_directories_listed_together_leave_demand_slots_to_a_reader(tmp_path, mo
         for i in range(256):  # four calls of LISTING_STAT_MIN_NAMES each
             (tmp_path / directory / f"f{i:03d}").write_bytes(b"x")
     (tmp_path / "wanted").write_bytes(b"w")
-    real_lstat = os.lstat
-    in_flight, most = 0, 0
-    lock = threading.Lock()
-
-    def slow_lstat(path, *, dir_fd=None):
-        nonlocal in_flight, most
-        with lock:
-            in_flight += 1
-            most = max(most, in_flight)
-        try:
-            time.sleep(0.004)  # a busy network source's round trip
-            return real_lstat(path, dir_fd=dir_fd)
-        finally:
-            with lock:
-                in_flight -= 1
-
-    monkeypatch.setattr(os, "lstat", slow_lstat)  # the listings' lstats (a lookup's is fstat)
+    slow_lstat = SlowLstat(0.004)  # a busy network source's round trip
+    monkeypatch.setattr(os, "lstat", slow_lstat)
     source = source_mod.Source(tmp_path, threads=1)
     listed: dict[str, tuple[list, float]] = {}
 
@@ -438,7 +431,7 @@ def test_directories_listed_together_leave_demand_slots_to_a_reader(tmp_path, mo
 
     answered_s = trio.run(main)
     monkeypatch.undo()
-    assert source_mod.LISTING_STAT_CALLS < most <= source_mod.LISTING_THREADS
+    assert source_mod.LISTING_STAT_CALLS < slow_lstat.most <= source_mod.LISTING_THREADS
     assert answered_s < min(ended_s for _, ended_s in listed.values())
     for entries, _ in listed.values():
         assert [name for name, _ in entries] == [f"f{i:03d}".encode() for i in range(256)]
