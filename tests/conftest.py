@@ -185,6 +185,13 @@ def mounts_in(directory: Path, request):
             print(f"--- daemon log of {mount.mountpoint} ---\n{mount.log()}")
 
 
+def default_sigint() -> None:
+    """A Popen's preexec_fn: Ctrl-C reaches the child as a terminal sends it, whatever the
+    caller ignores (a suite started as a background job of a shell runs with SIGINT ignored;
+    an ignored signal stays ignored across exec, a default one is Python's to handle)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_in_terminal(cmd: list, timeout_s: float = 30.0, columns: int = 100
                     ) -> tuple[int, str]:
     """Run `cmd` with a pseudo-terminal as its stdin, stdout and stderr (as in an xterm of

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import default_sigint
+
 FILES = 300
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -199,12 +201,6 @@ def test_ctrl_c_reaches_the_demo_when_the_caller_ignores_it(tmp_path):
         signal.signal(signal.SIGINT, previous)
 
 
-def _default_sigint() -> None:
-    """In the child before exec: Ctrl-C as a terminal sends it, whatever the caller ignores
-    (an ignored signal stays ignored across exec; a default one is Python's to handle)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def interrupt_demo(tmp_path: Path, interrupt_after: str) -> None:
     """Start the demo, send SIGINT once it prints `interrupt_after`; it must clean up."""
     tmpdir = tmp_path / "tmp"
@@ -212,7 +208,7 @@ def interrupt_demo(tmp_path: Path, interrupt_after: str) -> None:
         demo_cmd("--files", FILES, "--file-kb", 8, "--epochs", 8, "--delay-ms", 1,
                  "--output", tmp_path / "out"),
         env=demo_env(tmpdir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=_default_sigint)
+        preexec_fn=default_sigint)
     try:
         seen = []
         for line in process.stderr:

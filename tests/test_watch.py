@@ -13,8 +13,8 @@ import pytest
 from cachefs import order
 from cachefs.publish import publish
 from cachefs.watch import COLUMNS
-from conftest import (cachefs_cmd, epoch_record, flat_dataset_fixture, run_cachefs,
-                      run_in_terminal)
+from conftest import (cachefs_cmd, default_sigint, epoch_record, flat_dataset_fixture,
+                      run_cachefs, run_in_terminal)
 
 N_FILES = 60
 INTERVAL_S = 0.5
@@ -75,15 +75,15 @@ def test_ctrl_c_ends_a_watch_with_status_0(dataset, mounter):
     watching = subprocess.Popen(
         cachefs_cmd("stats", mount.mountpoint, "--watch", "--interval", 0.2),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"}, preexec_fn=default_sigint)
     time.sleep(1.5)
     watching.send_signal(signal.SIGINT)
     try:
         out, err = watching.communicate(timeout=10)
     except subprocess.TimeoutExpired:
-        # once in a full CI run the watch was still running 10 s after Ctrl-C: say where it
-        # waited (the kernel's side, then its Python stacks, which faulthandler prints at
-        # SIGABRT), not only that it did
+        # say where it waited (the kernel's side, then its Python stacks, which faulthandler
+        # prints at SIGABRT), not only that it did: a suite run as a background job ignored
+        # SIGINT, and so did this child until `default_sigint`
         where = {name: _proc_text(watching.pid, name) for name in ("wchan", "stack")}
         watching.send_signal(signal.SIGABRT)
         out, err = watching.communicate(timeout=10)
