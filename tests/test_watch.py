@@ -3,12 +3,9 @@ and a table redrawn in place on one; Ctrl-C ends it cleanly (issue 18)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import time
-
-import pytest
 
 from cachefs import order
 from cachefs.publish import publish
@@ -75,19 +72,10 @@ def test_ctrl_c_ends_a_watch_with_status_0(dataset, mounter):
     watching = subprocess.Popen(
         cachefs_cmd("stats", mount.mountpoint, "--watch", "--interval", 0.2),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONFAULTHANDLER": "1"}, preexec_fn=default_sigint)
+        preexec_fn=default_sigint)  # a suite run as a background job ignores SIGINT
     time.sleep(1.5)
     watching.send_signal(signal.SIGINT)
-    try:
-        out, err = watching.communicate(timeout=10)
-    except subprocess.TimeoutExpired:
-        # say where it waited (the kernel's side, then its Python stacks, which faulthandler
-        # prints at SIGABRT), not only that it did: a suite run as a background job ignored
-        # SIGINT, and so did this child until `default_sigint`
-        where = {name: _proc_text(watching.pid, name) for name in ("wchan", "stack")}
-        watching.send_signal(signal.SIGABRT)
-        out, err = watching.communicate(timeout=10)
-        pytest.fail(f"the watch ran on 10 s after SIGINT; kernel: {where}\n{err}\n{out}")
+    out, err = watching.communicate(timeout=10)
     assert watching.returncode == 0 and err == ""
     assert out.splitlines()[0].split()[:2] == ["time", "files/s"]
     assert len(out.splitlines()) >= 3
@@ -100,11 +88,3 @@ def test_watch_options_go_together(tmp_path):
     assert done.returncode == 2 and "give one" in done.stderr
     done = run_cachefs("stats", tmp_path, "--watch", "--count", 1)
     assert done.returncode == 1 and "is not a cachefs mount" in done.stderr
-
-
-def _proc_text(pid: int, name: str) -> str:
-    try:
-        with open(f"/proc/{pid}/{name}") as f:
-            return f.read()
-    except OSError as exc:
-        return f"({exc.strerror})"
