@@ -9,8 +9,9 @@ that one piece of code:
   starting a daemon that would then mount after the caller has cleaned up;
 - `MountProcess.stop` lets a start still under way finish, then unmounts with
   `cachefs umount` (which waits for the daemon to exit), and detaches lazily with
-  `fusermount3 -u -z` if that fails. It also takes down a stale mount left at the mount point
-  by an earlier, interrupted run;
+  `fusermount3 -u -z` if that fails; a mount still there after that is a MountError, never
+  left behind in silence. It also takes down a stale mount left at the mount point by an
+  earlier, interrupted run;
 - whether a mount is up is read from the kernel's mount table (`cachefs.mountinfo`, which the
   daemon shares), which never touches a mount, so it cannot hang on a stuck daemon;
 - `process_exited` tells a daemon that exited, also one killed and not reaped yet (a zombie),
@@ -106,9 +107,13 @@ def fusermount_unmount(mountpoint: str, *flags: str) -> tuple[int | None, str]:
     that wait. If it still runs FUSERMOUNT_WAIT_S later, None and a message naming it; it is
     left running (a process in the kernel's uninterruptible wait cannot be reaped before it
     ends)."""
+    # the connection is found before the unmount starts: the mount may have left the mount
+    # table (mountinfo) by the time fusermount3 waits on its teardown
+    device = fuse_device(mountpoint)
     process = subprocess.Popen(["fusermount3", "-u", *flags, mountpoint],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
+    aborted = False
     for attempt in range(2):
         try:
             status = process.wait(timeout=FUSERMOUNT_WAIT_S)
@@ -116,21 +121,31 @@ def fusermount_unmount(mountpoint: str, *flags: str) -> tuple[int | None, str]:
             if attempt == 0:
                 log.warning("fusermount3 -u %s has not returned in %.0f s: aborting the mount's "
                             "FUSE connection", mountpoint, FUSERMOUNT_WAIT_S)
-                abort_fuse_connection(mountpoint)
+                aborted = abort_fuse_connection(mountpoint, device)
             continue
         assert process.stderr is not None
         with process.stderr:
             return status, process.stderr.read().strip()
     return None, (f"fusermount3 (pid {process.pid}) has not returned in "
-                f"{2 * FUSERMOUNT_WAIT_S:.0f} s, the mount's FUSE connection aborted")
+                  f"{2 * FUSERMOUNT_WAIT_S:.0f} s, "
+                  + ("the mount's FUSE connection aborted" if aborted
+                     else "and the mount's FUSE connection could not be aborted"))
 
 
-def abort_fuse_connection(mountpoint: str) -> bool:
+def fuse_device(mountpoint: str) -> str | None:
+    """The device ("major:minor") of the mount at `mountpoint`, None if nothing is mounted
+    there."""
+    return next((mount.device for mount in mountinfo()
+                 if os.fsdecode(mount.point) == mountpoint), None)
+
+
+def abort_fuse_connection(mountpoint: str, device: str | None = None) -> bool:
     """Abort the FUSE connection of the mount at `mountpoint` (fusectl's `abort`): every
-    request waiting on its daemon fails with ENOTCONN. False if that could not be done (no
-    such mount, fusectl missing and not mountable, not root)."""
-    device = next((mount.device for mount in mountinfo()
-                   if os.fsdecode(mount.point) == mountpoint), None)
+    request waiting on its daemon fails with ENOTCONN. `device`: the mount's, if looked up
+    before (`fuse_device`). False if that could not be done (no such mount, fusectl missing
+    and not mountable, not root)."""
+    if device is None:
+        device = fuse_device(mountpoint)
     if device is None:
         return False
     connections = Path("/sys/fs/fuse/connections")
@@ -230,7 +245,10 @@ class MountProcess:
         if done.returncode != 0 or self.mounted:
             log.warning("cachefs umount %s failed (%s); detaching it", self.mountpoint,
                         (done.stderr or done.stdout).strip())
-            fusermount_unmount(os.path.abspath(self.mountpoint), "-z")
+            status, message = fusermount_unmount(os.path.abspath(self.mountpoint), "-z")
+            if self.mounted:
+                raise MountError(f"could not unmount {self.mountpoint}: "
+                                 f"{message or f'fusermount3 -u -z exit {status}'}")
 
 
 # -- what the kernel holds -----------------------------------------------------------------

@@ -245,6 +245,8 @@ class CloseWatcher:
         self._stop_read, self._stop_write = os.pipe()
         # `flushed`: a byte in the pipe per request, its (trio token, event) in the deque
         self._flush_read, self._flush_write = os.pipe()
+        # a flush never blocks the trio thread, even with the thread gone (`flushed`)
+        os.set_blocking(self._flush_write, False)
         self._flush_waiters: collections.deque[tuple[trio.lowlevel.TrioToken, trio.Event]] = \
             collections.deque()
         self.events = 0
@@ -276,6 +278,8 @@ class CloseWatcher:
         not answered in time."""
         if self._thread is None:
             return True
+        if not self._thread.is_alive():
+            return False  # it ended (logged): no close is counted any more
         answered = trio.Event()
         self._flush_waiters.append((trio.lowlevel.current_trio_token(), answered))
         try:
@@ -339,8 +343,11 @@ class CloseWatcher:
         try:
             if inodes:
                 self._deliver(inodes)
-        except Exception:  # noqa: BLE001 - the trio loop is gone (unmounting)
+        except trio.RunFinishedError:  # the trio loop is gone (unmounting)
             return False
+        except Exception:  # noqa: BLE001 - this batch is lost; the next ones are counted
+            log.exception("unexpected error handing over %d closes; they are not counted",
+                          len(inodes))
         finally:
             for fd in fds:
                 os.close(fd)

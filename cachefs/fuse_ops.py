@@ -438,7 +438,16 @@ class Operations(pyfuse3.Operations):
         batch's files in one go (`Reader.closed`). A file the reader counted before as one the
         kernel served alone, and still is (`Reader.still_alone`: most closes of a pass the
         kernel serves from its pages), is counted from its block, with no look at its entry
-        (cachefs/inodes.py `close_tokens`); a file with READs of its own has a handle."""
+        (cachefs/inodes.py `close_tokens`); a file with READs of its own has a handle.
+
+        Never raises: the close watcher calls it on the trio thread with `run_sync_soon`,
+        where an exception ends the trio run, and the mount with it."""
+        try:
+            self._account_closes(inodes)
+        except Exception:  # noqa: BLE001 - the mount goes on; the next batch is counted
+            log.exception("unexpected error accounting for %d closed files", len(inodes))
+
+    def _account_closes(self, inodes: list[int]) -> None:
         tokens = self.reader.still_alone(self.inodes.close_tokens(inodes))
         closes: list[OpenFile | AloneFile | tuple] = []
         for inode, token in zip(inodes, tokens, strict=True):
@@ -452,11 +461,7 @@ class Operations(pyfuse3.Operations):
                 continue
             if close is not None:
                 closes.append(close)
-        try:
-            counted_alone = self.reader.closed(closes)
-        except Exception:  # noqa: BLE001 - the mount goes on; the next batch is counted
-            log.exception("unexpected error accounting for %d closed files", len(closes))
-            return
+        counted_alone = self.reader.closed(closes)
         for inode, token in counted_alone:
             self.inodes.remember_close(inode, token)
 

@@ -417,14 +417,18 @@ class KernelPages:
         assert self.can_look_up
         token = trio.lowlevel.current_trio_token()
 
-        # on the trio thread: one writer of the counts
+        # on the trio thread: one writer of the counts; by `run_sync_soon`, where an exception
+        # would end the trio run, and the mount with it
         def finished(looked_up: bool, listed: bool) -> None:
             self.listings += listed
             if looked_up:
                 self.lookups += 1
             else:
                 self.lookup_failures += 1
-            then()
+            try:
+                then()
+            except Exception:  # noqa: BLE001 - one file's store is lost, not the mount
+                log.exception("unexpected error after the lookup of %r", relpath)
         self._lookup_jobs.put((relpath, lambda looked_up, listed: token.run_sync_soon(
             finished, looked_up, listed)))
 

@@ -32,14 +32,14 @@ def run_as_batch_work() -> None:
     """Every thread of the daemon under SCHED_BATCH (module docstring): the threads there
     are now, and through them every one started after. A daemon started under another
     policy than the default (by chrt(1), or systemd's CPUSchedulingPolicy=) keeps it."""
-    if os.sched_getscheduler(0) != os.SCHED_OTHER:
-        return  # started under a policy of the caller's choice (chrt): it stays
-    for task in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setscheduler(int(task), os.SCHED_BATCH, os.sched_param(0))
-        except ProcessLookupError:
-            continue  # a thread that ended meanwhile
-        except OSError as exc:  # a seccomp filter, a container without the right
-            log.warning("the daemon's threads run under their scheduling policy as it was: "
-                        "%s", exc)
-            return
+    try:
+        if os.sched_getscheduler(0) != os.SCHED_OTHER:
+            return  # started under a policy of the caller's choice (chrt): it stays
+        for task in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setscheduler(int(task), os.SCHED_BATCH, os.sched_param(0))
+            except ProcessLookupError:
+                continue  # a thread that ended meanwhile
+    except OSError as exc:  # a seccomp filter, a container without the right
+        log.warning("the daemon's threads run under their scheduling policy as it was: %s",
+                    exc)

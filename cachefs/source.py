@@ -321,13 +321,22 @@ class Source:
         names = await threads_mod.run_sync(self._listing, self._names_in, relpath)
         per_call = max(LISTING_STAT_MIN_NAMES, -(-len(names) // LISTING_STAT_CALLS))
         parts: list[list[tuple[bytes, os.stat_result]]] = []
+        # a call's OSError (the directory gone since its names were read) is raised as one
+        # listing's would be: out of the nursery it came wrapped in an exception group,
+        # which the callers' `except OSError` let through (an EIO for an ENOENT)
+        failures: list[OSError] = []
 
         async def stat_part(start: int) -> None:
-            parts.append(await threads_mod.run_sync(
-                self._listing, self._lstat_in, relpath, names[start:start + per_call]))
+            try:
+                parts.append(await threads_mod.run_sync(
+                    self._listing, self._lstat_in, relpath, names[start:start + per_call]))
+            except OSError as exc:
+                failures.append(exc)
         async with trio.open_nursery() as nursery:
             for start in range(0, len(names), per_call):
                 nursery.start_soon(stat_part, start)
+        if failures:
+            raise failures[0]
         entries = [entry for part in parts for entry in part]
         entries.sort()
         return entries

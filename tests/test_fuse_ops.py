@@ -286,6 +286,38 @@ def test_a_close_whose_accounting_fails_does_not_stop_the_others(tmp_path, caplo
     assert "accounting bug" in caplog.text
 
 
+def test_a_batch_of_closes_whose_accounting_fails_is_logged_not_raised(tmp_path, caplog):
+    """The close watcher hands a batch to `closed` on the trio thread with `run_sync_soon`,
+    where an exception ends the trio run and the mount with it: a failure anywhere in a
+    batch's accounting is logged, and the next batch is counted."""
+    src = tmp_path / "src"
+    write_file(src / "a", 100)
+    write_file(src / "b", 100)
+    stats = Stats()
+    ops = operations(src, stats=stats)
+    ops.decide_mode(no_open=True)
+    close_tokens = ops.inodes.close_tokens
+
+    def failing_close_tokens(inodes):
+        if len(inodes) == 2:
+            raise RuntimeError("close tokens bug")
+        return close_tokens(inodes)
+
+    ops.inodes.close_tokens = failing_close_tokens
+
+    async def main():
+        inodes = [(await ops.lookup(ROOT_INODE, name, None)).st_ino for name in (b"a", b"b")]
+        for inode in inodes:
+            await ops.read(inode, 0, 100)
+        ops.closed(inodes)  # the batch is lost, and said so
+        assert stats.totals()["reads"] == 0
+        ops.closed(inodes[1:])
+
+    trio.run(main)
+    assert stats.totals()["reads"] == 1
+    assert "close tokens bug" in caplog.text
+
+
 def test_a_read_without_open_past_the_ttl_checks_the_source_first(tmp_path):
     """The zero-request mode: the first READ of a file the kernel was told of over a TTL ago
     checks the source, as an open does in the keep-cache mode. Here the copy no sweep checks

@@ -409,6 +409,7 @@ def test_umount_aborts_the_connection_when_fusermount_does_not_return(tree, moun
         assert time.monotonic() - started_s < 2 * FUSERMOUNT_WAIT_S + 10
         assert done.returncode == 1
         assert "fusermount3 (pid" in done.stderr and "has not returned" in done.stderr
+        assert "the mount's FUSE connection aborted" in done.stderr
         os.kill(int(done.stderr.split("(pid ")[1].split(")")[0]), signal.SIGKILL)
         with pytest.raises(OSError) as raised:
             os.pread(fd, 10, 0)

@@ -355,6 +355,27 @@ def test_an_entry_the_source_cannot_stat_leaves_the_others_listed(tmp_path, monk
     assert [name for name, _ in trio.run(source.listdir, b"")] == [b"a", b"c"]
 
 
+def test_a_directory_gone_while_it_is_listed_fails_as_one_call_would(tmp_path, monkeypatch):
+    """A directory removed between the read of its names and their lstats (which run in
+    several calls at once) fails the listing with its OSError, not an exception group that
+    the callers' `except OSError` lets through: the kernel got EIO for an ENOENT, and a
+    READDIR's rewind failed."""
+    directory = tmp_path / "gone"
+    for i in range(300):
+        write_file(directory / f"f{i:03d}", 1)
+    source = source_mod.Source(tmp_path, threads=1)
+    names_in = source._names_in
+
+    def names_then_gone(relpath):
+        names = names_in(relpath)
+        subprocess.run(["rm", "-rf", str(directory)], check=True)
+        return names
+
+    monkeypatch.setattr(source, "_names_in", names_then_gone)
+    with pytest.raises(FileNotFoundError):
+        trio.run(source.listdir, b"gone")
+
+
 class SlowLstat:
     """os.lstat taking `delay_s` (a network source's round trip: calls overlap only if they
     run at once), counting the calls in flight at once (`most`). A lookup's stat is an
