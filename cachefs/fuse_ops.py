@@ -563,16 +563,25 @@ class KernelInvalidation:
                        asked_s: float | None = None) -> None:
         """The source's file is `identity` (seen by a look asked at `asked_s`; None: now).
         The path's inode of another version is retired, unless its stat was asked after that
-        look (a source read that saw an older version landed late); the kernel drops its
-        entry of the name whenever an inode of another version is retired, even where a
-        lookup or a listing has just given the new version one: a listing's reply may end
-        before that name, and a retired inode left in the kernel's entry was ESTALE to every
-        open with no OPEN (the zero-request mode)."""
+        look; the kernel drops its entry of the name whenever an inode of another version is
+        retired, even where a lookup or a listing has just given the new version one: a
+        listing's reply may end before that name, and a retired inode left in the kernel's
+        entry was ESTALE to every open with no OPEN (the zero-request mode).
+
+        A look asked before the inode's stat that saw another version (a source read that
+        waited for a thread, landing late) may have looked before or after that stat: which
+        saw the file later cannot be told (freshness.compare_look). The inode stays the
+        path's, but is trusted no more: its stat is asked again at its next use, and the
+        kernel's pages of it go (they were served, with no request, as the version the late
+        look says the source replaced)."""
         inodes = self._inodes
         inode = inodes.inode_of(relpath)
-        if (inode is not None and inodes.identity(inode) != identity
-                and (asked_s is None or asked_s >= inodes.get(inode).stat_time_s)):
-            inodes.retire(inode)
+        if inode is not None and inodes.identity(inode) != identity:
+            if asked_s is None or asked_s >= inodes.get(inode).stat_time_s:
+                inodes.retire(inode)
+            else:
+                inodes.distrust(inode)
+                self._drop_inode_pages(inode)
         stale = [old for old in inodes.retired_of(relpath) if inodes.identity(old) != identity]
         if not stale:
             return

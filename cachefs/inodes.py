@@ -200,6 +200,14 @@ class InodeTable:
             del self._entries[inode]  # the kernel holds it no more: nothing to keep it for
         return True
 
+    def distrust(self, inode: int) -> None:
+        """The inode's version may not be the source's (a look at another version could not
+        be ordered before or after its stat, freshness.compare_look): its stat is asked
+        again at its next use, and the kernel's pages of it are not counted on."""
+        entry = self._entries[inode]
+        entry.stat_time_s = NEVER_S
+        entry.page_identity = None
+
     def retired_of(self, relpath: bytes) -> list[int]:
         """The retired inodes of the path that the kernel still holds."""
         return self._retired.get(relpath, [])

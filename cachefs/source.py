@@ -246,6 +246,16 @@ class Source:
             # would get ESTALE (cachefs/inodes.py)
             self._recent_stats.put(relpath, (st, asked_s))
 
+    def distrust_stat(self, relpath: bytes, identity: SourceIdentity) -> None:
+        """A look saw the file at `identity`: a remembered stat of another version is not
+        answered from any more. Which of two such looks saw the file later cannot always be
+        told (a read that waited for a thread, landing after a lookup asked later), and the
+        memo kept the one asked later: a lookup answered from it gave the kernel that version
+        for a TTL after the source was seen at the other."""
+        seen = self._recent_stats.get(relpath)
+        if seen is not None and self.identity_of(seen[0]) != identity:
+            del self._recent_stats[relpath]
+
     async def lstat_many(self, relpaths: list[bytes]
                          ) -> list[tuple[bytes, os.stat_result | OSError]]:
         """lstat of each path in one worker-thread call (a batch costs one hop, not one per

@@ -68,3 +68,31 @@ def test_a_read_of_a_new_version_does_not_take_a_fetch_of_the_old_in_flight():
     trio.run(main)
     assert (got["read-ahead"].identity, got["read-ahead"].data) == (OLD, b"o" * 10)
     assert (got["reader"].identity, got["reader"].data) == (NEW, b"n" * 10)
+
+
+def test_a_report_of_another_version_leaves_the_source_no_stat_to_answer_from(tmp_path):
+    """A change reported (a read that saw another version, perhaps landing after a lookup
+    asked later) drops the source's remembered stat of another version: a lookup answered
+    from it gave the kernel that version for a TTL. A report of the remembered version
+    keeps it."""
+    from cachefs.freshness import Freshness
+    from cachefs.source import Source
+
+    (tmp_path / "a").write_bytes(b"x" * 10)
+    source = Source(tmp_path, threads=1)
+    tiered = TieredCache(RamTier(1 << 20, block_bytes=4096), source, stats_mod.Stats(), 4096,
+                         Ranking())
+    freshness = Freshness(60.0)
+
+    async def main():
+        st, _ = await source.lstat_recent(b"a", freshness)
+        await source.lstat_recent(b"a", freshness)
+        assert source.requests["lstat"] == 1  # the second from the memo
+        tiered.source_changed(b"a", source.identity_of(st))
+        await source.lstat_recent(b"a", freshness)
+        assert source.requests["lstat"] == 1
+        tiered.source_changed(b"a", SourceIdentity(11, 1, 1), asked_s=0.0)
+        await source.lstat_recent(b"a", freshness)
+        assert source.requests["lstat"] == 2  # asked again
+
+    trio.run(main)
