@@ -28,8 +28,8 @@ fakes, passed in through that wiring (no library is patched):
   list for the whole order (one window), the baseline the per-target lists are measured
   against.
 - `SimSsd` has the interface of `cachefs.cache.ssd.SsdTier` (`contains`,
-  `holds_other_version`, `read`, `admit`, `has_room`, `drop_file`, `stats`, `close`): in
-  memory, cache-once within a byte budget.
+  `holds_other_version`, `read`, `admit`, `has_room`, `drop_file`, `forget_file`,
+  `unlink_forgotten`, `stats`, `close`): in memory, cache-once within a byte budget.
 - The kernel's page cache is `KernelPages` with fake kernel calls that only count, and
   `SimKernelInodes`, a kernel that holds every file's inode: the read path decides what to
   push and drop exactly as in a mount, and a file whose open finds it whole in the kernel is

@@ -81,6 +81,10 @@ class SimSource:
     def identity_of(self, st) -> SourceIdentity:
         return SourceIdentity(st.st_size, st.st_mtime_ns, st.st_ino)
 
+    def distrust_stat(self, relpath: bytes, identity: SourceIdentity) -> None:
+        """`Source.distrust_stat`: this source remembers no stat to answer a lookup from (the
+        simulator makes no lookups), so there is none to drop."""
+
     async def lstat(self, relpath: bytes, *, background: bool = False):
         identity = self.identity(relpath)
         await self._request(relpath, 0)
@@ -171,11 +175,18 @@ class SimSsd:
         return self.bytes + disk_bytes(size_bytes) <= self.budget_bytes
 
     def drop_file(self, relpath: bytes, keep: SourceIdentity | None = None) -> int:
+        return len(self.forget_file(relpath, keep))
+
+    def forget_file(self, relpath: bytes, keep: SourceIdentity | None = None) -> list:
+        """`SsdTier.forget_file`: here the entries go whole at once (no files to unlink)."""
         keys = [key for key, (identity, _) in self.entries.items()
                 if key[0] == relpath and identity != keep]
         for key in keys:
             self.bytes -= disk_bytes(len(self.entries.pop(key)[1]))
-        return len(keys)
+        return keys
+
+    def unlink_forgotten(self, keys: list) -> None:
+        """`SsdTier.unlink_forgotten`: `forget_file` left no file behind."""
 
     def stats(self) -> dict:
         return {"bytes": self.bytes, "budget": self.budget_bytes, "entries": len(self.entries)}

@@ -564,6 +564,47 @@ def test_a_cache_directory_another_user_may_write_to_is_refused(tmp_path):
         fill(tier, 1)
 
 
+def test_a_cache_directory_another_user_could_replace_is_refused(tmp_path):
+    """DIR's parents must be root's or the mount's user's, and writable by no other user
+    unless sticky (as /tmp is): one who may write to a parent, or owns it, renames DIR away
+    and puts a directory of forged entries in its place, which a mount started later serves
+    (the checksums have no secret); one inside a sticky directory is usable."""
+    open_parent = tmp_path / "open"
+    open_parent.mkdir()
+    open_parent.chmod(0o777)
+    with pytest.raises(StartupError, match="which other users may write to") as raised:
+        SsdTier(open_parent / "cache", 10 * BLOCK, BLOCK)
+    assert raised.value.exit_code == EXIT_CACHE_DIR
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    (theirs / "cache").mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)  # root runs the tests
+    with pytest.raises(StartupError, match="belongs to user 65534"):
+        SsdTier(theirs / "cache", 10 * BLOCK, BLOCK)
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    with SsdTier(sticky / "cache", 10 * BLOCK, BLOCK) as tier:
+        fill(tier, 1)
+
+
+def test_no_file_of_the_tier_is_read_through_a_link(cache_dir, tmp_path):
+    """A link planted among the tier's files is not followed: an entry that is one is a miss
+    (dropped as damaged), and a meta file that is one stops the start."""
+    with SsdTier(cache_dir, 10 * E, BLOCK) as tier:
+        assert tier.admit(key(1), ident(1), payload(1))
+    [entry] = entry_files(cache_dir)
+    elsewhere = tmp_path / "elsewhere"
+    entry.rename(elsewhere)
+    entry.symlink_to(elsewhere)
+    with SsdTier(cache_dir, 10 * E, BLOCK) as tier:
+        assert tier.read(key(1), ident(1)) is None
+    (cache_dir / "meta").rename(tmp_path / "meta")
+    (cache_dir / "meta").symlink_to(tmp_path / "meta")
+    with pytest.raises(StartupError, match="not usable"):
+        SsdTier(cache_dir, 10 * E, BLOCK)
+
+
 def modes(directory: Path) -> dict[str, int]:
     """Permission bits of DIR and of everything under it, by path relative to DIR."""
     found = {".": directory.stat().st_mode & 0o7777}
@@ -591,6 +632,60 @@ def test_the_cache_is_private_and_an_older_cache_is_made_so(cache_dir):
             if (cache_dir / path).is_dir() and mode != 0o700} == {}
     for name in ("lock", "meta", "index"):
         assert found[name] == 0o600, name
+
+
+def test_a_change_takes_the_old_versions_entries_out_of_the_index_at_once(cache_dir, tmp_path):
+    """A change found (`TieredCache.source_changed`) takes the old version's entries out of
+    the tier's index at once, on the event loop: the drop waited its turn in the tier's
+    threads, and meanwhile a read of the old version (a handle opened on it, a read-ahead
+    queued) was served from the SSD. Their files go after, in a worker thread."""
+    import trio
+
+    from cachefs import stats as stats_mod
+    from cachefs.cache.ram import RamTier
+    from cachefs.cache.tiered import TieredCache
+    from cachefs.source import Source
+
+    class Ranking:
+        def priority_of(self, item, block_index, identity):
+            return 1.0
+
+        def item_now(self, relpath, item, manifest):
+            return item, manifest
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(payload(1))
+    old = ident(1)
+    new = old._replace(mtime_ns=old.mtime_ns + 1)
+    ran: list[str] = []
+
+    async def busy_ssd_threads(fn, *args):  # the call waits its turn, then runs
+        await trio.sleep(0.05)
+        ran.append(fn.__name__)
+        return fn(*args)
+
+    with SsdTier(cache_dir, budget_bytes=10 * E, block_bytes=BLOCK) as tier:
+        assert tier.admit((b"f", 0), old, payload(1))
+        tiered = TieredCache(RamTier(1 << 20, block_bytes=BLOCK), Source(src, threads=1),
+                             stats_mod.Stats(), BLOCK, Ranking(), ssd=tier,
+                             run_ssd=busy_ssd_threads)
+
+        async def main():
+            async with trio.open_nursery() as nursery:
+                await nursery.start(tiered.run)
+                tiered.source_changed(b"f", new)
+                assert not tier.contains((b"f", 0), old)
+                assert tier.read((b"f", 0), old) is None
+                assert len(entry_files(cache_dir)) == 1  # its file goes later
+                await trio.sleep(0.2)
+                nursery.cancel_scope.cancel()
+
+        trio.run(main)
+        assert ran == ["unlink_forgotten"]
+        assert entry_files(cache_dir) == []
+        assert tier.stats()["entries"] == 0
+        assert tier.admit((b"f", 0), new, payload(2))  # the key is free again
 
 
 def test_warm_replaces_the_stale_entries_of_a_full_tier(cache_dir, tmp_path):

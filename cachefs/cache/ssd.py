@@ -14,11 +14,12 @@ The bytes on disk (the directory's layout, entry headers, the index log and its 
 keeps the in-memory index that the threads share.
 
 Private: the cached bytes may come from files only root may read, so DIR is created 0700,
-and every directory under it is 0700 and every file 0600. That is set again at each start:
-an older version made them 0755 and 0644. A DIR that existed already keeps its mode (it may
-be a directory with other uses); what cachefs keeps in it is private all the same. DIR must
-belong to the daemon's user and be writable by no other (`_check_only_ours`), and no file of
-it is opened through a link.
+and every directory under it is 0700 (set again at each start: an older version made them
+0755) and every file 0600. A DIR that existed already keeps its mode (it may be a directory
+with other uses); what cachefs keeps in it is private all the same. DIR must belong to the
+daemon's user and be writable by no other, and its parents must belong to root or that user
+and be writable by no other unless sticky (`_check_only_ours`); no file of it is opened
+through a link.
 
 Crash recovery. `meta` says ``"clean": false`` from open until `close` has compacted the index
 and fsynced it. An entry is written to a temporary name, renamed into place, and only then is
@@ -40,8 +41,9 @@ writes nothing (its meta stays unclean, so the next start reconciles again) and 
 nothing. A read error or a failed check on an entry is a miss: the entry is dropped and
 counted, nothing is raised to the caller.
 
-Threads. Every public method may be called from worker threads at once, and the read-only
-ones (`contains`, `has_entry`, `holds_other_version`, `has_room`, `stats`) from the event loop.
+Threads. Every public method may be called from worker threads at once, and those that do
+no I/O (`contains`, `has_entry`, `holds_other_version`, `has_room`, `stats`, `forget_file`)
+from the event loop.
 One `threading.Lock` guards the in-memory index and is never held across I/O, so the event loop
 never waits on the disk: an index record is queued under the lock, in the order of the changes
 in memory, and written to the log after the lock is released (cachefs/cache/append_log.py);
@@ -80,8 +82,8 @@ import xxhash
 from cachefs.cache.append_log import AppendLog
 from cachefs.cache.ssd_format import (
     ENTRY_HEADER_BYTES, FANOUT, FORMAT_VERSION, MASK64, OP_ADD, OP_DROP, RECORD_DTYPE, BlockKey,
-    Corrupt, disk_bytes, entry_name, load_index, merge_log, open_private, pack_header,
-    pack_record, unpack_header, write_index,
+    Corrupt, disk_bytes, entry_name, load_index, merge_log, open_for_reading, open_private,
+    pack_header, pack_record, unpack_header, write_index,
 )
 from cachefs.errors import EXIT_CACHE_DIR, StartupError
 from cachefs.sorted_arrays import index_left
@@ -284,11 +286,20 @@ class SsdTier:
     def drop_file(self, relpath: bytes, keep: SourceIdentity | None = None) -> int:
         """Drop every block of a file whose source changed, except those of identity `keep`
         (the current version, possibly admitted already); returns how many were dropped."""
+        keys = self.forget_file(relpath, keep)
+        self.unlink_forgotten(keys)
+        return len(keys)
+
+    def forget_file(self, relpath: bytes, keep: SourceIdentity | None = None
+                    ) -> list[BlockKey]:
+        """`drop_file`'s part in memory, which the event loop may call: the entries leave the
+        index at once (no read gets one from here on), and their files stay, their keys busy,
+        until `unlink_forgotten(keys)` (worker threads)."""
         path_lo = xxhash.xxh3_128_intdigest(relpath) & MASK64
-        keys = []
+        keys: list[BlockKey] = []
         with self._lock:
             if self._closed:
-                return 0
+                return keys
             used = self._n
             rows = np.nonzero(self._live[:used] & (self._path_lo[:used] == np.uint64(path_lo)))[0]
             for row in rows.tolist():
@@ -300,10 +311,14 @@ class SsdTier:
                     self._kill_row(row)
                     self._busy.add(k.lo)
                     keys.append(k)
+        return keys
+
+    def unlink_forgotten(self, keys: list[BlockKey]) -> None:
+        """Write the tombstones of entries `forget_file` took out of the index, unlink their
+        files, and let their keys be admitted again."""
         self._index_log.flush()
         for k in keys:
             self._unlink_entry(k)
-        return len(keys)
 
     def stats(self) -> dict:
         with self._lock:
@@ -474,7 +489,7 @@ class SsdTier:
     def _record_from_header(self, path: Path, entry_hash: int) -> bytes | None:
         """An index record for an entry file whose header verifies, else None."""
         try:
-            with open(path, "rb") as f:
+            with open_for_reading(path) as f:
                 head = f.read(ENTRY_HEADER_BYTES)
                 file_bytes = os.fstat(f.fileno()).st_size
             fields = unpack_header(head, self._block_bytes)
@@ -521,7 +536,8 @@ class SsdTier:
 
     def _read_meta(self) -> dict | None:
         try:
-            meta = json.loads((self._dir / "meta").read_text())
+            with open_for_reading(self._dir / "meta") as f:
+                meta = json.loads(f.read().decode())
         except FileNotFoundError:
             return None
         except (ValueError, UnicodeDecodeError):
@@ -707,7 +723,7 @@ class SsdTier:
             raise
 
     def _read_entry(self, k: BlockKey, identity: SourceIdentity, length: int) -> bytes:
-        fd = os.open(self._entry_path(k.name), os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(self._entry_path(k.name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
             head = os.pread(fd, ENTRY_HEADER_BYTES, 0)
             fields = unpack_header(head, self._block_bytes)
@@ -782,7 +798,20 @@ def _check_only_ours(directory: Path) -> None:
     """Refuse a cache directory another user may write to, as ssh's StrictModes refuses a
     ~/.ssh others may write to: one could plant a link where cachefs writes (its lock, meta
     or index, which the daemon, often root, then chmods or truncates) or forge entries, whose
-    checksums have no secret. A link the user gave as the directory itself is followed."""
+    checksums have no secret. A link the user gave as the directory itself is followed.
+    So must its parents be: one another user may write to (not sticky, as /tmp is) or owns
+    lets that user rename the directory away and put one of theirs in its place."""
+    for parent in Path(os.path.realpath(directory)).parents:
+        st = os.stat(parent)
+        if st.st_uid not in (0, os.geteuid()):
+            raise StartupError(f"cache directory {directory} is inside {parent}, which belongs "
+                               f"to user {st.st_uid}: that user could put another directory in "
+                               f"its place and change what the mount serves", EXIT_CACHE_DIR)
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise StartupError(f"cache directory {directory} is inside {parent}, which other "
+                               f"users may write to (mode {st.st_mode & 0o7777:o}): they could "
+                               f"put another directory in its place and change what the mount "
+                               f"serves", EXIT_CACHE_DIR)
     st = os.stat(directory)
     if st.st_uid != os.geteuid():
         raise StartupError(f"cache directory {directory} belongs to user {st.st_uid}, not to "

@@ -175,7 +175,7 @@ def load_index(path: Path, block_bytes: int) -> tuple[np.ndarray, np.ndarray, bo
     bad record.
     """
     try:
-        with open(path, "rb") as f:
+        with open_for_reading(path) as f:
             head = f.read(INDEX_HEADER_BYTES)
             if len(head) != INDEX_HEADER_BYTES:
                 return None
@@ -205,6 +205,12 @@ def load_index(path: Path, block_bytes: int) -> tuple[np.ndarray, np.ndarray, bo
     if not good.all():
         tail = tail[:int(np.argmin(good))]
     return base, tail.copy(), intact
+
+
+def open_for_reading(path: Path):
+    """A file of the tier opened to be read, never through a symbolic link (ELOOP: none of
+    the tier's files is one, unless someone planted it)."""
+    return os.fdopen(os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW), "rb")
 
 
 def open_private(path: Path, mode: str):

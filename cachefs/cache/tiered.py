@@ -439,24 +439,31 @@ class TieredCache:
 
     def source_changed(self, relpath: bytes, identity: SourceIdentity,
                        asked_s: float | None = None) -> None:
-        """Drop every cached copy of `relpath` that is not of `identity`, and tell
-        `on_source_changed`. `asked_s`: when the look that saw `identity` was asked, if it
-        may land after a look at a newer version (a source read: the kernel's inode of that
-        newer version stays, fuse_ops.KernelInvalidation); None: a look just asked, or one
-        whose order the caller checked."""
+        """Drop every cached copy of `relpath` that is not of `identity` (and the source's
+        remembered stat of another version), and tell `on_source_changed`. `asked_s`: when
+        the look that saw `identity` was asked, if it may land after a look at a newer
+        version (a source read: the kernel's inode of that newer version stays, trusted no
+        more, fuse_ops.KernelInvalidation); None: a look just asked, or one whose order the
+        caller checked."""
         stale = [key for key, block in self.ram.blocks.items()
                  if key[0] == relpath and block.identity != identity]
         for key in stale:
             self.ram.drop(key)
+        self.source.distrust_stat(relpath, identity)
         if self.ssd is not None and self._nursery is not None:
-            self._nursery.start_soon(self._drop_ssd_file, relpath, identity)
+            # out of the SSD tier's index at once, here (no I/O): a drop that waited its turn
+            # in the tier's threads left a read of the old version (a handle opened on it, a
+            # read-ahead queued) served from the SSD meanwhile
+            forgotten = self.ssd.forget_file(relpath, identity)
+            if forgotten:
+                self._nursery.start_soon(self._unlink_ssd_entries, relpath, forgotten)
         self._on_source_changed(relpath, identity, asked_s)
 
-    async def _drop_ssd_file(self, relpath: bytes, keep: SourceIdentity) -> None:
+    async def _unlink_ssd_entries(self, relpath: bytes, keys: list) -> None:
         try:
-            await self._run_ssd(self.ssd.drop_file, relpath, keep)
+            await self._run_ssd(self.ssd.unlink_forgotten, keys)
         except Exception:
-            log.warning("SSD tier: could not drop entries of %r", relpath, exc_info=True)
+            log.warning("SSD tier: could not remove entries of %r", relpath, exc_info=True)
 
     # -- SSD admission ---------------------------------------------------------------------
 
