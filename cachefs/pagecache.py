@@ -365,6 +365,14 @@ class KernelPages:
 
     def _put(self, job: tuple) -> None:
         kind, inode = job[0], job[1]
+        if self._stopping:
+            # the mount is going down (`stop`): nothing more reaches the kernel, whose
+            # session may be gone already, and nothing runs inline here as it does before
+            # `start` (a late batch of closes dropped pages on the trio thread, through a
+            # freed session); a drain's waiter is woken
+            if kind == "drain":
+                job[3]()
+            return
         if kind != "drain":
             with self._finished:
                 self._in_fifo[inode] = self._in_fifo.get(inode, 0) + 1

@@ -634,6 +634,9 @@ class Prefetcher:
             # the reader will hit the same error on demand and get its errno
             self.prefetch_errors += 1
             log.debug("prefetch of %r failed: %s", relpath, exc)
+        except Exception:  # noqa: BLE001 - one file's read-ahead never ends the mount's
+            self.prefetch_errors += 1
+            log.exception("unexpected error reading %r ahead", relpath)
         finally:
             if not self._superseded(manifest):  # else it is in no set any more
                 target = self._inflight_items.pop(item, None)
@@ -716,6 +719,9 @@ class Prefetcher:
         except OSError as exc:
             self.prefetch_errors += 1
             log.debug("read-ahead of %r failed: %s", key, exc)
+        except Exception:  # noqa: BLE001 - one block's read-ahead never ends the mount's
+            self.prefetch_errors += 1
+            log.exception("unexpected error reading %r ahead", key)
 
     def status(self) -> dict:
         if self.ranges is not None and self.ranking.ranged:

@@ -186,6 +186,9 @@ class RangePrefetcher:
             # the reader meets the same error on demand and gets its errno
             self.errors += 1
             log.debug("read-ahead of items %s failed: %s", items[:4], exc)
+        except Exception:  # noqa: BLE001 - one read-ahead never ends the mount's
+            self.errors += 1
+            log.exception("unexpected error reading items %s ahead", items[:4])
         finally:
             self._tasks -= 1
             if self._busy_items is items_then:
@@ -221,6 +224,9 @@ class RangePrefetcher:
             except OSError as exc:
                 self.errors += 1
                 log.debug("stat of %r failed: %s", relpath, exc)
+            except Exception:  # noqa: BLE001 - one file's stat never ends the read-ahead
+                self.errors += 1
+                log.exception("unexpected error checking %r", relpath)
             finally:
                 self._stating.discard(relpath)
                 poke()

@@ -85,7 +85,10 @@ class Revalidator:
         interval_s = max(MIN_INTERVAL_S, self.freshness.ttl_s / 4)
         while True:
             await trio.sleep(interval_s)
-            await self.sweep()
+            try:
+                await self.sweep()
+            except Exception:  # noqa: BLE001 - the next sweep asks again; the mount goes on
+                log.exception("unexpected error re-checking the cached files")
 
     def _due(self) -> list[bytes]:
         """Files the RAM tier holds whose identity is due for a refresh. A file the kernel

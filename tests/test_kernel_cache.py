@@ -271,6 +271,31 @@ def test_a_store_waiting_on_a_page_holds_up_no_other_and_invalidations_keep_thei
         3, 3 * 4096, 1), status
 
 
+def test_nothing_reaches_the_kernel_once_the_page_cache_threads_are_stopped():
+    """After `KernelPages.stop` (the mount going down), a store, a drop or a drain that comes
+    late (a batch of closes handed over during the unmount) reaches no kernel call: with its
+    threads gone it ran the job inline, on the trio thread, through a session pyfuse3 may
+    have freed already. A drain still returns."""
+    import trio
+
+    from cachefs.pagecache import KernelPages
+
+    calls: list[tuple] = []
+    pages = KernelPages(lambda inode, offset, data: calls.append(("store", inode)),
+                        lambda inode: calls.append(("invalidate", inode)))
+    pages.start()
+    pages.stop()
+
+    async def main() -> None:
+        pages.store(1, 0, b"x" * 4096)
+        pages.invalidate(1)
+        with trio.fail_after(10):
+            await pages.drain()
+
+    trio.run(main)
+    assert calls == []
+
+
 def test_a_store_of_an_inode_with_nothing_queued_skips_a_busy_fifo():
     """KernelPages with recording fakes: while the FIFO's thread is held by an invalidation,
     a store of another inode lands (it has nothing queued to keep order with), and a store

@@ -605,3 +605,30 @@ def test_the_walk_passes_over_the_files_the_kernel_holds_whole(monkeypatch):
                        ram_bytes=64 * 1024 * KIB, metadata_ttl_s=3600.0)
     # 9's fetch pushes it once read
     assert run_script(config, script) == ([5, 9], [9], [5, 9], True)
+
+
+def test_an_unexpected_error_reading_one_file_ahead_leaves_the_others_read(caplog):
+    """One file whose read-ahead fails with an error that is no OSError (a bug) is logged and
+    counted, and the read-ahead goes on with the other files: the exception went up through
+    the read-ahead's nursery, and the mount with it."""
+    config = SimConfig(items=20, item_bytes=5000, ram_bytes=1 << 20, latency_s=0.01,
+                       epochs=1, consume_s=0.0, shuffle=False)
+
+    async def script(sim):
+        fetch = sim.tiered.fetch
+        bad = sim.paths[3]
+
+        async def failing_fetch(key, *args, **kwargs):
+            if key[0] == bad and not kwargs["demand"]:
+                raise RuntimeError("read-ahead bug")
+            return await fetch(key, *args, **kwargs)
+
+        sim.tiered.fetch = failing_fetch
+        sim.prefetcher.set_order(sim.order(0))
+        await trio.sleep(1.0)
+        return ({relpath for relpath, _ in sim.ram.blocks}, bad,
+                sim.prefetcher.prefetch_errors)
+
+    held, bad, errors = run_script(config, script)
+    assert errors >= 1 and "read-ahead bug" in caplog.text
+    assert bad not in held and len(held) == 19
