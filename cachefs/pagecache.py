@@ -320,15 +320,17 @@ class KernelPages:
         assert self._lookup_fn is not None  # these threads run only with one
         while (job := self._lookup_jobs.get()) is not _STOP:
             relpath, done = job
-            listed = self._list_parent(relpath)
+            listed = looked_up = False
             try:
+                listed = self._list_parent(relpath)
                 self._lookup_fn(relpath)
                 looked_up = True
             except OSError as exc:  # gone from the source, or the mount going down
-                looked_up = False
                 log.debug("lookup of %r for a store failed: %s", relpath, exc)
+            except Exception:  # noqa: BLE001 - the thread must keep serving the mount
+                log.exception("unexpected error looking %r up for a store", relpath)
             try:
-                done(looked_up, listed)
+                done(looked_up, listed)  # whatever happened: the file may be pushed again
             except trio.RunFinishedError:
                 pass  # the mount is down: nothing to store into
 

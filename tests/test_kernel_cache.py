@@ -271,6 +271,45 @@ def test_a_store_waiting_on_a_page_holds_up_no_other_and_invalidations_keep_thei
         3, 3 * 4096, 1), status
 
 
+def test_a_lookup_for_a_store_that_fails_unexpectedly_leaves_the_lookups_going(caplog):
+    """A lookup thread whose lookup raised something other than an OSError ended, silently:
+    the file's push waited for an answer forever (`TieredCache._looking_up`), and once every
+    lookup thread had ended, no file was looked up for a store any more. It is logged, the
+    file's follow-up runs, and the next lookups are made."""
+    import trio
+
+    from cachefs.pagecache import LOOKUP_THREADS, KernelPages
+
+    def lookup_fn(relpath: bytes) -> None:
+        if relpath.startswith(b"bad"):
+            raise RuntimeError("lookup bug")
+
+    pages = KernelPages(lambda inode, offset, data: None, lambda inode: None, lookup_fn)
+    relpaths = [b"bad%d" % i for i in range(LOOKUP_THREADS)] + [b"good"]
+
+    async def main() -> list[bytes]:
+        pages.start()
+        ran: list[bytes] = []
+        done = trio.Event()
+
+        def then(relpath: bytes) -> None:
+            ran.append(relpath)
+            if len(ran) == len(relpaths):
+                done.set()
+        for relpath in relpaths:
+            pages.look_up(relpath, lambda relpath=relpath: then(relpath))
+        with trio.fail_after(10):
+            await done.wait()
+        return ran
+
+    try:
+        ran = trio.run(main)
+    finally:
+        pages.stop()
+    assert sorted(ran) == sorted(relpaths)
+    assert "lookup bug" in caplog.text
+
+
 def test_nothing_reaches_the_kernel_once_the_page_cache_threads_are_stopped():
     """After `KernelPages.stop` (the mount going down), a store, a drop or a drain that comes
     late (a batch of closes handed over during the unmount) reaches no kernel call: with its
