@@ -96,3 +96,26 @@ def test_a_report_of_another_version_leaves_the_source_no_stat_to_answer_from(tm
         assert source.requests["lstat"] == 2  # asked again
 
     trio.run(main)
+
+
+def test_a_failing_drop_of_a_stale_ssd_entry_is_a_miss():
+    """The SSD tier holds the old version of a block a reader asks for at the new one: the
+    read that drops it failing (a device error, a bug) is a miss, counted, and the block
+    comes from the source; it failed the reader's read with EIO."""
+    class SsdFailingOnTheStaleEntry(SlowSsdOfTheOldVersion):
+        def read(self, key, identity):
+            raise OSError(5, "Input/output error")
+
+    async def inline(fn, *args):
+        return fn(*args)
+
+    stats = stats_mod.Stats()
+    tiered = TieredCache(RamTier(1 << 20, block_bytes=4096), SourceOfTheNewVersion(), stats,
+                         4096, Ranking(), ssd=SsdFailingOnTheStaleEntry(), run_ssd=inline)
+
+    async def main():
+        return await tiered.fetch((b"f", 0), NEW, 0, None, demand=True)
+
+    fetched = trio.run(main)
+    assert (fetched.identity, fetched.data) == (NEW, b"n" * 10)
+    assert stats.ssd_errors == 1

@@ -274,19 +274,18 @@ class TieredCache:
     async def _read_ssd(self, key: BlockKey, identity: SourceIdentity) -> Fetched | None:
         if self.ssd is None:
             return None
-        if not self.ssd.contains(key, identity):
-            if self.ssd.holds_other_version(key, identity):
-                # stale (the file changed, perhaps while unmounted): free its budget so the
-                # new version can be admitted; `read` drops and counts it
-                await self._run_ssd(self.ssd.read, key, identity)
+        held = self.ssd.contains(key, identity)
+        if not held and not self.ssd.holds_other_version(key, identity):
             return None
+        # one held of another version is stale (the file changed, perhaps while unmounted):
+        # `read` drops and counts it, which frees its budget for the new version's
         try:
             data = await self._run_ssd(self.ssd.read, key, identity)
         except Exception:  # a tier failure is a miss, never a failed read
             log.warning("SSD tier read failed for %r; reading the source", key, exc_info=True)
             self.stats.ssd_errors += 1
             return None
-        if data is None:
+        if not held or data is None:
             return None
         self.stats.ssd_read(len(data))
         return Fetched(data, identity, stats_mod.ORIGIN_SSD, False)
