@@ -195,10 +195,6 @@ class KernelPages:
         self._stopping = True
         for _ in self._lookup_threads:
             self._lookup_jobs.put(_STOP)
-        for thread in self._lookup_threads:
-            # one still waiting for its answer is left to the unmount, as a store is
-            thread.join(max(0.0, deadline_s - time.monotonic()))
-        self._lookup_threads = []
         if self._thread is not None:
             self._jobs.put(_STOP)
             self._thread.join(max(0.0, deadline_s - time.monotonic()))
@@ -212,6 +208,12 @@ class KernelPages:
             if thread.is_alive():
                 log.warning("page cache store thread still busy at unmount; leaving it")
         self._store_threads = []
+        # the lookups last: they make no kernel call of the session (a lookup through the
+        # mount, its answer handed to a trio run that has ended), and one waiting for an
+        # answer nobody gives any more took all of the time the stores and drops had
+        for thread in self._lookup_threads:
+            thread.join(max(0.0, deadline_s - time.monotonic()))
+        self._lookup_threads = []
 
     def _work(self) -> None:
         """The FIFO, in order (module docstring): stores go to the store threads (inline
