@@ -258,13 +258,19 @@ def test_reads_without_open_of_a_changed_file_read_the_new_inode_with_one_handle
     assert totals["backend_reads"] == 2
 
 
-def test_a_close_whose_accounting_fails_does_not_stop_the_others(tmp_path, caplog):
+def _two_files_read_without_open(tmp_path):
+    """Operations over files a and b of 100 bytes, in the zero-request mode, and its Stats."""
     src = tmp_path / "src"
     write_file(src / "a", 100)
     write_file(src / "b", 100)
     stats = Stats()
     ops = operations(src, stats=stats)
     ops.decide_mode(no_open=True)
+    return ops, stats
+
+
+def test_a_close_whose_accounting_fails_does_not_stop_the_others(tmp_path, caplog):
+    ops, stats = _two_files_read_without_open(tmp_path)
     reader = ops.reader._reader  # the reader behind fuse_ops' view (PublicOnly)
     settle_pages = reader._settle_pages
 
@@ -290,12 +296,7 @@ def test_a_batch_of_closes_whose_accounting_fails_is_logged_not_raised(tmp_path,
     """The close watcher hands a batch to `closed` on the trio thread with `run_sync_soon`,
     where an exception ends the trio run and the mount with it: a failure anywhere in a
     batch's accounting is logged, and the next batch is counted."""
-    src = tmp_path / "src"
-    write_file(src / "a", 100)
-    write_file(src / "b", 100)
-    stats = Stats()
-    ops = operations(src, stats=stats)
-    ops.decide_mode(no_open=True)
+    ops, stats = _two_files_read_without_open(tmp_path)
     close_tokens = ops.inodes.close_tokens
 
     def failing_close_tokens(inodes):

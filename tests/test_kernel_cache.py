@@ -136,6 +136,35 @@ def test_files_no_reader_opened_yet_are_looked_up_and_stored_ahead(dataset, moun
     wait_for(lambda: served_whole_or_reclaimed(kernel(mount)) >= N_FILES)
 
 
+def _look_up_all(pages, relpaths: list[bytes]) -> list[bytes]:
+    """Start `pages`, have it look each of `relpaths` up, and return the paths whose `then`
+    ran (each on the trio thread), once all have; the threads stopped after."""
+    import threading
+
+    import trio
+
+    async def main() -> list[bytes]:
+        pages.start()
+        done, ran = trio.Event(), []
+        trio_thread = threading.get_ident()
+
+        def then(relpath: bytes) -> None:
+            assert threading.get_ident() == trio_thread
+            ran.append(relpath)
+            if len(ran) == len(relpaths):
+                done.set()
+        for relpath in relpaths:
+            pages.look_up(relpath, lambda relpath=relpath: then(relpath))
+        with trio.fail_after(10):
+            await done.wait()
+        return ran
+
+    try:
+        return trio.run(main)
+    finally:
+        pages.stop()
+
+
 def test_lookups_list_a_directory_once_the_read_ahead_goes_through_it(monkeypatch):
     """KernelPages.look_up with recording fakes (no FUSE): a directory is listed once, with
     the cap, at the lookup that reaches one per LOOKUPS_PER_LISTING of its files (the first
@@ -143,8 +172,6 @@ def test_lookups_list_a_directory_once_the_read_ahead_goes_through_it(monkeypatc
     looked up (a listing can stop at the cap, or fail); each `then` runs on the trio thread;
     the counters say what happened."""
     import threading
-
-    import trio
 
     from cachefs import pagecache
     from cachefs.pagecache import LISTED_MAX_ENTRIES, LOOKUPS_PER_LISTING, KernelPages
@@ -169,27 +196,7 @@ def test_lookups_list_a_directory_once_the_read_ahead_goes_through_it(monkeypatc
                                                         b"broken/2"])
     pages = KernelPages(lambda inode, offset, data: None, lambda inode: None, lookup_fn,
                         list_fn, files.get)
-
-    async def main() -> list[bytes]:
-        pages.start()
-        done, ran = trio.Event(), []
-        trio_thread = threading.get_ident()
-
-        def then(relpath: bytes) -> None:
-            assert threading.get_ident() == trio_thread
-            ran.append(relpath)
-            if len(ran) == len(relpaths):
-                done.set()
-        for relpath in relpaths:
-            pages.look_up(relpath, lambda relpath=relpath: then(relpath))
-        with trio.fail_after(10):
-            await done.wait()
-        return ran
-
-    try:
-        ran = trio.run(main)
-    finally:
-        pages.stop()
+    ran = _look_up_all(pages, relpaths)
     assert sorted(ran) == sorted(relpaths) and sorted(looked_up) == sorted(relpaths)
     # a at its first lookup, big at its fourth (4 x 32 >= 97), the top directory, and the
     # broken one (whose listing fails); never huge (over the cap) nor unscanned
@@ -276,8 +283,6 @@ def test_a_lookup_for_a_store_that_fails_unexpectedly_leaves_the_lookups_going(c
     the file's push waited for an answer forever (`TieredCache._looking_up`), and once every
     lookup thread had ended, no file was looked up for a store any more. It is logged, the
     file's follow-up runs, and the next lookups are made."""
-    import trio
-
     from cachefs.pagecache import LOOKUP_THREADS, KernelPages
 
     def lookup_fn(relpath: bytes) -> None:
@@ -286,27 +291,7 @@ def test_a_lookup_for_a_store_that_fails_unexpectedly_leaves_the_lookups_going(c
 
     pages = KernelPages(lambda inode, offset, data: None, lambda inode: None, lookup_fn)
     relpaths = [b"bad%d" % i for i in range(LOOKUP_THREADS)] + [b"good"]
-
-    async def main() -> list[bytes]:
-        pages.start()
-        ran: list[bytes] = []
-        done = trio.Event()
-
-        def then(relpath: bytes) -> None:
-            ran.append(relpath)
-            if len(ran) == len(relpaths):
-                done.set()
-        for relpath in relpaths:
-            pages.look_up(relpath, lambda relpath=relpath: then(relpath))
-        with trio.fail_after(10):
-            await done.wait()
-        return ran
-
-    try:
-        ran = trio.run(main)
-    finally:
-        pages.stop()
-    assert sorted(ran) == sorted(relpaths)
+    assert sorted(_look_up_all(pages, relpaths)) == sorted(relpaths)
     assert "lookup bug" in caplog.text
 
 
