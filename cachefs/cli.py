@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, NoReturn
 import click
 
 from cachefs import __version__, errors, mount_helper, stats_table
+from cachefs import state_dir as state_dirs
 from cachefs.client import (abort_fuse_connection, daemon_killed, fusermount_unmount,
                             process_exited)
 from cachefs.config import (DATA_PLANES, INT64_MAX, MISS_BATCH_ITEMS, SOURCE_THREADS, CacheConfig,
@@ -217,13 +218,20 @@ def _mount_daemon(config: MountConfig) -> None:
 
     try:
         mount_mod.check_startup(config)  # fail fast, in the user's terminal
+        state_dirs.make_dirs(config.state_dir)
+        state_dirs.make_dirs(config.order_file.parent)
+        state_dirs.check_state_dirs(config)  # before the log is opened there
     except errors.StartupError as exc:
         _fail(str(exc), exc.exit_code)
-    mount_mod.make_dirs(config.state_dir)
     log_path = config.state_dir / "daemon.log"
     command = click.get_current_context().meta[_ARGV]  # as typed, or read from the helper form
     args = [sys.executable, "-m", "cachefs", *command, "--foreground"]
-    with open(log_path, "ab") as log_file:
+    try:  # never through a link planted in the state directory (cachefs/state_dir.py)
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+                         | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        _fail(f"cannot write the daemon's log {log_path}: {exc.strerror}")
+    with os.fdopen(log_fd, "ab") as log_file:
         child = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log_file,
                                  stderr=subprocess.STDOUT, start_new_session=True)
     # a daemon that logs is making progress (an SSD tier reconciled after a crash, a few

@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import errno as errno_mod
-import fcntl
 import json
 import logging
 import os
 import shutil
 import signal
-import stat
 import threading
 import time
 from pathlib import Path
@@ -35,7 +33,7 @@ import numpy as np
 import pyfuse3
 import trio
 
-from cachefs import __version__, errors, heap, scheduling, threads
+from cachefs import __version__, errors, heap, scheduling, state_dir, threads
 from cachefs.cache.ram import RamTier
 from cachefs.mountinfo import listed_path, mounted_paths, mountinfo
 from cachefs.config import MountConfig
@@ -65,8 +63,6 @@ log = logging.getLogger(__name__)
 READ_AHEAD_KB = 1024  # kernel read-ahead of the mount: 1 MiB requests double large-file MB/s
 # after a signal, how long requests in flight may take before they are given up
 TERMINATE_GRACE_S = 1.0
-# directories a mount creates (its state directory, the order file's): the owner writes them
-STATE_DIR_MODE = 0o755
 
 
 def check_startup(config: MountConfig) -> None:
@@ -542,10 +538,10 @@ def run(config: MountConfig) -> int:
     """Mount in the foreground until unmounted or signalled; raises StartupError."""
     check_startup(config)
     scheduling.run_as_batch_work()  # before any thread of the mount starts
-    make_dirs(config.state_dir)
-    make_dirs(config.order_file.parent)
-    _check_order_directory(config.order_file.parent)
-    state_lock = _lock_state_dir(config.state_dir)
+    state_dir.make_dirs(config.state_dir)
+    state_dir.make_dirs(config.order_file.parent)
+    state_dir.check_state_dirs(config)
+    state_lock = state_dir.lock(config.state_dir)
     pid_file = config.state_dir / "pid"
     exporter = mount = None
     try:
@@ -555,8 +551,9 @@ def run(config: MountConfig) -> int:
             exporter = Exporter.start(config.metrics_address)
         mount = Mount(config)
         mount.metrics = exporter
-        pid_file.write_text(json.dumps({"pid": os.getpid(),
-                                        "mountpoint": str(config.mountpoint)}))
+        state_dir.write_no_link(pid_file, json.dumps({"pid": os.getpid(),
+                                                      "mountpoint": str(config.mountpoint)}
+                                                     ).encode())
         heap.settle()  # what exists now lives as long as the mount (cachefs/heap.py)
         try:
             trio.run(mount.serve)
@@ -571,46 +568,4 @@ def run(config: MountConfig) -> int:
             exporter.close()
         os.close(state_lock)
     return errors.EXIT_OK
-
-
-def make_dirs(directory: Path) -> None:
-    """`directory` and its missing parents, each STATE_DIR_MODE at most whatever the umask: under
-    one of 000 (some containers and batch jobs) they were writable by every user, who could
-    rename one and put an order directory of their own in its place, and the mount refused
-    the state directory it had just made (`_check_order_directory`)."""
-    missing = []
-    while not directory.exists():
-        missing.append(directory)
-        if directory.parent == directory:
-            break
-        directory = directory.parent
-    for path in reversed(missing):
-        path.mkdir(mode=STATE_DIR_MODE, exist_ok=True)  # a stricter umask narrows it further
-
-
-def _check_order_directory(directory: Path) -> None:
-    """Publishing is writing a file in the order file's directory (man/cachefs-mount.1,
-    "Other users"): one that every user may write (/tmp) lets any of them publish orders to
-    this mount, sticky bit or not (a rank's file is a new name)."""
-    if os.stat(directory).st_mode & stat.S_IWOTH:
-        raise errors.StartupError(
-            f"the order file's directory {directory} is writable by every user, who could all "
-            f"publish orders to this mount; use one only the mount's users may write "
-            f"(chmod o-w, --state-dir or --order-file)")
-
-
-def _lock_state_dir(state_dir: Path) -> int:
-    """One mount per state directory: two would watch one order file (a publication to one
-    steered the other) and overwrite each other's pid file (which `cachefs umount` waits on)."""
-    # not "lock": the SSD tier's lock file, in a directory given as both (`SsdTier`), whose
-    # flock of another open of the same file would fail in this very process
-    fd = os.open(state_dir / "mount.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
-                 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise errors.StartupError(f"state directory {state_dir} is in use by another cachefs "
-                                  f"mount; give this one its own (--state-dir)") from None
-    return fd
 

@@ -555,6 +555,49 @@ def test_an_order_directory_every_user_may_write_is_refused(tree, tmp_path):
     assert str(mnt) not in mounted_paths()
 
 
+def test_a_state_directory_another_user_could_replace_is_refused(tree, tmp_path):
+    """The daemon (often root) writes its pid file and log in the state directory and reads
+    orders there: one another user owns, or whose parent another user may write to (not
+    sticky), could be swapped for theirs, with links where the daemon writes. Refused before
+    anything is written there."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    open_parent = tmp_path / "open"
+    open_parent.mkdir()
+    open_parent.chmod(0o777)
+    done = run_cachefs("mount", tree, mnt, "--state-dir", open_parent / "state")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "which other users may write to" in done.stderr
+    assert not (open_parent / "state" / "daemon.log").exists()
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)  # root runs the tests
+    done = run_cachefs("mount", tree, mnt, "--state-dir", theirs)
+    assert done.returncode == 1 and "belongs to user 65534" in done.stderr
+    assert str(mnt) not in mounted_paths()
+
+
+def test_the_daemons_log_and_pid_file_are_never_written_through_a_link(tree, tmp_path):
+    """A link planted where the daemon writes its log or pid file (a state directory shared
+    with the mount's users) is not followed: the mount fails, saying why, and the file the
+    link names is left as it was."""
+    mnt, state = tmp_path / "mnt", tmp_path / "state"
+    mnt.mkdir()
+    state.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    (state / "daemon.log").symlink_to(victim)
+    done = run_cachefs("mount", tree, mnt, "--state-dir", state)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "cannot write the daemon's log" in done.stderr
+    (state / "daemon.log").unlink()
+    (state / "pid").symlink_to(victim)
+    done = run_cachefs("mount", tree, mnt, "--state-dir", state, "--foreground")
+    assert done.returncode != 0
+    assert victim.read_bytes() == b"keep me"
+    assert str(mnt) not in mounted_paths()
+
+
 def test_a_mount_under_umask_000_makes_a_state_directory_it_accepts(tree, tmp_path):
     """Under umask 000 (some containers and batch jobs) the state directory a mount made was
     writable by every user, and the mount then refused it as its order directory."""

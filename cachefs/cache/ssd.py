@@ -88,6 +88,7 @@ from cachefs.cache.ssd_format import (
 from cachefs.errors import EXIT_CACHE_DIR, StartupError
 from cachefs.sorted_arrays import index_left
 from cachefs.source import SourceIdentity
+from cachefs.trusted_dirs import check_no_other_user_can_swap
 
 log = logging.getLogger(__name__)
 
@@ -798,20 +799,8 @@ def _check_only_ours(directory: Path) -> None:
     """Refuse a cache directory another user may write to, as ssh's StrictModes refuses a
     ~/.ssh others may write to: one could plant a link where cachefs writes (its lock, meta
     or index, which the daemon, often root, then chmods or truncates) or forge entries, whose
-    checksums have no secret. A link the user gave as the directory itself is followed.
-    So must its parents be: one another user may write to (not sticky, as /tmp is) or owns
-    lets that user rename the directory away and put one of theirs in its place."""
-    for parent in Path(os.path.realpath(directory)).parents:
-        st = os.stat(parent)
-        if st.st_uid not in (0, os.geteuid()):
-            raise StartupError(f"cache directory {directory} is inside {parent}, which belongs "
-                               f"to user {st.st_uid}: that user could put another directory in "
-                               f"its place and change what the mount serves", EXIT_CACHE_DIR)
-        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-            raise StartupError(f"cache directory {directory} is inside {parent}, which other "
-                               f"users may write to (mode {st.st_mode & 0o7777:o}): they could "
-                               f"put another directory in its place and change what the mount "
-                               f"serves", EXIT_CACHE_DIR)
+    checksums have no secret. A link the user gave as the directory itself is followed. Nor
+    may another user be able to put another directory in its place (`trusted_dirs`)."""
     st = os.stat(directory)
     if st.st_uid != os.geteuid():
         raise StartupError(f"cache directory {directory} belongs to user {st.st_uid}, not to "
@@ -822,6 +811,7 @@ def _check_only_ours(directory: Path) -> None:
                            f"{st.st_mode & 0o7777:o}): they could change what the mount serves; "
                            f"give a directory only its owner may write to (one cachefs makes is "
                            f"0700)", EXIT_CACHE_DIR)
+    check_no_other_user_can_swap(directory, "cache directory", EXIT_CACHE_DIR)
 
 
 def _errno_name(exc: OSError) -> str:

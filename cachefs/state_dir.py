@@ -1,0 +1,84 @@
+"""The mount's state directory and the order file's: made, checked, locked, written.
+
+The state directory holds what `cachefs umount` and the CLI read of a running mount (its pid
+file, the daemon's log) and, by default, the order file the trainer publishes. The daemon, often
+root, writes there, and the mount's users may share the order file's directory to publish: so
+no other user may be able to put another directory in their place (`trusted_dirs`), every user
+may not write the order file's (which would let any of them steer the mount), and the files the
+daemon writes there are never opened through a link planted in their place.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import stat
+from pathlib import Path
+
+from cachefs import errors
+from cachefs.config import MountConfig
+from cachefs.trusted_dirs import check_no_other_user_can_swap
+
+# directories a mount creates (its state directory, the order file's): the owner writes them
+STATE_DIR_MODE = 0o755
+
+
+def make_dirs(directory: Path) -> None:
+    """`directory` and its missing parents, each STATE_DIR_MODE at most whatever the umask: under
+    one of 000 (some containers and batch jobs) they were writable by every user, who could
+    rename one and put an order directory of their own in its place, and the mount refused
+    the state directory it had just made (`_check_order_directory`)."""
+    missing = []
+    while not directory.exists():
+        missing.append(directory)
+        if directory.parent == directory:
+            break
+        directory = directory.parent
+    for path in reversed(missing):
+        path.mkdir(mode=STATE_DIR_MODE, exist_ok=True)  # a stricter umask narrows it further
+
+
+def check_state_dirs(config: MountConfig) -> None:
+    """The state directory and the order file's: no other user can put another in their
+    place (`trusted_dirs`), and every user may not write the order file's
+    (`_check_order_directory`). The files the daemon writes there are never opened through a
+    link (`write_no_link`, the CLI's log)."""
+    check_no_other_user_can_swap(config.state_dir, "state directory")
+    check_no_other_user_can_swap(config.order_file.parent, "the order file's directory")
+    _check_order_directory(config.order_file.parent)
+
+
+def write_no_link(path: Path, data: bytes) -> None:
+    """Write `path` whole, never through a link planted in its place (the daemon may be
+    root, and the state directory shared with the mount's users)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
+                 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def _check_order_directory(directory: Path) -> None:
+    """Publishing is writing a file in the order file's directory (man/cachefs-mount.1,
+    "Other users"): one that every user may write (/tmp) lets any of them publish orders to
+    this mount, sticky bit or not (a rank's file is a new name)."""
+    if os.stat(directory).st_mode & stat.S_IWOTH:
+        raise errors.StartupError(
+            f"the order file's directory {directory} is writable by every user, who could all "
+            f"publish orders to this mount; use one only the mount's users may write "
+            f"(chmod o-w, --state-dir or --order-file)")
+
+
+def lock(state_dir: Path) -> int:
+    """One mount per state directory: two would watch one order file (a publication to one
+    steered the other) and overwrite each other's pid file (which `cachefs umount` waits on)."""
+    # not "lock": the SSD tier's lock file, in a directory given as both (`SsdTier`), whose
+    # flock of another open of the same file would fail in this very process
+    fd = os.open(state_dir / "mount.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise errors.StartupError(f"state directory {state_dir} is in use by another cachefs "
+                                  f"mount; give this one its own (--state-dir)") from None
+    return fd
