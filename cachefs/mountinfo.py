@@ -32,6 +32,9 @@ class MountInfo(NamedTuple):
     point: bytes  # the mount point, unescaped
     device: str  # "major:minor"
     fstype: bytes  # the file system type, e.g. b"ext4", b"fuse.sshfs"
+    # a FUSE mount's owner (its "user_id" option: who mounted it, as the kernel says, not as
+    # its daemon says), None for other file systems
+    owner_uid: int | None = None
 
 
 def mountinfo() -> list[MountInfo]:
@@ -40,9 +43,14 @@ def mountinfo() -> list[MountInfo]:
     with open("/proc/self/mountinfo", "rb") as f:
         for line in f:
             fields = line.split()
-            # the optional fields end with "-", followed by the file system type
+            # the optional fields end with "-", followed by the type, the source, the options
+            dash = fields.index(b"-")
+            owner_uid = None
+            for option in fields[dash + 3].split(b",") if len(fields) > dash + 3 else ():
+                if option.startswith(b"user_id="):
+                    owner_uid = int(option[len(b"user_id="):])
             mounts.append(MountInfo(unescape_mountinfo(fields[4]), fields[2].decode(),
-                                    fields[fields.index(b"-") + 1]))
+                                    fields[dash + 1], owner_uid))
     return mounts
 
 

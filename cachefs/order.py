@@ -52,8 +52,8 @@ from __future__ import annotations
 import errno
 import os
 import re
+import secrets
 import stat
-import tempfile
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -539,8 +539,12 @@ def _manifest_within_source(files: Manifest, source: Manifest) -> Manifest:
 # Writing
 
 
-def write_checked(path: Path, checked: CheckedArrays) -> FileIdentity:
-    """Write arrays that `check_arrays` passed atomically (temporary name, fsync, rename)."""
+def write_checked(path: Path, checked: CheckedArrays, *,
+                  directory_owner_uid: int | None = None) -> FileIdentity:
+    """Write arrays that `check_arrays` passed atomically (temporary name, fsync, rename), in
+    the directory of `path` as one open of it finds it (a link swapped in later is not
+    followed). `directory_owner_uid`: that directory must belong to this user, else
+    OrderError (`cachefs.publish`: where a mount says its order file is)."""
     path = Path(path)
     arrays = {"version": np.int64(ORDER_VERSION), "epoch": np.int64(checked.epoch),
               "current": checked.current}
@@ -555,27 +559,40 @@ def write_checked(path: Path, checked: CheckedArrays) -> FileIdentity:
         arrays["world_size"] = np.int64(checked.world_size)
     if checked.items is not None:
         arrays.update(checked.items.arrays())
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
-                                             suffix=".tmp")
+    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        # readable by the daemon's user, whoever publishes (a member of a group that may write
-        # the order's directory): mkstemp makes it 0600. An order is no secret (`cachefs
-        # stats` shows it to anyone who can see the mount).
-        os.fchmod(descriptor, 0o644)
-        with os.fdopen(descriptor, "wb") as handle:
-            np.savez(handle, **arrays)
-            handle.flush()
-            os.fsync(handle.fileno())
-            identity = FileIdentity.from_stat(os.fstat(handle.fileno()))
-        # The rename is what makes the file visible whole; the directory is not fsynced
-        # because an order file does not need to survive a power cut (the trainer republishes).
-        os.replace(temporary, path)
-    except BaseException:
+        owner_uid = os.fstat(directory).st_uid
+        if directory_owner_uid is not None and owner_uid != directory_owner_uid:
+            raise OrderError(f"{path.parent} belongs to user {owner_uid}, not to the mount's "
+                             f"owner ({directory_owner_uid}): not writing an order there")
+        temporary = f".{path.name}.{secrets.token_hex(6)}.tmp"
         try:
-            os.unlink(temporary)
-        except FileNotFoundError:
-            pass
-        raise
+            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                                 | os.O_NOFOLLOW, 0o600, dir_fd=directory)
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, str(path.parent / temporary)) from None
+        try:
+            # readable by the daemon's user, whoever publishes (a member of a group that may
+            # write the order's directory). An order is no secret (`cachefs stats` shows it
+            # to anyone who can see the mount).
+            os.fchmod(descriptor, 0o644)
+            with os.fdopen(descriptor, "wb") as handle:
+                np.savez(handle, **arrays)
+                handle.flush()
+                os.fsync(handle.fileno())
+                identity = FileIdentity.from_stat(os.fstat(handle.fileno()))
+            # The rename is what makes the file visible whole; the directory is not fsynced
+            # because an order file does not need to survive a power cut (the trainer
+            # republishes).
+            os.replace(temporary, path.name, src_dir_fd=directory, dst_dir_fd=directory)
+        except BaseException:
+            try:
+                os.unlink(temporary, dir_fd=directory)
+            except FileNotFoundError:
+                pass
+            raise
+    finally:
+        os.close(directory)
     return identity
 
 

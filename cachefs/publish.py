@@ -6,7 +6,9 @@ daemon watches, and waits until the daemon has taken it or rejected it. It talks
 only through two xattrs on the mount root: ``user.cachefs.order_file`` (where to write; a
 rank's file is derived from it, `cachefs.order.rank_order_path`) and ``user.cachefs.stats``
 (JSON; the daemon reports there which files the order in force was made of, and which files it
-rejected, and why). `source_file_count` waits in the same way for the daemon's scan of the
+rejected, and why). The first is trusted only from a cachefs mount in the kernel's mount table,
+and only for a directory of the user who mounted it (`_owner_of`): any FUSE file system can
+answer it, and the publisher may be root. `source_file_count` waits in the same way for the daemon's scan of the
 source, so that a trainer can make a permutation of the right length.
 
 `read_index_file`, `read_files_list` and `read_items_file` read what `cachefs publish
@@ -29,6 +31,7 @@ import numpy as np
 
 from cachefs import ctrl
 from cachefs.errors import OrderError, OrderRejected
+from cachefs.mountinfo import CACHEFS_FSTYPE, listed_path, mount_at
 from cachefs.order import (NPY_MAGIC, check_arrays, check_indices, check_targets, rank_order_path,
                            write_checked)
 from cachefs.order_items import ITEM_KEYS, ItemArrays, as_int_array, check_item_files
@@ -192,7 +195,8 @@ def publish(mount: Path, epoch: int, current, next=None, files=None, rank=None,
                 check_targets(checked.targets, known)
         except OrderError as exc:
             raise OrderRejected(str(exc)) from None
-    identity = write_checked(order_path, checked).to_json()
+    identity = write_checked(order_path, checked,
+                             directory_owner_uid=_owner_of(mount)).to_json()
     log.debug("wrote %s, waiting for the daemon of %s", order_path, mount)
     deadline = time.monotonic() + timeout_s
     while True:
@@ -215,6 +219,18 @@ def publish(mount: Path, epoch: int, current, next=None, files=None, rank=None,
             raise OrderError(f"the cachefs daemon of {mount} did not answer within "
                              f"{timeout_s:g} s (order file {order_path})")
         time.sleep(_POLL_S)
+
+
+def _owner_of(mount: Path) -> int:
+    """Who mounted `mount`, as the kernel lists it (mountinfo's `user_id`), not as its daemon
+    says. The mount names where its order file is, and the publisher, perhaps root, writes
+    there: any FUSE file system can answer `user.cachefs.order_file` (one that another user
+    mounted with allow_other could name /etc), so an order is written only into a directory
+    the mount's owner owns (`write_checked`)."""
+    found = mount_at(listed_path(mount))
+    if found is None or found.fstype != CACHEFS_FSTYPE or found.owner_uid is None:
+        raise OrderError(f"{mount} is not a cachefs mount (not in the mount table as one)")
+    return found.owner_uid
 
 
 def source_file_count(mount: Path, timeout_s: float = 60.0) -> int:

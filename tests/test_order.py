@@ -23,8 +23,10 @@ import pytest
 import trio
 
 from cachefs import manifest as manifest_mod
+from cachefs import publish as publish_mod
 from cachefs.errors import OrderError
 from cachefs.manifest import Manifest, scan_source
+from cachefs.mountinfo import CACHEFS_FSTYPE, MountInfo
 from cachefs.order import (
     ORDER_VERSION,
     FileIdentity,
@@ -625,7 +627,14 @@ def fake_mount(tmp_path, monkeypatch, source_manifest):
     daemon = FakeDaemon(mount, tmp_path / "state" / "order.npz", source_manifest)
     daemon.order_path.parent.mkdir()
     monkeypatch.setattr(os, "getxattr", daemon.getxattr)
+    listed_as_own_cachefs_mount(monkeypatch, mount)
     return daemon
+
+
+def listed_as_own_cachefs_mount(monkeypatch, mount: Path) -> None:
+    """The mount table lists `mount` as a cachefs mount of this user (publish._owner_of)."""
+    monkeypatch.setattr(publish_mod, "mount_at", lambda path: MountInfo(
+        os.fsencode(path), "0:0", CACHEFS_FSTYPE, os.geteuid()) if path == str(mount) else None)
 
 
 def test_publish_returns_the_accepted_order(fake_mount):
@@ -680,6 +689,7 @@ class WatcherThread:
                                     self.switched.append)
         self._files = len(source_manifest)
         monkeypatch.setattr(os, "getxattr", self._getxattr)
+        listed_as_own_cachefs_mount(monkeypatch, self.mount)
         self._ready, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=trio.run, args=(self._serve,))
 

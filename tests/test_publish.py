@@ -116,6 +116,39 @@ def test_python_publish_raises_the_daemon_reason(dataset, mounter):
     assert mount.stats()["order"] is None
 
 
+def test_an_order_is_written_only_into_a_directory_of_the_mounts_owner(dataset, mounter,
+                                                                     tmp_path, monkeypatch):
+    """The mount names where its order file is (`user.cachefs.order_file`), and the
+    publisher, perhaps root, writes there: a FUSE file system that another user mounted with
+    allow_other could name any directory (/etc), and the publish renamed a file over one of
+    its files. An order goes only into a directory of the mount's owner, as the kernel lists
+    the mount; a mount that is not in the mount table as a cachefs one is refused."""
+    from cachefs import ctrl, publish as publish_mod
+
+    src, _ = dataset
+    mount = mounter(src)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "passwd").write_bytes(b"keep me")
+    os.chown(theirs, 65534, 65534)  # root runs the tests, and owns the mount
+    read_attr = ctrl.read_attr
+
+    def order_file_elsewhere(mountpoint, name, error=OrderError):
+        if name == ctrl.ORDER_FILE:
+            return os.fsencode(theirs / "passwd")
+        return read_attr(mountpoint, name, error)
+
+    monkeypatch.setattr(ctrl, "read_attr", order_file_elsewhere)
+    with pytest.raises(OrderError, match="belongs to user 65534, not to the mount's owner"):
+        publish(mount.mountpoint, 0, np.arange(N_FILES))
+    assert sorted(os.listdir(theirs)) == ["passwd"]
+    assert (theirs / "passwd").read_bytes() == b"keep me"
+    monkeypatch.undo()
+    with pytest.raises(OrderError, match="not a cachefs mount"):
+        publish_mod._owner_of(tmp_path)
+    assert publish_mod._owner_of(mount.mountpoint) == os.geteuid()
+
+
 def test_publish_to_a_directory_that_is_not_a_mount(tmp_path):
     done = run_cachefs("publish", tmp_path, "--epoch", 0, "--seed", 1)
     assert done.returncode == 1 and "not a cachefs mount" in done.stderr
