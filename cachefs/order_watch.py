@@ -388,8 +388,11 @@ class OrderWatcher:
         return ", ".join(str(self._name(publication)) for publication in publications)
 
     def _reject(self, reason: str, identity: FileIdentity | None, name: str) -> None:
+        # kept whole it could fill the stats attribute (64 KiB) that reports it; cut as ASCII,
+        # since JSON writes another character as up to 12 (eight reasons of 1,000 emoji in a
+        # publisher's key names made `cachefs stats` fail for every user)
+        reason = reason.encode("ascii", "backslashreplace").decode("ascii")
         if len(reason) > REASON_MAX_CHARS:
-            # kept whole it could fill the stats attribute (64 KiB) that reports it
             reason = f"{reason[:REASON_MAX_CHARS]}... ({len(reason)} characters)"
         if identity is not None:
             self._handled[name] = identity

@@ -8,8 +8,8 @@ rank's file is derived from it, `cachefs.order.rank_order_path`) and ``user.cach
 (JSON; the daemon reports there which files the order in force was made of, and which files it
 rejected, and why). The first is trusted only from a cachefs mount in the kernel's mount table,
 and only for a directory of the user who mounted it (`_owner_of`): any FUSE file system can
-answer it, and the publisher may be root. `source_file_count` waits in the same way for the daemon's scan of the
-source, so that a trainer can make a permutation of the right length.
+answer it, and the publisher may be root. `source_file_count` waits in the same way for the
+daemon's scan of the source, so that a trainer can make a permutation of the right length.
 
 `read_index_file`, `read_files_list` and `read_items_file` read what `cachefs publish
 --current/--next/--files/--items` name (man/cachefs-publish.1).

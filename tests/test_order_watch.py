@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -255,17 +256,18 @@ def test_a_failing_on_order_is_a_rejection(tmp_path):
     assert status["last_rejection"]["file"] == identity.to_json()
 
 
-def test_a_rejection_reason_is_cut_to_fit_the_stats_attribute(tmp_path):
-    # eight rejections of a file with thousands of arrays once made `cachefs stats` unreadable
+@pytest.mark.parametrize("text", ["x", "\U0001f600"])
+def test_a_rejection_reason_is_cut_to_fit_the_stats_attribute(tmp_path, text):
+    # eight rejections of a file with thousands of arrays once made `cachefs stats` unreadable,
+    # and so did a reason of as many characters JSON writes as 12 bytes each (emoji)
     def on_order(order):
-        raise ValueError("x" * 50_000)
+        raise ValueError(text * 50_000)
 
     watcher = OrderWatcher(tmp_path / "order.npz", lambda p: load_order(p, SOURCE), on_order)
     write_order_file(tmp_path / "order.npz", epoch=1, current=np.arange(8))
     trio.run(watcher.check)
     reason = watcher.status()["last_rejection"]["reason"]
-    assert "xxx" in reason
-    assert len(reason) < order_watch.REASON_MAX_CHARS + 40
+    assert len(json.dumps(reason)) < 2 * order_watch.REASON_MAX_CHARS + 40
     assert reason.endswith("characters)")
 
 
