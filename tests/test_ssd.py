@@ -634,13 +634,9 @@ def test_the_cache_is_private_and_an_older_cache_is_made_so(cache_dir):
         assert found[name] == 0o600, name
 
 
-def test_a_change_takes_the_old_versions_entries_out_of_the_index_at_once(cache_dir, tmp_path):
-    """A change found (`TieredCache.source_changed`) takes the old version's entries out of
-    the tier's index at once, on the event loop: the drop waited its turn in the tier's
-    threads, and meanwhile a read of the old version (a handle opened on it, a read-ahead
-    queued) was served from the SSD. Their files go after, in a worker thread."""
-    import trio
-
+def tiered_over(tier: SsdTier, tmp_path: Path, run_ssd):
+    """A TieredCache over `tier`, a source of one file `f` and a plan that keeps everything,
+    its SSD calls made through `run_ssd`."""
     from cachefs import stats as stats_mod
     from cachefs.cache.ram import RamTier
     from cachefs.cache.tiered import TieredCache
@@ -656,6 +652,17 @@ def test_a_change_takes_the_old_versions_entries_out_of_the_index_at_once(cache_
     src = tmp_path / "src"
     src.mkdir()
     (src / "f").write_bytes(payload(1))
+    return TieredCache(RamTier(1 << 20, block_bytes=BLOCK), Source(src, threads=1),
+                       stats_mod.Stats(), BLOCK, Ranking(), ssd=tier, run_ssd=run_ssd)
+
+
+def test_a_change_takes_the_old_versions_entries_out_of_the_index_at_once(cache_dir, tmp_path):
+    """A change found (`TieredCache.source_changed`) takes the old version's entries out of
+    the tier's index at once, on the event loop: the drop waited its turn in the tier's
+    threads, and meanwhile a read of the old version (a handle opened on it, a read-ahead
+    queued) was served from the SSD. Their files go after, in a worker thread."""
+    import trio
+
     old = ident(1)
     new = old._replace(mtime_ns=old.mtime_ns + 1)
     ran: list[str] = []
@@ -667,9 +674,7 @@ def test_a_change_takes_the_old_versions_entries_out_of_the_index_at_once(cache_
 
     with SsdTier(cache_dir, budget_bytes=10 * E, block_bytes=BLOCK) as tier:
         assert tier.admit((b"f", 0), old, payload(1))
-        tiered = TieredCache(RamTier(1 << 20, block_bytes=BLOCK), Source(src, threads=1),
-                             stats_mod.Stats(), BLOCK, Ranking(), ssd=tier,
-                             run_ssd=busy_ssd_threads)
+        tiered = tiered_over(tier, tmp_path, busy_ssd_threads)
 
         async def main():
             async with trio.open_nursery() as nursery:
@@ -686,6 +691,37 @@ def test_a_change_takes_the_old_versions_entries_out_of_the_index_at_once(cache_
         assert entry_files(cache_dir) == []
         assert tier.stats()["entries"] == 0
         assert tier.admit((b"f", 0), new, payload(2))  # the key is free again
+
+
+def test_a_block_read_before_a_change_is_not_left_in_the_tier_after_it(cache_dir, tmp_path):
+    """A block of the old version, read before the change was found and still on its way to
+    the tier (its admission queued, or being written) when the change took the old version's
+    entries out, stayed there after it (cache-once keeps it, across restarts too)."""
+    import trio
+
+    old = ident(1)
+    new = old._replace(mtime_ns=old.mtime_ns + 1)
+
+    async def busy_ssd_threads(fn, *args):  # each call waits its turn, then runs
+        await trio.sleep(0.05)
+        return fn(*args)
+
+    with SsdTier(cache_dir, budget_bytes=10 * E, block_bytes=BLOCK) as tier:
+        tiered = tiered_over(tier, tmp_path, busy_ssd_threads)
+
+        async def main():
+            async with trio.open_nursery() as nursery:
+                await nursery.start(tiered.run)
+                tiered._queue_admission((b"f", 0), old, payload(1))  # being written
+                await trio.sleep(0.01)
+                tiered.source_changed(b"f", new)
+                tiered._queue_admission((b"f", 1), old, payload(2))  # still queued
+                await trio.sleep(0.5)
+                nursery.cancel_scope.cancel()
+
+        trio.run(main)
+        assert not tier.contains((b"f", 0), old) and not tier.contains((b"f", 1), old)
+        assert entry_files(cache_dir) == [] and tier.stats()["entries"] == 0
 
 
 def test_warm_replaces_the_stale_entries_of_a_full_tier(cache_dir, tmp_path):

@@ -51,12 +51,16 @@ from cachefs import threads
 from cachefs.cache.ram import BlockKey, RamBlock, RamTier, block_count
 from cachefs.freshness import NEVER_S, now_s
 from cachefs.pagecache import KernelPages
+from cachefs.recent import RecentMap
 from cachefs.source import Source, SourceIdentity
 
 log = logging.getLogger(__name__)
 
 ADMISSION_QUEUE_BLOCKS = 64
 SSD_THREADS = 4  # SSD calls in flight at once, and admission workers
+# changed files remembered for the admission queue (ADMISSION_QUEUE_BLOCKS blocks at most
+# wait there, so far fewer suffice)
+CHANGES_REMEMBERED = 4096
 
 
 @dataclass
@@ -135,6 +139,9 @@ class TieredCache:
         # (relpath, identity) of a file that changed at the source, once its copies are gone
         self._on_source_changed = on_source_changed or (lambda relpath, identity, asked_s: None)
         self.admissions_skipped = 0
+        # path -> the version a change was last reported to (`source_changed`): a block of
+        # another one still queued for the SSD tier is not admitted (`_admission_worker`)
+        self._changed_to: RecentMap[bytes, SourceIdentity] = RecentMap(CHANGES_REMEMBERED)
         self.kernel_reclaims = 0  # blocks only the kernel held whose pages it dropped
         self._admit_send, self._admit_recv = trio.open_memory_channel(ADMISSION_QUEUE_BLOCKS)
         self._nursery: trio.Nursery | None = None
@@ -449,6 +456,7 @@ class TieredCache:
         for key in stale:
             self.ram.drop(key)
         self.source.distrust_stat(relpath, identity)
+        self._changed_to.put(relpath, identity)
         if self.ssd is not None and self._nursery is not None:
             # out of the SSD tier's index at once, here (no I/O): a drop that waited its turn
             # in the tier's threads left a read of the old version (a handle opened on it, a
@@ -478,8 +486,19 @@ class TieredCache:
     async def _admission_worker(self, receive: trio.MemoryReceiveChannel) -> None:
         async with receive:
             async for key, identity, data in receive:
+                # A block read before a change was found, admitted after the change took the
+                # old version's entries out, stayed in the tier (cache-once), across restarts
+                # too: not admitted, and taken out again if the change came while it was
+                # being written
+                if self._changed_to.get(key[0], identity) != identity:
+                    continue
                 try:
                     admitted = await self._run_ssd(self.ssd.admit, key, identity, data)
+                    current = self._changed_to.get(key[0], identity)
+                    if admitted and current != identity:
+                        await self._run_ssd(self.ssd.unlink_forgotten,
+                                            self.ssd.forget_file(key[0], current))
+                        continue
                 except Exception:
                     log.warning("SSD tier admission failed for %r", key, exc_info=True)
                     self.stats.ssd_errors += 1
