@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -44,6 +45,9 @@ log = logging.getLogger(__name__)
 # threads, none let go)
 REQUEST_TIMEOUT_S = 10.0
 MAX_CLIENTS = 8
+# ... and one that sends a byte before each timeout ends is dropped this long after it was
+# accepted, its whole request and answer included (a scrape takes milliseconds)
+REQUEST_DEADLINE_S = 30.0
 
 # epoch-record counters (Stats.totals) -> (metric, help); the read classes are one metric
 _TOTALS = (
@@ -198,13 +202,38 @@ class _Handler(WSGIRequestHandler):
 
 class _BoundedServer(ThreadingWSGIServer):
     """A thread per client, as prometheus_client's server, but at most MAX_CLIENTS at once:
-    a connection beyond them is closed unanswered."""
+    a connection beyond them is closed unanswered, and one still open REQUEST_DEADLINE_S after
+    it was accepted is cut (the socket's timeout is per read: clients each sending a byte
+    every few seconds held every slot, and silenced the endpoint)."""
 
     request_queue_size = 64  # listen(2)'s backlog: connections come faster than accepted
+    deadline_s = REQUEST_DEADLINE_S
 
     def __init__(self, *args, **kwargs):
         self._clients = threading.BoundedSemaphore(MAX_CLIENTS)
+        # request -> when it is cut (`_cut_late`: one thread for them all)
+        self._deadlines: dict[socket.socket, float] = {}
+        self._deadlines_lock = threading.Lock()
+        self._closed = threading.Event()
         super().__init__(*args, **kwargs)
+        threading.Thread(target=self._cut_late, name="cachefs-metrics-deadline",
+                         daemon=True).start()
+
+    def server_close(self) -> None:
+        self._closed.set()
+        super().server_close()
+
+    def _cut_late(self) -> None:
+        while not self._closed.wait(min(1.0, self.deadline_s / 4)):
+            now_s = time.monotonic()
+            with self._deadlines_lock:
+                late = [request for request, deadline_s in self._deadlines.items()
+                        if deadline_s <= now_s]
+            for request in late:
+                try:
+                    request.shutdown(socket.SHUT_RDWR)  # its handler's next read or write ends
+                except OSError:
+                    pass  # closed meanwhile
 
     def process_request(self, request, client_address) -> None:
         if not self._clients.acquire(blocking=False):
@@ -217,9 +246,13 @@ class _BoundedServer(ThreadingWSGIServer):
             raise
 
     def process_request_thread(self, request, client_address) -> None:
+        with self._deadlines_lock:
+            self._deadlines[request] = time.monotonic() + self.deadline_s
         try:
             super().process_request_thread(request, client_address)
         finally:
+            with self._deadlines_lock:
+                self._deadlines.pop(request, None)
             self._clients.release()
 
 

@@ -188,3 +188,44 @@ def test_idle_connections_hold_neither_threads_nor_the_server(monkeypatch):
         for connection in idle:
             connection.close()
         exporter.close()
+
+
+def test_a_client_that_trickles_its_request_is_dropped_at_the_deadline(monkeypatch):
+    """The socket's timeout is per read: a client that sends a byte before each timeout ends
+    kept its slot for good, and MAX_CLIENTS of them silenced the endpoint. The whole request
+    has a deadline."""
+    import socket
+
+    from cachefs import metrics
+
+    monkeypatch.setattr(metrics._Handler, "timeout", 0.5)
+    monkeypatch.setattr(metrics._BoundedServer, "deadline_s", 1.0)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    exporter = metrics.Exporter.start(("127.0.0.1", port))
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as slow:
+            slow.settimeout(5)
+            started_s = time.monotonic()
+            dropped = False
+            while time.monotonic() - started_s < 4:
+                try:
+                    slow.sendall(b"G")  # never a whole request line
+                except OSError:
+                    dropped = True
+                    break
+                time.sleep(0.2)
+                slow.setblocking(False)
+                try:
+                    if slow.recv(1) == b"":
+                        dropped = True
+                        break
+                except BlockingIOError:
+                    pass
+                finally:
+                    slow.setblocking(True)
+                    slow.settimeout(5)
+            assert dropped and time.monotonic() - started_s < 3
+    finally:
+        exporter.close()
