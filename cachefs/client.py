@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from cachefs import ctrl
-from cachefs.mountinfo import listed_path, mounted_paths, mountinfo
+from cachefs.mountinfo import listed_path, mount_at, mounted_paths
 
 log = logging.getLogger(__name__)
 
@@ -133,10 +133,10 @@ def fusermount_unmount(mountpoint: str, *flags: str) -> tuple[int | None, str]:
 
 
 def fuse_device(mountpoint: str) -> str | None:
-    """The device ("major:minor") of the mount at `mountpoint`, None if nothing is mounted
-    there."""
-    return next((mount.device for mount in mountinfo()
-                 if os.fsdecode(mount.point) == mountpoint), None)
+    """The device ("major:minor") of the mount at `mountpoint` (the top one, which a path
+    lookup and fusermount3 find), None if nothing is mounted there."""
+    found = mount_at(mountpoint)
+    return None if found is None else found.device
 
 
 def abort_fuse_connection(mountpoint: str, device: str | None = None) -> bool:

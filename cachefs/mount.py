@@ -35,7 +35,7 @@ import trio
 
 from cachefs import __version__, errors, heap, scheduling, state_dir, threads
 from cachefs.cache.ram import RamTier
-from cachefs.mountinfo import listed_path, mounted_paths, mountinfo
+from cachefs.mountinfo import listed_path, mount_at, mounted_paths
 from cachefs.config import MountConfig
 from cachefs.ctrl import Control
 from cachefs.freshness import Freshness
@@ -521,14 +521,11 @@ def _set_read_ahead(mountpoint: Path, kb: int) -> None:
     the kernel's 128 KiB while this was written right after `pyfuse3.init`). The device comes
     from /proc/self/mountinfo.
     """
-    target = os.fsencode(listed_path(mountpoint))
     try:
-        # the last line for the path: a mount over an earlier one at the same point
-        devices = [mount.device for mount in mountinfo() if mount.point == target]
-        if not devices:
+        found = mount_at(listed_path(mountpoint))  # a mount over an earlier one: the top one
+        if found is None:
             return
-        device = devices[-1]
-        with open(f"/sys/class/bdi/{device}/read_ahead_kb", "w") as f:
+        with open(f"/sys/class/bdi/{found.device}/read_ahead_kb", "w") as f:
             f.write(str(kb))
     except OSError as exc:
         log.debug("could not set the read-ahead: %s", exc)

@@ -12,7 +12,7 @@ sticky directory lets no user rename another's entries).
 
 What the directory itself may allow others is the caller's to decide: the SSD tier wants no
 other writer at all (`cachefs.cache.ssd`), the order file's directory may be shared with the
-mount's users, who publish by writing there (`cachefs.mount`).
+mount's users, who publish by writing there (`cachefs.state_dir`).
 """
 
 from __future__ import annotations
