@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -63,6 +64,7 @@ log = logging.getLogger(__name__)
 READ_AHEAD_KB = 1024  # kernel read-ahead of the mount: 1 MiB requests double large-file MB/s
 # after a signal, how long requests in flight may take before they are given up
 TERMINATE_GRACE_S = 1.0
+DETACH_WAIT_S = 5.0  # fusermount3 -z returns at once; this bounds a stuck one
 
 
 def check_startup(config: MountConfig) -> None:
@@ -411,9 +413,11 @@ class Mount:
                     self.notifier.send("STOPPING=1")
                 if self.close_watcher is not None:
                     self.close_watcher.stop()
-                if self.kernel is not None:
-                    self.kernel.stop()  # before the session its calls go to is closed
-                pyfuse3.close(unmount=True)
+                # the page cache's threads end before the session their calls go to is freed
+                if self.kernel is None or self.kernel.stop():
+                    pyfuse3.close(unmount=True)
+                else:
+                    _detach_leaving_session(self.config.mountpoint)
                 if self.ssd is not None:
                     self.ssd.close()
                 log.info("unmounted %s", self.config.mountpoint)
@@ -511,6 +515,21 @@ async def _terminate_on_signal(signals, main_scope: trio.CancelScope) -> None:
                     "their readers get an error as the mount goes", TERMINATE_GRACE_S)
         main_scope.cancel()
         return
+
+
+def _detach_leaving_session(mountpoint: Path) -> None:
+    """Unmount (lazily, as pyfuse3.close does) without freeing the FUSE session: a page cache
+    thread is still inside a call to it (a store waiting on a page whose READ nobody answers
+    any more), and freed under it the session took the daemon down at its exit. The session
+    and its device go with the process, which ends that thread's wait."""
+    log.warning("a page cache thread is still in a FUSE call: unmounting without freeing "
+                "the session")
+    try:
+        subprocess.run(["fusermount3", "-u", "-q", "-z", os.fsdecode(mountpoint)],
+                       check=False, timeout=DETACH_WAIT_S, stdin=subprocess.DEVNULL,
+                       capture_output=True)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.error("could not unmount %s: %s", mountpoint, exc)
 
 
 def _set_read_ahead(mountpoint: Path, kb: int) -> None:

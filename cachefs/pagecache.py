@@ -186,12 +186,15 @@ class KernelPages:
             for thread in self._lookup_threads:
                 thread.start()
 
-    def stop(self, timeout_s: float = 5.0) -> None:
+    def stop(self, timeout_s: float = 5.0) -> bool:
         """End the threads (the mount is going down): the drops queued run, the stores still
         queued are skipped (pages of a mount going away). A store can wait on a page whose
         READ nobody answers any more (pyfuse3.main has returned): after `timeout_s` its
-        thread is left to the unmount, which ends that wait."""
+        thread is left to the unmount, which ends that wait. False if a thread that calls
+        into the FUSE session is still running: the caller must not free the session under
+        it (cachefs/mount.py)."""
         deadline_s = time.monotonic() + timeout_s
+        stopped = True
         self._stopping = True
         for _ in self._lookup_threads:
             self._lookup_jobs.put(_STOP)
@@ -200,6 +203,7 @@ class KernelPages:
             self._thread.join(max(0.0, deadline_s - time.monotonic()))
             if self._thread.is_alive():
                 log.warning("page cache thread still busy at unmount; leaving it")
+                stopped = False
             self._thread = None
         for _ in self._store_threads:
             self._store_jobs.put(_STOP)
@@ -207,6 +211,7 @@ class KernelPages:
             thread.join(max(0.0, deadline_s - time.monotonic()))
             if thread.is_alive():
                 log.warning("page cache store thread still busy at unmount; leaving it")
+                stopped = False
         self._store_threads = []
         # the lookups last: they make no kernel call of the session (a lookup through the
         # mount, its answer handed to a trio run that has ended), and one waiting for an
@@ -214,6 +219,7 @@ class KernelPages:
         for thread in self._lookup_threads:
             thread.join(max(0.0, deadline_s - time.monotonic()))
         self._lookup_threads = []
+        return stopped
 
     def _work(self) -> None:
         """The FIFO, in order (module docstring): stores go to the store threads (inline

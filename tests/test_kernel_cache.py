@@ -320,6 +320,41 @@ def test_nothing_reaches_the_kernel_once_the_page_cache_threads_are_stopped():
     assert calls == []
 
 
+def test_stop_says_whether_a_thread_is_still_in_a_session_call():
+    """`KernelPages.stop` is True once every thread that calls into the FUSE session has
+    ended, and False while a store is still stuck in its call (a page whose READ nobody
+    answers at unmount): the mount then leaves the session unfreed (cachefs/mount.py
+    `_detach_leaving_session`), where freeing it under that thread crashed the daemon."""
+    import threading
+
+    import trio
+
+    from cachefs.pagecache import KernelPages
+
+    pages = KernelPages(lambda inode, offset, data: None, lambda inode: None)
+    pages.start()
+    assert pages.stop() is True
+
+    stuck, release = threading.Event(), threading.Event()
+
+    def store_fn(inode: int, offset: int, data: bytes) -> None:
+        stuck.set()
+        release.wait(10)
+
+    pages = KernelPages(store_fn, lambda inode: None)
+    pages.start()
+
+    async def main() -> None:
+        pages.store(1, 0, b"x" * 4096)
+
+    trio.run(main)
+    assert stuck.wait(10)
+    try:
+        assert pages.stop(timeout_s=0.2) is False
+    finally:
+        release.set()
+
+
 def test_a_store_of_an_inode_with_nothing_queued_skips_a_busy_fifo():
     """KernelPages with recording fakes: while the FIFO's thread is held by an invalidation,
     a store of another inode lands (it has nothing queued to keep order with), and a store
