@@ -26,6 +26,7 @@
  * close is left behind (a thread holds no GIL to release it), at most one per thread.
  */
 
+#define _GNU_SOURCE /* pthread_setname_np */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -224,6 +225,9 @@ out:
 static void *worker(void *arg)
 {
     struct pool *pool = arg;
+    /* for ps -L, top -H, perf and /proc/PID/task/TID/comm, as cachefs.threads names the
+       daemon's Python threads (a thread keeps the program's name otherwise) */
+    pthread_setname_np(pthread_self(), "cachefs-read");
     pthread_mutex_lock(&pool->lock);
     for (;;) {
         while (!pool->head && !pool->closing)

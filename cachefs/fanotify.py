@@ -56,6 +56,8 @@ from collections.abc import Callable
 
 import trio
 
+from cachefs.threads import start_thread
+
 log = logging.getLogger(__name__)
 
 FAN_CLOSE_NOWRITE = 0x00000010
@@ -253,9 +255,7 @@ class CloseWatcher:
         self.overflows = 0
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._work, name="cachefs-fanotify",
-                                        daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._work, "cachefs-closes")
 
     def stop(self) -> None:
         if self._thread is not None:

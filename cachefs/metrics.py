@@ -36,6 +36,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 from prometheus_client.registry import Collector
 
 from cachefs import errors
+from cachefs.threads import start_thread
 
 log = logging.getLogger(__name__)
 
@@ -216,8 +217,7 @@ class _BoundedServer(ThreadingWSGIServer):
         self._deadlines_lock = threading.Lock()
         self._closed = threading.Event()
         super().__init__(*args, **kwargs)
-        threading.Thread(target=self._cut_late, name="cachefs-metrics-deadline",
-                         daemon=True).start()
+        start_thread(self._cut_late, "cachefs-cutoff")
 
     def server_close(self) -> None:
         self._closed.set()
@@ -266,7 +266,7 @@ def _serve(host: str, port: int, registry: CollectorRegistry) -> WSGIServer:
 
     server = make_server(str(sockaddr[0]), port, make_wsgi_app(registry), Server,
                          handler_class=_Handler)
-    threading.Thread(target=server.serve_forever, name="cachefs-metrics", daemon=True).start()
+    start_thread(server.serve_forever, "cachefs-metrics")
     return server
 
 

@@ -86,6 +86,7 @@ from collections.abc import Callable
 import trio
 
 from cachefs.recent import RecentMap
+from cachefs.threads import start_thread
 
 log = logging.getLogger(__name__)
 
@@ -171,20 +172,12 @@ class KernelPages:
     # -- the thread ------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._store_threads = [
-            threading.Thread(target=self._stores, name="cachefs-store", daemon=True)
-            for _ in range(STORE_THREADS)]
-        for thread in self._store_threads:
-            thread.start()
-        self._thread = threading.Thread(target=self._work, name="cachefs-pagecache",
-                                        daemon=True)
-        self._thread.start()
+        self._store_threads = [start_thread(self._stores, "cachefs-store")
+                               for _ in range(STORE_THREADS)]
+        self._thread = start_thread(self._work, "cachefs-pages")
         if self._lookup_fn is not None:
-            self._lookup_threads = [
-                threading.Thread(target=self._look_ups, name="cachefs-lookup", daemon=True)
-                for _ in range(LOOKUP_THREADS)]
-            for thread in self._lookup_threads:
-                thread.start()
+            self._lookup_threads = [start_thread(self._look_ups, "cachefs-lookup")
+                                    for _ in range(LOOKUP_THREADS)]
 
     def stop(self, timeout_s: float = 5.0) -> bool:
         """End the threads (the mount is going down): the drops queued run, the stores still

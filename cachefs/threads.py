@@ -34,7 +34,9 @@ as it hung. Waiting for a slot can be cancelled too.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -43,6 +45,10 @@ import outcome
 import trio
 
 T = TypeVar("T")
+
+# the kernel keeps a thread's name in 16 bytes, its NUL included (prctl(2) PR_SET_NAME)
+OS_THREAD_NAME_MAX = 15
+_PR_SET_NAME = 15
 
 # `await run(fn, *args)`: fn(*args) in a worker thread, its value returned or its exception
 # raised (module docstring)
@@ -137,3 +143,33 @@ async def run_abandoning(fn: Callable[..., T], *args) -> T:
     """`fn(*args)` in a worker thread; a cancellation returns at once and leaves the thread
     to finish on its own (for a call that may never return, module docstring)."""
     return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+
+
+def start_thread(target: Callable[[], object], name: str) -> threading.Thread:
+    """Start a daemon thread that runs `target`, named `name` in Python and in the kernel, where
+    ps -L, top -H, perf and /proc/PID/task/*/comm read it (Python 3.11 names only its own
+    object): the daemon's CPU can then be told apart by thread (scripts/benchlib.py,
+    `DaemonCpu`). The C read pool names its threads too (cachefs/_readpool.c)."""
+    assert len(name.encode()) <= OS_THREAD_NAME_MAX, f"{name!r} is too long a thread name"
+
+    def run() -> None:
+        _name_os_thread(name)
+        target()
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+@functools.cache
+def _prctl():
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def _name_os_thread(name: str) -> None:
+    """Best effort: a thread with the kernel's default name (the program's) works the same."""
+    prctl = _prctl()
+    if prctl is not None:
+        prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()), 0, 0, 0)

@@ -80,6 +80,8 @@ log = logging.getLogger("bench")
 DATASET_DEFAULTS = {"small": (5000, 110), "mixed": (3000, 110), "shards": (64, 64 * 1024)}
 CONTENDER_KINDS = ("direct-1", "direct-n", "direct-threads", "cachefs-plain", "cachefs-order")
 MIN_RAM_BYTES = 64 * KIB
+# the stats key of the daemon's CPU a file by kind of thread (benchlib.DaemonCpu.by_thread_ms)
+BY_THREAD_KEY = "daemon_cpu_by_thread_ms_per_file"
 SMOKE = {"files": 40, "file_kb": 64, "epochs": 3, "readers": 2, "threads": 4,
          "cache_fractions": [0.5], "no_drop_caches": True}
 
@@ -248,6 +250,7 @@ class Run:
                 delta = stats_delta(before, mount.settled_totals(before, result.files))
                 # what the daemon costs per file read, read-ahead and serving together
                 delta.update(daemon_cpu.per_file_ms(result.files))
+                delta[BY_THREAD_KEY] = daemon_cpu.by_thread_ms(result.files)
                 hits = delta["hits_ram"] + delta["hits_ssd"]
                 self._record(name, fraction, epoch, result, gap_s=round(gap_s, 3),
                              machine_cpu_ms_per_file=cpu_ms, stats=delta,
@@ -299,6 +302,30 @@ def markdown_report(run: Run) -> str:
          "prefetched", "misses", "backend MB", "stall s", "open ms/file", "read ms/file",
          "machine CPU ms/file", "readers CPU ms/file", "daemon CPU ms/file",
          "trio thread CPU ms/file", "storage and rest CPU ms/file", "hit rate", "C/N"], rows)
+
+
+def threads_table(run: Run) -> str:
+    """The daemon's CPU a file by kind of thread (benchlib.DaemonCpu.by_thread_ms), each
+    contender's epochs, medians over the rounds: where the daemon's time goes."""
+    values: dict[tuple[str, int], dict[str, list[float]]] = {}
+    for r in run.records:
+        by_thread = (r.get("stats") or {}).get(BY_THREAD_KEY)
+        if by_thread:
+            at = values.setdefault((r["contender"], r["epoch"]), {})
+            for kind, ms in by_thread.items():
+                at.setdefault(kind, []).append(ms)
+    if not values:
+        return ""
+    totals: dict[str, float] = {}
+    for at in values.values():
+        for kind, ms in at.items():
+            totals[kind] = totals.get(kind, 0.0) + sum(ms)
+    kinds = sorted(totals, key=lambda kind: -totals[kind])
+    rows = [[name, epoch, *(benchlib.median(at[kind]) if kind in at else None for kind in kinds)]
+            for (name, epoch), at in values.items()]
+    return ("The daemon's CPU a file by thread, ms (medians over the rounds; "
+            f"{benchlib.TRIO_THREAD}: the main thread):\n\n"
+            + benchlib.markdown_table(["contender", "epoch", *kinds], rows))
 
 
 def storage_cpu_ms(record: dict) -> float | None:
@@ -451,7 +478,7 @@ def main(argv=None) -> int:
         return 1
     header = describe(run, label)
     report = (f"{header}\n\n{markdown_report(run)}\n\n{summary_table(run)}\n\n"
-              f"{rounds_table(run)}")
+              f"{rounds_table(run)}\n\n{threads_table(run)}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.md").write_text(report + "\n")
     benchlib.write_json(args.out / "bench.json", {

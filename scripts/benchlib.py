@@ -403,15 +403,50 @@ def process_cpu_s(pid: int, tid: int | None = None) -> float:
 DAEMON_CPU_KEYS = ("daemon_cpu_ms_per_file", "trio_cpu_ms_per_file")
 
 
+# what `DaemonCpu.by_thread_ms` calls the daemon's main thread, and trio's worker threads
+TRIO_THREAD = "trio"
+TRIO_WORKERS = "trio-workers"
+# the CPU of threads that ended before the stretch did (trio's idle workers end after a while)
+ENDED_THREADS = "ended"
+# threads that keep the program's name: none of cachefs's own (numpy's BLAS threads, say)
+UNNAMED_THREADS = "unnamed"
+
+
+def threads_cpu_s(pid: int) -> dict[int, tuple[str, float]]:
+    """tid -> (the thread's name in the kernel, its CPU seconds) of every thread of `pid`
+    (cachefs.threads names the daemon's threads; one that ended while this read is left out)."""
+    threads = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            threads[int(tid)] = (name, process_cpu_s(pid, int(tid)))
+        except OSError:
+            continue
+    return threads
+
+
+def thread_kind(pid: int, tid: int, name: str, main_name: str) -> str:
+    """The kind a thread's CPU is counted under: its name, trio's numbered worker threads
+    ("Trio thread N") under one, the main thread as the trio thread, and threads with the
+    main thread's name (`main_name`, the program's) as unnamed."""
+    if tid == pid:
+        return TRIO_THREAD
+    if name.startswith("Trio thread"):
+        return TRIO_WORKERS
+    return UNNAMED_THREADS if name == main_name else name
+
+
 class DaemonCpu:
     """The daemon's CPU over a stretch of a run, made at its start: all its threads, and its
     trio thread alone (the main thread, which answers every request and does the read path's
-    bookkeeping; the rest is the source's worker threads, the page-store and lookup threads)."""
+    bookkeeping; the rest is the source's worker threads, the page-store and lookup threads),
+    and every kind of thread apart (`by_thread_ms`)."""
 
     def __init__(self, mount: MountProcess):
         try:
             self._pid: int | None = daemon_pid(mount)
             self._start_s = self._now_s()
+            self._start_threads = threads_cpu_s(self._pid)
         except (OSError, BenchError):
             self._pid = None
 
@@ -432,6 +467,27 @@ class DaemonCpu:
                                                               strict=True))
         return {key: round(seconds * 1e3 / files, 3)
                 for key, seconds in zip(DAEMON_CPU_KEYS, (daemon_s, trio_s), strict=True)}
+
+    def by_thread_ms(self, files: int) -> dict[str, float]:
+        """The daemon's CPU a file since the start, by kind of thread (`thread_kind`), the
+        largest first; what threads that ended meanwhile took is `ENDED_THREADS`. {} if the
+        daemon's CPU cannot be read."""
+        if self._pid is None or not files:
+            return {}
+        try:
+            total_s = process_cpu_s(self._pid) - self._start_s[0]
+            threads = threads_cpu_s(self._pid)
+        except OSError:
+            return {}
+        by_kind: dict[str, float] = {}
+        main_name = threads.get(self._pid, ("", 0.0))[0]
+        for tid, (name, cpu_s) in threads.items():
+            started_s = self._start_threads.get(tid, (name, 0.0))[1]
+            kind = thread_kind(self._pid, tid, name, main_name)
+            by_kind[kind] = by_kind.get(kind, 0.0) + cpu_s - started_s
+        by_kind[ENDED_THREADS] = max(0.0, total_s - sum(by_kind.values()))
+        return {kind: round(seconds * 1e3 / files, 3)
+                for kind, seconds in sorted(by_kind.items(), key=lambda kv: -kv[1])}
 
 
 def machine_busy_s() -> float:

@@ -119,6 +119,10 @@ def test_bench_smoke(tmp_path):
             if name.startswith("cachefs"):
                 stats = r["stats"]
                 assert stats["reads"] == files
+                # the daemon's CPU by thread: its trio thread, and its named threads
+                by_thread = stats["daemon_cpu_by_thread_ms_per_file"]
+                assert {"trio", "cachefs-store", "cachefs-read"} <= set(by_thread), by_thread
+                assert min(by_thread.values()) >= 0, by_thread
                 assert (stats["hits_ram"] + stats["hits_ssd"] + stats["prefetched"]
                         + stats["misses"]) == files
                 assert 0.0 <= r["hit_rate"] <= 1.0
@@ -136,6 +140,7 @@ def test_bench_smoke(tmp_path):
     table = (out / "bench.md").read_text()
     assert "| contender | round | epoch | time s |" in table and "cachefs-order@0.5" in table
     assert "| readers CPU ms/file |" in table and "| storage and rest CPU ms/file |" in table
+    assert "The daemon's CPU a file by thread, ms" in table and "| cachefs-store |" in table
     png = out / "bench-epochs.png"
     if benchlib.pyplot() is not None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -89,6 +89,20 @@ def test_pushed_files_are_read_with_the_source_bytes(dataset, mounter, plane):
     assert status["held_bytes"] == N_FILES * page_bytes(FILE_BYTES)  # whole pages
 
 
+def test_the_daemons_threads_are_named_in_the_kernel(dataset, mounter):
+    """ps -L, top -H, perf and /proc name each of the daemon's threads by its job (page
+    stores, the page cache's FIFO, lookups, the read pool), not as the program: the daemon's
+    CPU can be told apart by thread (scripts/benchlib.py, DaemonCpu.by_thread_ms)."""
+    src, relpaths = dataset
+    mount = mounter(src, "--ram-cache", N_FILES * FILE_BYTES * 2)
+    read_epoch(mount, relpaths, 0)  # the read pool starts with the first source read
+    task = Path(f"/proc/{mount.process.pid}/task")
+    names = {(task / tid / "comm").read_text().strip() for tid in os.listdir(task)}
+    assert {"cachefs-store", "cachefs-pages", "cachefs-read"} <= names, names
+    if kernel(mount)["mode"] == "no-open":
+        assert "cachefs-closes" in names, names
+
+
 @PLANES
 def test_files_pushed_ahead_of_the_reader_are_stored_and_dropped_once_read(dataset, mounter,
                                                                          plane):
