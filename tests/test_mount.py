@@ -276,6 +276,18 @@ def test_sigterm_unmounts_and_exits_zero(tree, mounter):
     assert not mount.mounted
 
 
+def test_a_detach_that_leaves_the_session_unmounts(tree, mounter):
+    """The unmount the daemon makes when a page cache thread is still in a FUSE call at the
+    end (cachefs/mount.py `_detach_leaving_session`: the session is not freed under it)
+    takes the mount away, and the daemon then exits as after any unmount."""
+    from cachefs.mount import _detach_leaving_session
+
+    mount = mounter(tree)
+    _detach_leaving_session(mount.mountpoint)
+    assert not mount.mounted
+    assert mount.process.wait(timeout=15) == 0
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_unmounts_while_a_source_call_hangs(tree, mounter, signum):
     """A read waits on a source that does not answer (here each source call sleeps 60 s):
