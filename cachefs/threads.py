@@ -1,4 +1,5 @@
-"""Trips to a worker thread (a blocking call off the trio thread): the one way cachefs hops.
+"""Trips to a worker thread (a blocking call off the trio thread): the one way cachefs hops;
+and the daemon's long-lived threads, started named (`start_thread`).
 
 An object that blocks (the tiered cache's SSD calls, warming) holds a `RunSync`,
 `await run(fn, *args)`, made by `pool(threads)`: at most `threads` of its calls run at once.
