@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -234,6 +235,17 @@ class _BoundedServer(ThreadingWSGIServer):
                     request.shutdown(socket.SHUT_RDWR)  # its handler's next read or write ends
                 except OSError:
                     pass  # closed meanwhile
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that went away (it closed, or was cut at its deadline, before its answer
+        was written) is no error of the daemon's: a line at debug level, where socketserver
+        printed a traceback on stderr, the daemon's log. Anything else is logged with its
+        traceback."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.debug("metrics client %s went away: %s", client_address, exc)
+        else:
+            log.warning("metrics request from %s failed", client_address, exc_info=True)
 
     def process_request(self, request, client_address) -> None:
         if not self._clients.acquire(blocking=False):

@@ -190,6 +190,35 @@ def test_idle_connections_hold_neither_threads_nor_the_server(monkeypatch):
         exporter.close()
 
 
+def test_a_client_that_went_away_is_no_traceback_in_the_log(capsys, caplog):
+    """socketserver printed a traceback on stderr (the daemon's log) for every client that
+    closed, or was cut at its deadline, before its answer was written (a BrokenPipeError in
+    the fresh-clone CI, from the trickling client below). Such a client is a debug line; any
+    other failure of a request is still logged with its traceback."""
+    import logging
+
+    from cachefs import metrics
+
+    server = metrics._serve("127.0.0.1", 0, metrics.CollectorRegistry())
+    try:
+        with caplog.at_level(logging.DEBUG, logger="cachefs.metrics"):
+            try:
+                raise BrokenPipeError(32, "Broken pipe")
+            except BrokenPipeError:
+                server.handle_error(None, ("127.0.0.1", 1))
+            try:
+                raise ValueError("a bug")
+            except ValueError:
+                server.handle_error(None, ("127.0.0.1", 2))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert capsys.readouterr().err == ""
+    went_away, failed = caplog.records
+    assert went_away.levelno == logging.DEBUG and "went away" in went_away.getMessage()
+    assert failed.levelno == logging.WARNING and failed.exc_info is not None
+
+
 def test_a_client_that_trickles_its_request_is_dropped_at_the_deadline(monkeypatch):
     """The socket's timeout is per read: a client that sends a byte before each timeout ends
     kept its slot for good, and MAX_CLIENTS of them silenced the endpoint. The whole request
