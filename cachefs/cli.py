@@ -218,9 +218,7 @@ def _mount_daemon(config: MountConfig) -> None:
 
     try:
         mount_mod.check_startup(config)  # fail fast, in the user's terminal
-        state_dirs.make_dirs(config.state_dir)
-        state_dirs.make_dirs(config.order_file.parent)
-        state_dirs.check_state_dirs(config)  # before the log is opened there
+        state_dirs.prepare(config)  # before the log is opened there
     except errors.StartupError as exc:
         _fail(str(exc), exc.exit_code)
     log_path = config.state_dir / "daemon.log"

@@ -554,9 +554,7 @@ def run(config: MountConfig) -> int:
     """Mount in the foreground until unmounted or signalled; raises StartupError."""
     check_startup(config)
     scheduling.run_as_batch_work()  # before any thread of the mount starts
-    state_dir.make_dirs(config.state_dir)
-    state_dir.make_dirs(config.order_file.parent)
-    state_dir.check_state_dirs(config)
+    state_dir.prepare(config)
     state_lock = state_dir.lock(config.state_dir)
     pid_file = config.state_dir / "pid"
     exporter = mount = None

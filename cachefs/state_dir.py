@@ -38,6 +38,15 @@ def make_dirs(directory: Path) -> None:
         path.mkdir(mode=STATE_DIR_MODE, exist_ok=True)  # a stricter umask narrows it further
 
 
+def prepare(config: MountConfig) -> None:
+    """Make the state directory and the order file's (`make_dirs`) and check them
+    (`check_state_dirs`): by the CLI before it opens the daemon's log there, and by the
+    daemon itself (which may have been started in the foreground)."""
+    make_dirs(config.state_dir)
+    make_dirs(config.order_file.parent)
+    check_state_dirs(config)
+
+
 def check_state_dirs(config: MountConfig) -> None:
     """The state directory and the order file's: no other user can put another in their
     place (`trusted_dirs`), and every user may not write the order file's

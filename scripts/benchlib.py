@@ -406,7 +406,9 @@ DAEMON_CPU_KEYS = ("daemon_cpu_ms_per_file", "trio_cpu_ms_per_file")
 # what `DaemonCpu.by_thread_ms` calls the daemon's main thread, and trio's worker threads
 TRIO_THREAD = "trio"
 TRIO_WORKERS = "trio-workers"
-# the CPU of threads that ended before the stretch did (trio's idle workers end after a while)
+# the CPU of threads that ended before the stretch did (trio's idle workers end after a while),
+# with the rounding of the process's total, counted in clock ticks, against the threads'
+# nanoseconds
 ENDED_THREADS = "ended"
 # threads that keep the program's name: none of cachefs's own (numpy's BLAS threads, say)
 UNNAMED_THREADS = "unnamed"
@@ -474,7 +476,8 @@ class DaemonCpu:
 
     def by_thread_ms(self, files: int) -> dict[str, float]:
         """The daemon's CPU a file since the start, by kind of thread (`thread_kind`), the
-        largest first; what threads that ended meanwhile took is `ENDED_THREADS`. {} if the
+        largest first; what threads that ended meanwhile took is `ENDED_THREADS` (within a
+        clock tick). {} if the
         daemon's CPU cannot be read."""
         if self._pid is None or not files:
             return {}
