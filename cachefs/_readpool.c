@@ -34,6 +34,7 @@
 #include <fcntl.h>
 #include <linux/openat2.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -342,6 +343,14 @@ static int Pool_init(PoolObject *self, PyObject *args, PyObject *kwds)
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     pthread_attr_setstacksize(&attr, 128 * 1024); /* a read needs a few hundred bytes */
+    /* The threads block every signal (they inherit the mask they are created with): a
+       signal for the process (the daemon's SIGTERM at unmount) is then handled by one of its
+       Python threads, never in the middle of a read, where it interrupted a network file
+       system's open or stat (FUSE sends the file system an INTERRUPT) and failed the read
+       with EINTR */
+    sigset_t all, before;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &before);
     int failed = 0;
     for (int i = 0; i < threads && !failed; i++) {
         pthread_t thread;
@@ -355,6 +364,7 @@ static int Pool_init(PoolObject *self, PyObject *args, PyObject *kwds)
             pthread_mutex_unlock(&pool->lock);
         }
     }
+    pthread_sigmask(SIG_SETMASK, &before, NULL);
     pthread_attr_destroy(&attr);
     if (failed) {
         pool_close(self);

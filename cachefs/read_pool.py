@@ -46,6 +46,7 @@ when its thread is done with it, as `threads.run_sync` does.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from dataclasses import dataclass
@@ -107,8 +108,10 @@ class ReadPool:
 
     def close(self) -> None:
         """End the pool's threads (reads still queued are dropped; a later read starts a new
-        pool): when no read is waiting, since none that is will finish. In a trio run, the
-        collecting task is told first, and ends."""
+        pool). In a trio run, the collecting task is told first, and ends. The reads in flight
+        end here, since the pool drops their results: a task still waiting for one gets
+        ECANCELED, and the slot of one cancelled goes back (its thread may still finish it: a
+        read may hang on a stuck network file system, and nobody waits for it)."""
         pool, self._pool = self._pool, None
         if pool is None:
             return
@@ -118,6 +121,15 @@ class ReadPool:
         except RuntimeError:
             pass  # outside a trio run: no task waits on it
         pool.close()
+        waiting, self._waiting = self._waiting, {}
+        for waiter in waiting.values():
+            if isinstance(waiter, Slots):
+                waiter.release()
+            else:
+                try:
+                    trio.lowlevel.reschedule(waiter, outcome.Value((errno.ECANCELED, None)))
+                except RuntimeError:
+                    pass  # a task of a trio run that has ended
 
     async def read(self, slots: Slots, relpath: bytes, offset: int, max_bytes: int,
                    delay_s: float = 0.0, size_hint: int = 0) -> PoolRead:
@@ -133,7 +145,8 @@ class ReadPool:
         if self._collecting is not token:
             # the first read of this trio run (tests run several over one source)
             self._collecting = token
-            trio.lowlevel.spawn_system_task(self._collect, name="cachefs-read-pool")
+            trio.lowlevel.spawn_system_task(self._collect, self._pool,
+                                            name="cachefs-read-pool")
         await slots.acquire()
         ident = self._next_ident
         self._next_ident += 1
@@ -155,17 +168,22 @@ class ReadPool:
             raise OSError(errno_, os.strerror(errno_), relpath)
         return read
 
-    async def _collect(self) -> None:
-        """Wake the task of each finished read, a batch per wake-up (module docstring)."""
-        pool = self._pool
-        assert pool is not None  # started by the read that started this
+    async def _collect(self, pool: _readpool.Pool) -> None:
+        """Wake the task of each finished read of `pool`, a batch per wake-up (module
+        docstring), until the pool is closed: by then this task may not have started yet, or
+        may be about to run after its wait ended (`close` told no task, or a new pool's
+        collector waits on the same descriptor number)."""
+        if self._pool is not pool:
+            return
         fd = pool.fileno()
-        waiting = self._waiting
         while True:
             try:
                 await trio.lowlevel.wait_readable(fd)
             except trio.ClosedResourceError:
                 return  # `close`
+            if self._pool is not pool:
+                return
+            waiting = self._waiting  # `close` gives the pool that follows a new dict
             for ident, errno_, data, before, after, elapsed_ns in pool.completed():
                 waiter = waiting.pop(ident, None)
                 if isinstance(waiter, Slots):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import time
+from pathlib import Path
 
 import pytest
 import trio
@@ -13,7 +14,7 @@ import trio
 from cachefs import read_pool
 from cachefs import source as source_mod
 from cachefs.threads import Slots
-from conftest import write_file
+from conftest import wait_for, write_file
 
 
 def test_the_read_pool_is_built_here():
@@ -158,6 +159,77 @@ def test_a_pool_serves_several_trio_runs_and_a_close_inside_one(tmp_path):
     trio.run(read_once)
     trio.run(read_close_read)
     pool.close()
+
+
+@needs_pool
+def test_a_close_ends_the_reads_in_flight_and_the_pool_after_it_reads(tmp_path):
+    """A close drops the pool's results: a task waiting for one gets ECANCELED, the slot of
+    a cancelled one goes back (it came back only with the result, and the next read waited
+    for it forever), and a close before the first read's collecting task has run leaves that
+    task nothing to do (it looked for the pool when it ran, not when it was started, and
+    failed an assertion, which ends the trio run)."""
+    data = write_file(tmp_path / "f", 100).read_bytes()
+    pool, slots = pool_of(tmp_path), Slots(2)
+
+    async def main():
+        with trio.CancelScope() as scope:
+            scope.cancel()  # cancelled in its wait, before the collecting task has run
+            await pool.read(slots, b"f", 0, 4096, delay_s=0.2)
+        pool.close()
+        assert slots.free == 2
+        assert (await pool.read(slots, b"f", 0, 4096)).data == data
+
+        async def waits():
+            with pytest.raises(OSError) as raised:
+                await pool.read(slots, b"f", 0, 4096, delay_s=0.3)
+            assert raised.value.errno == errno.ECANCELED
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waits)
+            await trio.sleep(0.05)  # the read is in its thread
+            pool.close()
+        assert slots.free == 2
+        assert (await pool.read(slots, b"f", 0, 4096)).data == data
+
+    for _ in range(5):
+        trio.run(main)
+    pool.close()
+
+
+@needs_pool
+def test_the_pools_threads_block_every_signal(tmp_path):
+    """A signal for the daemon is handled by a Python thread, never inside a pool read:
+    there it interrupted a network file system's open or stat, which failed the read with
+    EINTR (the source retries an interrupted read, not an interrupted open)."""
+    pool, slots = pool_of(tmp_path), Slots(1)
+    write_file(tmp_path / "f", 10)
+    trio.run(pool.read, slots, b"f", 0, 10)  # the pool and its threads start with a read
+    def blocked(status: str) -> int:
+        return int(status.split("SigBlk:")[1].split()[0], 16)
+
+    def pool_threads() -> dict[str, int]:
+        """The signal mask of each thread of this pool that has named itself by now (the
+        threads of the other tests' closed pools end meanwhile)."""
+        masks = {}
+        for task in Path("/proc/self/task").iterdir():
+            try:
+                if (task / "comm").read_text().strip() == "cachefs-read":
+                    masks[task.name] = blocked((task / "status").read_text())
+            except FileNotFoundError:
+                pass  # a thread that ended
+        return masks
+
+    try:
+        wait_for(lambda: len(pool_threads()) >= 4)
+        masks = pool_threads()
+        assert masks
+        # all 64 signals but the C library's two for its threads, and SIGKILL and SIGSTOP,
+        # which no thread can block
+        assert all(bin(mask).count("1") == 60 for mask in masks.values()), masks
+        own = blocked(Path("/proc/thread-self/status").read_text())
+        assert bin(own).count("1") < 60  # the creating thread's mask is as it was
+    finally:
+        pool.close()
 
 
 @needs_pool
