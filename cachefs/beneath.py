@@ -64,11 +64,15 @@ def _openat2(dir_fd: int, relpath: bytes, flags: int) -> int:
     if how is None:
         open_how = _OpenHow(flags, 0, _RESOLVE)
         how = _hows[flags] = (open_how, ctypes.addressof(open_how))
-    fd = _syscall(_SYS_OPENAT2, dir_fd, relpath, how[1], _HOW_BYTES)
-    if fd < 0:
+    while True:
+        fd = _syscall(_SYS_OPENAT2, dir_fd, relpath, how[1], _HOW_BYTES)
+        if fd >= 0:
+            return fd
         code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code), relpath)
-    return fd
+        if code != errno.EINTR:
+            raise OSError(code, os.strerror(code), relpath)
+        # a signal for the daemon, handled by this thread, interrupted an open on a network
+        # file system: tried again, as Python's own os.open does (PEP 475)
 
 
 def _walk(dir_fd: int, relpath: bytes, flags: int) -> int:

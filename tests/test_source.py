@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import stat
@@ -219,6 +220,34 @@ def resolution(request, monkeypatch):
         pytest.skip("openat2 is not available here")
     monkeypatch.setattr(beneath, "HAVE_OPENAT2", request.param == "openat2")
     return request.param
+
+
+def test_an_open_interrupted_by_a_signal_is_tried_again(tmp_path, monkeypatch):
+    """An openat2 that a signal interrupts (EINTR: a network file system's open, in the
+    thread that handles the daemon's signal) is made again, as Python's own opens are."""
+    from cachefs import beneath
+
+    if not beneath.HAVE_OPENAT2:
+        pytest.skip("openat2 is not available here")
+    write_file(tmp_path / "f", 10)
+    real, calls = beneath._syscall, []
+
+    def interrupted_once(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            ctypes.set_errno(errno.EINTR)
+            return -1
+        return real(*args)
+
+    monkeypatch.setattr(beneath, "_syscall", interrupted_once)
+    root = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
+    try:
+        fd = beneath.open_beneath(root, b"f", os.O_RDONLY)
+        assert os.read(fd, 100) == (tmp_path / "f").read_bytes()
+        os.close(fd)
+        assert len(calls) == 2
+    finally:
+        os.close(root)
 
 
 def test_no_path_leads_out_of_the_source(tmp_path, resolution):
