@@ -359,15 +359,23 @@ class Operations(pyfuse3.Operations):
 
     @_guarded
     async def read(self, fh, offset, size):
-        handle = self._files.get(fh) if not self.no_open else await self._read_without_open(fh)
+        if self.no_open:
+            return await self.reader.read(await self._read_without_open(fh), offset, size)
+        handle = self._files.get(fh)
         if handle is None:
             raise pyfuse3.FUSEError(errno.EBADF)
+        # a change found since the open: ESTALE, as in the zero-request mode, not bytes of the
+        # old version a fetch in flight at the change put in RAM after its drop
+        self._live_entry(handle.inode)
         return await self.reader.read(handle, offset, size)
 
-    def read_without_open(self) -> list[bytes]:
-        """The files being read with no open (the zero-request mode) and not closed yet:
-        the kernel keeps their READs' pages, which the sweeps re-check (revalidate.py)."""
-        return [handle.relpath for handle in self._without_open.values()]
+    def open_files(self) -> list[bytes]:
+        """The files open now, with an OPEN (the keep-cache mode) or without one (the
+        zero-request mode, until their close is reported): their reads may be served from
+        RAM blocks past the first, from the SSD tier, or by the kernel from their READs'
+        pages, so the sweeps re-check them whatever RAM holds (revalidate.py)."""
+        return [handle.relpath
+                for handle in (*self._files.values(), *self._without_open.values())]
 
     async def _read_without_open(self, inode: int) -> OpenFile:
         """The handle of a READ that came with no OPEN: `fh` is the inode (patched pyfuse3).

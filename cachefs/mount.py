@@ -244,7 +244,7 @@ class Mount:
         self.revalidator = Revalidator(self.source, self.ram, self.inodes, self.freshness,
                                        record_identity=self.prefetcher.record_identity,
                                        source_changed=self.reader.source_changed,
-                                       open_files=lambda: self.ops.read_without_open())
+                                       open_files=lambda: self.ops.open_files())
         self.control = Control(self.snapshot, config.order_file, self.warmer.request)
         self.ops = Operations(self.source, self.reader, self.control, self.inodes, self.kernel,
                               self.freshness, kernel_timeout_s=config.kernel_timeout_s)

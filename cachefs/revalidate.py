@@ -8,13 +8,16 @@ the kernel's attributes and pages of the file before another open can keep them.
 
 Where the checks happen, so that an open waits for none of them:
 - the read-ahead re-checks the files of the order before the reader gets to them (prefetch.py);
-- this task re-checks every other file the RAM tier holds once its identity is due for a
-  refresh (`Freshness.refresh_due`, half a TTL old): every quarter of a TTL it collects them
-  and lstats them in batches of `BATCH_FILES`, one worker-thread hop per batch (not one per
-  file, and none on an open); and the files being read with no open and not closed yet (the
-  zero-request mode, `open_files`): a reader holding a file open (an HDF5 or tar shard) has
-  its READs' pages kept by the kernel while RAM may have let the file go, and other readers
-  opened it on those pages, stale after a change, for as long as it stayed open;
+- this task re-checks every other file the RAM tier holds a block of once its identity is
+  due for a refresh (`Freshness.refresh_due`, half a TTL old): every quarter of a TTL it
+  collects them and lstats them in batches of `BATCH_FILES`, one worker-thread hop per batch
+  (not one per file, and none on an open), `SWEEP_CALLS` batches at once; and every file open
+  now (`open_files`): a reader holding a large file open (an HDF5 or LMDB file, a memory-mapped
+  array, a tar shard) is served its blocks from RAM, from the SSD tier, or by the kernel from
+  its READs' pages, while RAM may hold no block of it or only later ones (its first block
+  the least recently used, and evicted first): a sweep that looked at files by their first
+  block in RAM, and at no open file in the keep-cache mode, served such a reader the old
+  version after a change for as long as it kept the file open;
 - in the keep-cache mode, an open of a cached file whose identity has expired anyway (this
   task fell behind, or the TTL is 0) checks it itself, one source round trip (fuse_ops.open,
   reader.Reader.open). The zero-request mode has no open: there the sweeps are the contract
@@ -43,6 +46,9 @@ from cachefs.source import Source, SourceIdentity
 log = logging.getLogger(__name__)
 
 BATCH_FILES = 512  # lstats per worker-thread hop
+# batches in flight at once: one after the other, 200,000 files held over a source answering
+# an lstat in 0.5 ms took 100 s a sweep, past the TTL the sweeps keep (module docstring)
+SWEEP_CALLS = 4
 REPORTED_FILES = 4096  # changes remembered, not to report one twice (`_apply`)
 MIN_INTERVAL_S = 0.25
 GONE = SourceIdentity(-1, 0, 0)  # the identity of a file the source no longer has
@@ -91,11 +97,12 @@ class Revalidator:
                 log.exception("unexpected error re-checking the cached files")
 
     def _due(self) -> list[bytes]:
-        """Files the RAM tier holds whose identity is due for a refresh. A file the kernel
-        has no inode for is skipped: the lookup that must come before its open stats it."""
+        """Files the RAM tier holds a block of, and files open, whose identity is due for a
+        refresh. A file the kernel has no inode for is skipped: the lookup that must come
+        before its open stats it."""
         at_s = now_s()
         due = []
-        held = [relpath for relpath, block_index in list(self.ram.blocks) if not block_index]
+        held = [relpath for relpath, _ in list(self.ram.blocks)]
         for relpath in dict.fromkeys([*held, *self._open_files()]):
             inode = self.inodes.inode_of(relpath)
             if inode is not None and self.freshness.refresh_due(
@@ -105,11 +112,18 @@ class Revalidator:
 
     async def sweep(self) -> None:
         due = self._due()
-        for start in range(0, len(due), BATCH_FILES):
-            asked_s = now_s()
-            results = await self.source.lstat_many(due[start:start + BATCH_FILES])
-            for relpath, st in results:
-                self._apply(relpath, st, asked_s)
+        batches = iter(range(0, len(due), BATCH_FILES))
+
+        async def check_batches() -> None:
+            for start in batches:  # shared: each batch goes to whichever call is free
+                asked_s = now_s()
+                results = await self.source.lstat_many(due[start:start + BATCH_FILES])
+                for relpath, st in results:
+                    self._apply(relpath, st, asked_s)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(min(SWEEP_CALLS, -(-len(due) // BATCH_FILES))):
+                nursery.start_soon(check_batches)
         self.sweeps += 1
         self.checked += len(due)
 
@@ -119,6 +133,12 @@ class Revalidator:
         hold: what it was told of the file is what its pages are of)."""
         block = self.ram.get((relpath, 0))
         inode = self.inodes.inode_of(relpath)
+        if inode is not None and asked_s < self.inodes.get(inode).stat_time_s:
+            # the kernel's inode of the file is of a look asked after this one (a lookup, or
+            # a reader's check that found a change and gave the new version this inode): an
+            # older look says nothing new, and taken for a change it retired the current
+            # inode (ESTALE for its reader) and dropped the current version's copies
+            return
         told = None if inode is None else self.source.identity_of(self.inodes.get(inode).stat)
         if isinstance(st, OSError):
             if st.errno not in GONE_ERRNOS:

@@ -319,6 +319,32 @@ def test_a_batch_of_closes_whose_accounting_fails_is_logged_not_raised(tmp_path,
     assert "close tokens bug" in caplog.text
 
 
+def test_a_read_of_a_file_open_across_a_change_found_is_estale_in_either_mode(tmp_path):
+    """Once a change is found (here by a sweep, which retires the inode), a READ of a handle
+    opened before it is answered ESTALE in the keep-cache mode too, as in the zero-request
+    mode: it was served from whatever RAM held, which a fetch in flight at the change could
+    fill with the old version after the drop. The files open are the sweeps' to re-check
+    (revalidate.py), whatever RAM holds of them."""
+    src = tmp_path / "src"
+    write_file(src / "a", 3 * BLOCK_BYTES, seed=1)
+    ops = operations(src)
+
+    async def main():
+        inode = (await ops.lookup(ROOT_INODE, b"a", None)).st_ino
+        info = await ops.open(inode, os.O_RDONLY, None)
+        assert await ops.read(info.fh, 0, BLOCK_BYTES) == (src / "a").read_bytes()[
+            :BLOCK_BYTES]
+        assert ops.open_files() == [b"a"]
+        ops.inodes.retire(inode)  # a sweep found the file changed
+        with pytest.raises(pyfuse3.FUSEError) as raised:
+            await ops.read(info.fh, BLOCK_BYTES, BLOCK_BYTES)
+        assert raised.value.errno == errno.ESTALE
+        await ops.release(info.fh)
+        assert ops.open_files() == []
+
+    trio.run(main)
+
+
 def test_a_read_without_open_past_the_ttl_checks_the_source_first(tmp_path):
     """The zero-request mode: the first READ of a file the kernel was told of over a TTL ago
     checks the source, as an open does in the keep-cache mode. Here the copy no sweep checks

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import trio
+import trio.testing
 
 from cachefs.cache.ram import page_bytes
 from cachefs.client import page_cache_bytes
@@ -852,6 +854,87 @@ def test_a_sweep_look_older_than_a_recorded_one_drops_nothing(tmp_path):
     revalidator._apply(b"held", st, 0.0)
     assert changed == [] and revalidator.changed == 0
     assert ram.get((b"held", 0)) is not None
+
+
+def test_a_sweep_checks_every_file_ram_holds_a_block_of_and_every_file_open(tmp_path,
+                                                                           monkeypatch):
+    """A reader holding a large file open is served its blocks from RAM (the first evicted
+    first, as the least recently used), from the SSD tier or by the kernel's pages: the
+    sweeps looked at files by their first block in RAM, and at no file open in the keep-cache
+    mode, so such a reader read the old version after a change for as long as it kept the file
+    open. Now a file RAM holds any block of, and every file open, is re-checked; all due
+    batches at once, a few calls in flight."""
+    from cachefs import revalidate
+    from cachefs import stats as stats_mod
+    from cachefs.cache.ram import RamBlock, RamTier
+    from cachefs.freshness import Freshness
+    from cachefs.inodes import InodeTable
+    from cachefs.revalidate import Revalidator
+    from cachefs.source import Source
+
+    monkeypatch.setattr(revalidate, "BATCH_FILES", 8)  # six batches
+    names = [b"big", b"open", b"fresh"] + [b"f%d" % i for i in range(40)]
+    for name in names:
+        (tmp_path / name.decode()).write_bytes(b"x" * 10)
+    source = Source(tmp_path, threads=2)
+    inodes = InodeTable(os.lstat(tmp_path))
+    stat_of = {name: os.lstat(tmp_path / name.decode()) for name in names}
+    ram = RamTier(1 << 20, block_bytes=4)
+    held = [(b"big", 2)] + [(name, 0) for name in names[3:]]  # "big": its third block only
+    for key in held:
+        assert ram.reserve(4, 0.0)
+        ram.insert(key, RamBlock(b"x" * 4, source.identity_of(stat_of[key[0]]), -1,
+                                 stats_mod.ORIGIN_PREFETCHED), 4)
+    changed: list = []
+    revalidator = Revalidator(source, ram, inodes, Freshness(60.0),
+                              record_identity=lambda *args: True,
+                              source_changed=lambda relpath, new: changed.append(relpath),
+                              open_files=lambda: [b"open", b"fresh"])
+
+    async def main():
+        for name in names:  # told to the kernel long ago, all but "fresh" (just now)
+            inodes.remember(name, stat_of[name], lookup=True,
+                            stat_time_s=trio.current_time() - (0 if name == b"fresh" else 50))
+        assert set(revalidator._due()) == set(names) - {b"fresh"}
+        for name in (b"big", b"open"):  # replaced in the source
+            (tmp_path / name.decode()).write_bytes(b"y" * 20)
+        calls: list = []
+        real = source.lstat_many
+
+        async def counted(relpaths):
+            calls.append(len(relpaths))
+            return await real(relpaths)
+
+        monkeypatch.setattr(source, "lstat_many", counted)
+        await revalidator.sweep()
+        assert sorted(changed) == [b"big", b"open"]
+        assert sum(calls) == len(names) - 1 == revalidator.checked and len(calls) == 6
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_sweep_look_asked_before_the_inodes_is_no_change(tmp_path):
+    """A sweep's lstat saw the old version; then a reader's check found the change and a
+    lookup gave the new version an inode, asked after the sweep's look. The sweep's look
+    landed last, and taken for a change (the file outside the order, whose identities the
+    read-ahead does not record) it retired the current inode, a spurious ESTALE for its
+    reader, and dropped the current version's copies."""
+    from cachefs.source import Source
+
+    (tmp_path / "held").write_bytes(b"x" * 10)
+    source = Source(tmp_path, threads=1)
+    old = os.lstat(tmp_path / "held")
+    (tmp_path / "held").write_bytes(b"y" * 20)
+    new = os.lstat(tmp_path / "held")
+    ram, revalidator, changed = _sweeper_holding(tmp_path, source, source.identity_of(new), -1,
+                                                 lambda *args: True)
+    inode = revalidator.inodes.remember(b"held", new, lookup=True, stat_time_s=10.0)
+    revalidator._apply(b"held", old, 9.0)  # asked before the inode's look
+    revalidator._apply(b"held", FileNotFoundError(errno.ENOENT, "gone"), 9.5)
+    assert changed == [] and not revalidator.inodes.get(inode).retired
+    assert ram.get((b"held", 0)) is not None
+    revalidator._apply(b"held", old, 11.0)  # asked after it: a change
+    assert changed == [revalidator.source.identity_of(old)]
 
 
 def test_a_recheck_that_fails_for_the_source_keeps_the_copies(tmp_path):
