@@ -9,7 +9,11 @@ reads of an order of byte-range items (cachefs/range_cache.py) share one descrip
 - a descriptor is used for at most `hold_s` (the caller's: half the metadata TTL, the age at
   which cachefs re-checks a file's identity anyway, cachefs/freshness.py), then opened again,
   so that a file replaced at the source (renamed over) is seen as soon as a re-check would see
-  it; a file changed in place is seen at once, since every read fstats the descriptor;
+  it; a file changed in place is seen at once, since every read fstats the descriptor. A
+  read through a held descriptor is a look at the path as it was when the descriptor was
+  opened (a file renamed over since is another): `use` says how long ago that was, and the
+  source dates its look by it. A change found by any other look lets the file's descriptor
+  go (`let_go`): read on, it brought the old version back into the caches;
 - threads use one descriptor at the same time (pread is positional); one that is replaced or
   let go is closed when its last reader is done with it, never under a pread;
 - at most `limit` files are held, least recently used let go first, and one not used again
@@ -28,9 +32,12 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TypeVar
 
 MAX_HELD_FILES = 64
 SWEEP_S = 1.0  # how often held descriptors past their `hold_s` are looked for
+
+T = TypeVar("T")
 
 
 class _Held:
@@ -51,14 +58,24 @@ class HeldFiles:
         self._held: OrderedDict[bytes, _Held] = OrderedDict()
         self._swept_s = time.monotonic()
 
-    def use(self, relpath: bytes, hold_s: float, read: Callable[[int], object]):
+    def use(self, relpath: bytes, hold_s: float, read: Callable[[int], T]) -> tuple[T, float]:
         """`read(fd)` with the file's held descriptor (opened if none is fresh), in the
-        calling thread; returns what it returns."""
+        calling thread; returns what it returns, and the seconds since that descriptor was
+        opened (module docstring)."""
         held = self._acquire(relpath, hold_s)
         try:
-            return read(held.fd)
+            return read(held.fd), max(0.0, time.monotonic() - held.opened_s)
         finally:
             self._release(held)
+
+    def let_go(self, relpath: bytes) -> None:
+        """The file changed at the source: its descriptor is used no more (closed once its
+        readers are done with it), and the next read opens the file again."""
+        with self._lock:
+            held = self._held.pop(relpath, None)
+            to_close = self._retire(held) if held is not None else []
+        for done in to_close:
+            os.close(done.fd)
 
     def _acquire(self, relpath: bytes, hold_s: float) -> _Held:
         now = time.monotonic()

@@ -172,7 +172,7 @@ class RangeCache:
     def __init__(self, ram: RamTier, source: Source, stats: Stats, ranking: Ranking,
                  freshness: Freshness, *, kernel: KernelPages | None,
                  kernel_inodes: KernelInodes | None,
-                 source_changed: Callable[[bytes, SourceIdentity], None],
+                 source_changed: Callable[[bytes, SourceIdentity, float | None], None],
                  drop_file_pages: DropFilePages):
         self.ram = ram
         self.source = source
@@ -271,7 +271,9 @@ class RangeCache:
         self._identities[relpath] = (identity, asked_s, asked_s)
         if known is not None and known[0] != identity:
             log.info("source file changed: %r", relpath)
-            self._source_changed(relpath, identity)
+            # with when it was asked: the kernel's inode of the file may be of a look asked
+            # after it (a lookup), which this one must not retire (TieredCache.source_changed)
+            self._source_changed(relpath, identity, asked_s)
         return True
 
     async def refresh_identity(self, relpath: bytes) -> SourceIdentity:
@@ -360,7 +362,7 @@ class RangeCache:
             block = await self.read_source(relpath, [(lo, hi - lo)], demand=demand)
             identity = block.identity
             # a change drops the file's copies; a look older than one recorded keeps nothing
-            current = self.record_identity(relpath, identity, asked_s)
+            current = self.record_identity(relpath, identity, asked_s - block.look_age_s)
             origin = stats_mod.ORIGIN_MISS if demand else stats_mod.ORIGIN_PREFETCHED
             out: dict[int, bytes] = {}
             for index, (want, key, flight) in enumerate(zip(span, keys, flights, strict=True)):
@@ -428,7 +430,7 @@ class RangeCache:
         asked_s = now_s()
         parts = await self.read_source(key[0], [left, right], demand=False)
         if parts.identity != identity:
-            self.record_identity(key[0], parts.identity, asked_s)
+            self.record_identity(key[0], parts.identity, asked_s - parts.look_age_s)
             return False
         block = self.entry(key, identity)
         if block is None or block.data is None or len(block.data) != length:

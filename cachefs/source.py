@@ -115,6 +115,9 @@ class BlockData:
     identity: SourceIdentity
     stat: os.stat_result | None = None  # the fstat the identity came from
     read_s: float = 0.0  # how long the source took, open to last byte
+    # how much older than the read its look at the path is: the age of a descriptor held open
+    # for it (cachefs/held_files.py), which is of the file as it was when opened
+    look_age_s: float = 0.0
 
 
 class RequestObserver(Protocol):
@@ -255,6 +258,9 @@ class Source:
         seen = self._recent_stats.get(relpath)
         if seen is not None and self.identity_of(seen[0]) != identity:
             del self._recent_stats[relpath]
+        # and a descriptor held open for its range reads is read no more: it may be of the
+        # old version (a file renamed over), whose reads came back as looks of now
+        self._held.let_go(relpath)
 
     async def lstat_many(self, relpaths: list[bytes]
                          ) -> list[tuple[bytes, os.stat_result | OSError]]:
@@ -517,15 +523,17 @@ class Source:
                                             for part, (_, want) in zip(parts, wants, strict=True))
             return self._one_version(relpath, fd, st, at)
 
+        look_age_s = 0.0
         if hold_s > 0:
-            data, st = self._held.use(relpath, hold_s, read)
+            (data, st), look_age_s = self._held.use(relpath, hold_s, read)
         else:
             fd, opened = self._open(relpath)
             try:
                 data, st = read(fd, opened)
             finally:
                 os.close(fd)
-        return BlockData(data, self.identity_of(st), st, time.monotonic() - started_s)
+        return BlockData(data, self.identity_of(st), st, time.monotonic() - started_s,
+                         look_age_s)
 
     async def read_ranges(self, relpath: bytes, ranges: list[tuple[int, int]], *,
                           background: bool = False, hold_s: float = 0.0) -> BlockData:
@@ -537,7 +545,7 @@ class Source:
         block = await self._run(self.read_ranges_sync, relpath, ranges, hold_s,
                                 background=background)
         self.read_seconds.observe(block.read_s)
-        self._remember(relpath, block.stat, asked_s)
+        self._remember(relpath, block.stat, asked_s - block.look_age_s)
         return block
 
 

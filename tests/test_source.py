@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from cachefs import source as source_mod
 from cachefs import threads
@@ -176,6 +177,38 @@ print(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[4])
     assert done.stdout.strip() == "0"  # tty_nr: no controlling terminal
 
 
+def test_a_held_descriptor_reads_as_a_look_of_when_it_was_opened(tmp_path):
+    """A range read through a descriptor held open is of the file as it was when opened: one
+    renamed over since is another. It counted as a look of now: its stat replaced a newer
+    one in the memo that lookups are answered from (the old version given the kernel anew),
+    and the range cache kept the old version's bytes, for up to the hold (half a TTL). Now
+    its look is dated by the descriptor's age, and a change found lets the descriptor go."""
+    from cachefs.freshness import Freshness
+
+    (tmp_path / "f").write_bytes(b"a" * 100)
+    source = source_mod.Source(tmp_path, threads=2)
+    freshness = Freshness(60.0)
+    clock = trio.testing.MockClock()
+
+    async def main():
+        old = await source.read_ranges(b"f", [(0, 10)], hold_s=30.0)
+        assert old.data == b"a" * 10 and old.look_age_s < 0.05  # opened for this read
+        time.sleep(0.05)  # the descriptor's age is on the system's clock
+        (tmp_path / "g").write_bytes(b"b" * 200)
+        os.rename(tmp_path / "g", tmp_path / "f")  # renamed over: another file
+        clock.jump(1.0)
+        new = source.identity_of(await source.lstat(b"f"))  # a look at the new file
+        again = await source.read_ranges(b"f", [(0, 10)], hold_s=30.0)  # the held one
+        assert again.data == b"a" * 10 and again.look_age_s >= 0.05
+        st, _ = await source.lstat_recent(b"f", freshness)
+        assert source.identity_of(st) == new  # the newer look stays the memo's
+        source.distrust_stat(b"f", new)  # a change found: the descriptor goes
+        fresh = await source.read_ranges(b"f", [(0, 10)], hold_s=30.0)
+        assert fresh.data == b"b" * 10 and fresh.identity == new
+
+    trio.run(main, clock=clock)
+
+
 def test_a_held_file_not_read_again_is_let_go_after_its_hold(tmp_path, monkeypatch):
     """Range reads keep a file's descriptor for `hold_s`; one not read again is closed at the
     next use of another after that (it was kept until 64 others pushed it out: a file
@@ -187,7 +220,7 @@ def test_a_held_file_not_read_again_is_let_go_after_its_hold(tmp_path, monkeypat
     (tmp_path / "b").write_bytes(b"b")
     held = held_files.HeldFiles(lambda relpath: os.open(tmp_path / os.fsdecode(relpath),
                                                         os.O_RDONLY))
-    fd_a = held.use(b"a", 0.05, lambda fd: fd)
+    fd_a, _ = held.use(b"a", 0.05, lambda fd: fd)
     assert os.readlink(f"/proc/self/fd/{fd_a}") == str(tmp_path / "a")
     (tmp_path / "a").unlink()
     time.sleep(0.1)
