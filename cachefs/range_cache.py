@@ -32,10 +32,12 @@ read-ahead off (the mount sets it to 0 while an order of ranges is in force, mou
 fault reads that page alone: no bytes of neighbouring items are fetched behind the reader's
 back, and a READ of a sentinel means that sample, not a neighbour. Pages stay in the kernel
 after their item was consumed; so that a sample read again is seen again, and the kernel holds
-no more than the window and a few recently read items beyond the RAM budget, a file's pages
-are dropped every `DROP_EVERY_ITEMS` (128) consumed items and whenever a new epoch or plan
-starts. At a new epoch or plan all of them go, and the window's items are pushed again from
-RAM. Every 128 items, where the kernel can drop a range (`invalidate_inode_range`, a patch of
+no more than the window and a few recently read items beyond the RAM budget, pages are
+dropped every `DROP_EVERY_ITEMS` (128) consumed items in all files (the pages of each file
+with one consumed since; sooner for items so large that theirs would exceed a
+`DROP_AT_BUDGET_FRACTION` of the budget) and whenever a new epoch or plan starts. At a new
+epoch or plan all of them go, and the window's items are pushed again from RAM. Every 128
+items, where the kernel can drop a range (`invalidate_inode_range`, a patch of
 ours to pyfuse3), the extents of the items pushed and not yet read stay, and only the pages
 outside them go (about one range per item of the window): dropping the whole file there cost
 the stores of the window again, some 1,500 of 11,300 an epoch, and the reader, one item past
@@ -85,7 +87,11 @@ log = logging.getLogger(__name__)
 DropFilePages = Callable[[bytes, "list[tuple[int, int]] | None"], bool]
 
 MAX_SPAN_BYTES = 4 << 20  # one source read covers adjacent items up to this many bytes
-DROP_EVERY_ITEMS = 128  # consumed items of a file whose pages the kernel may still hold
+# consumed items whose pages the kernel may still hold, in all files: then the pages of each
+# file with one go (module docstring); and at most this share of the RAM budget in their
+# page extents' bytes (items of megabytes each)
+DROP_EVERY_ITEMS = 128
+DROP_AT_BUDGET_FRACTION = 4
 KEYS_REMEMBERED = 16384  # items whose RAM-tier key is remembered (`key_of`)
 
 
@@ -202,6 +208,9 @@ class RangeCache:
         # (relpath, page) of READs waiting for their answer (range_read.py), and how many
         self._reading: collections.Counter[tuple[bytes, int]] = collections.Counter()
         self._consumed_since_drop: dict[bytes, int] = {}  # per file
+        # consumed since the last drops, in all files: items, and their page extents' bytes
+        self._consumed_items = 0
+        self._consumed_bytes = 0
         self.pushes = 0  # items stored into the kernel's pages
         self.drops = 0  # files' pages dropped
         self.caught_up = 0  # items taken as read with no READ of their sentinel (range_read)
@@ -528,19 +537,28 @@ class RangeCache:
                 self._reading[key] -= 1
 
     def note_consumed(self, relpath: bytes, item: int) -> None:
-        """An item of the file was consumed; every `DROP_EVERY_ITEMS` the file's pages go.
-        (Dropping each item's pages alone, with FUSE_NOTIFY_INVAL_INODE over its range, was
-        measured: two notifications an item cost the daemon a third more CPU, in the kernel
-        unmapping the reader's pages, than the drops every 128 items and the window pushed
-        again after each; the drops every 128 items now keep the window's pages, module
+        """An item of the file was consumed; every `DROP_EVERY_ITEMS` consumed items (or a
+        `DROP_AT_BUDGET_FRACTION` of the RAM budget in their extents), in all files, the pages
+        of each file with one consumed since go. Counted per file, a shuffle over many files,
+        each of which had fewer than 128 items consumed in an epoch, left every item's pages
+        in the kernel until the epoch's end, however many and large: the whole epoch beyond
+        the budget. (Dropping each item's pages alone, with FUSE_NOTIFY_INVAL_INODE over its
+        range, was measured: two notifications an item cost the daemon a third more CPU, in
+        the kernel unmapping the reader's pages, than the drops every 128 items and the
+        window pushed again after each; the drops now keep the window's pages, module
         docstring.)"""
         self._pushed_now()
         self.pushed.discard(item)
         self._inside_pushed.discard(item)
-        count = self._consumed_since_drop.get(relpath, 0) + 1
-        self._consumed_since_drop[relpath] = count
-        if count >= DROP_EVERY_ITEMS:
-            self.drop_pages(relpath, keep_pushed=True)
+        self._consumed_since_drop[relpath] = self._consumed_since_drop.get(relpath, 0) + 1
+        self._consumed_items += 1
+        lo, hi = page_extent(*self.key_of(item)[1])
+        self._consumed_bytes += hi - lo
+        if (self._consumed_items >= DROP_EVERY_ITEMS
+                or self._consumed_bytes * DROP_AT_BUDGET_FRACTION >= self.ram.budget_bytes):
+            for path, count in list(self._consumed_since_drop.items()):
+                if count:
+                    self.drop_pages(path, keep_pushed=True)
 
     def drop_pages(self, relpath: bytes, *, keep_pushed: bool = False) -> None:
         """The kernel drops the file's pages: all of them, and the window's items are pushed
@@ -553,6 +571,8 @@ class RangeCache:
         self._store_failures_at_drop = failures
         kept = self._drop_file_pages(relpath, keep)
         self._consumed_since_drop[relpath] = 0
+        if not any(self._consumed_since_drop.values()):
+            self._consumed_items = self._consumed_bytes = 0
         self.drops += 1
         if kept:
             return

@@ -79,6 +79,30 @@ def test_the_drops_within_an_epoch_keep_the_window_so_each_item_is_stored_once()
     assert ranges["reads"] <= 1.02 * N
 
 
+def test_the_pages_of_consumed_items_are_bounded_over_many_files():
+    """A shuffle over many files of a few items each: the pages of consumed items go every
+    128 consumed items in all files (or a quarter of the RAM budget in their extents). Counted
+    per file, none of the 250 files reached 128 in an epoch, and the kernel kept every item's
+    pages to the epoch's end: 100 MB beside a RAM budget of 25 MB."""
+    config = SimConfig(items=N, item_bytes=ITEM_BYTES, ram_bytes=RAM_BYTES, epochs=1,
+                       latency_s=0.002, ranges_per_file=4)
+    held_bytes: list[int] = []  # the kernel's pages of the mount after each consumption
+
+    async def script(sim):
+        cache = sim.prefetcher.ranges.cache
+        note = cache.note_consumed
+
+        def noted(relpath: bytes, item: int) -> None:
+            note(relpath, item)
+            held_bytes.append(PAGE_BYTES * sum(len(pages) for pages in sim.pages.pages.values()))
+        cache.note_consumed = noted
+        return await sim._epochs()
+
+    epochs = run_script(config, script)
+    assert len(epochs[0].completion) == N and len(held_bytes) == N
+    assert max(held_bytes) <= RAM_BYTES // 2, max(held_bytes)
+
+
 def test_after_a_store_failed_the_next_drop_takes_the_whole_file():
     """A store the kernel refused (it forgot the inode) leaves the pushed items naming pages it
     does not hold: the next drop within the epoch takes all of the file's pages, so that the
