@@ -447,8 +447,10 @@ class RangeCache:
         whole = parts.data[:left[1]] + block.data + parts.data[left[1]:]
         grown = RamBlock(whole, identity, block.item, block.origin, served=block.served)
         # its rank as the plan has it now: the tier's may be a re-rank behind (put off until
-        # the tier's order is next read, RamTier.defer_ranks)
-        priority = self.ranking.priority_of(item, 0, identity)
+        # the tier's order is next read, RamTier.defer_ranks); by the entry's item number, which
+        # a new item table that came while the source was read renumbered (`item` is of the
+        # table before it)
+        priority = self.ranking.priority_of(block.item, 0, identity)
         if priority is None:
             self.ram.drop(key)
             return False

@@ -199,8 +199,12 @@ class RangeReader:
                 # reserved for the spans after it: given back, or the budget shrank for good
                 self._cache.give_back(wants)
         waited_s = now_s() - started_s
-        for index, item in enumerate(missing):
-            self._touch(item, stats_mod.ORIGIN_MISS, waited_s if index == 0 else 0.0)
+        # the wait is the stall of the item the READ is for, the one whose sentinel it covers,
+        # not of a neighbour it touched at its edge (due soon, and read whole later)
+        stalled = next((item for item in missing
+                        if self._covers_sentinel(items, item, offset, end)), missing[0])
+        for item in missing:
+            self._touch(item, stats_mod.ORIGIN_MISS, waited_s if item == stalled else 0.0)
         return found
 
     async def _again(self, relpath: bytes, identity: SourceIdentity, key: tuple
