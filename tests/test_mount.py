@@ -451,14 +451,33 @@ def test_the_mount_reads_ahead_one_mebibyte(tree, mounter):
 
 
 def test_daemon_mode_returns_when_mounted(tree, tmp_path):
+    """... with its log readable by its user alone: the log names source files, which other
+    users of the mount may not be allowed to list (it was readable by all, in a state
+    directory readable by all), and one planted there by another user (a FIFO blocked the
+    mount, a file of theirs got the log) is refused."""
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     state = tmp_path / "state"
+    state.mkdir()
+    os.mkfifo(state / "daemon.log")
+    try:
+        done = run_cachefs("mount", tree, mnt, "--state-dir", state)
+    finally:
+        (state / "daemon.log").unlink()  # or the check of the test's logs would wait on it
+    assert done.returncode == 1 and f"daemon's log {state / 'daemon.log'}" in done.stderr
+    (state / "daemon.log").write_bytes(b"")
+    os.chown(state / "daemon.log", 65534, 65534)  # root runs the tests
+    done = run_cachefs("mount", tree, mnt, "--state-dir", state)
+    assert done.returncode == 1 and "is not a file of this user's" in done.stderr
+    (state / "daemon.log").unlink()
+    (state / "daemon.log").write_bytes(b"an earlier version's log\n")
+    (state / "daemon.log").chmod(0o644)
     try:
         done = run_cachefs("mount", tree, mnt, "--state-dir", state)
         assert done.returncode == 0, done.stderr
         assert str(mnt) in mounted_paths()
         assert (mnt / "one").read_bytes() == b"x"
+        assert (state / "daemon.log").stat().st_mode & 0o777 == 0o600
         done = run_cachefs("umount", mnt, "--state-dir", state)
         assert done.returncode == 0, done.stderr
         assert str(mnt) not in mounted_paths()

@@ -588,6 +588,31 @@ def test_a_cache_directory_another_user_could_replace_is_refused(tmp_path):
         fill(tier, 1)
 
 
+def test_a_cache_directory_given_through_another_users_link_is_refused(tmp_path):
+    """The daemon keeps using DIR as given: a symbolic link on it that another user owns (in
+    a sticky directory such as /tmp, where the link is theirs to replace) or may replace (in
+    a directory writable by others) passed the check of the directory it pointed to then,
+    and could be pointed at a directory of forged entries afterwards."""
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    (sticky / "theirs").symlink_to(mine)
+    os.lchown(sticky / "theirs", 65534, 65534)  # root runs the tests
+    with pytest.raises(StartupError, match="goes through the link .* belongs to user 65534"):
+        SsdTier(sticky / "theirs" / "cache", 10 * BLOCK, BLOCK)
+    (sticky / "ours").symlink_to(mine)  # root's own link: only root may replace it
+    with SsdTier(sticky / "ours" / "cache", 10 * BLOCK, BLOCK) as tier:
+        fill(tier, 1)
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    (open_dir / "link").symlink_to(mine)
+    open_dir.chmod(0o777)  # anyone may replace the link in it
+    with pytest.raises(StartupError, match="which another user could replace"):
+        SsdTier(open_dir / "link" / "cache", 10 * BLOCK, BLOCK)
+
+
 def test_no_file_of_the_tier_is_read_through_a_link(cache_dir, tmp_path):
     """A link planted among the tier's files is not followed: an entry that is one is a miss
     (dropped as damaged), and a meta file that is one stops the start."""
