@@ -363,6 +363,7 @@ class OrderWatcher:
             for publication in accepted:
                 self._reject(f"the daemon could not switch to the order: {err!r}",
                              publication.order.file, self._name(publication).name)
+            self._restore()
             return
         self._plain, self._by_rank = plain, by_rank
         self._order, self._published_at = merged.order, time.time()
@@ -378,6 +379,17 @@ class OrderWatcher:
         log.info("order of %s in force: epoch %d, %s%d items for this node (of %d)%s",
                  self._names(accepted), order.epoch, merged_ranks, len(order.current),
                  order.total_length, ", next epoch known" if order.next is not None else "")
+
+    def _restore(self) -> None:
+        """After a switch that failed part of the way (the read-ahead may hold the new order,
+        the planner the old), the order in force is handed over again, so that what the
+        daemon works by is what `status` shows; with none, the daemon keeps what it had."""
+        if self._order is None:
+            return
+        try:
+            self._on_order(self._order)
+        except Exception:  # noqa: BLE001 - the mount serves on, with no read-ahead
+            log.exception("putting the previous order back in force failed too")
 
     def _name(self, publication: Publication) -> Path:
         if publication.rank is None:

@@ -225,8 +225,8 @@ class Targets:
         """Every target's list from the planner's orders (module docstring). `held_items`:
         the items RAM holds now (the head of an epoch kept from the last), which the lists'
         queue depth and the targets' shares do not count."""
-        if self.placement is None:
-            return
+        if self.placement is None or not self.all:
+            return  # an order over an empty manifest places nothing
         ids = self.placement.ids
         current = planner.current
         parts = [ids[current]]

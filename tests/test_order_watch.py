@@ -256,6 +256,44 @@ def test_a_failing_on_order_is_a_rejection(tmp_path):
     assert status["last_rejection"]["file"] == identity.to_json()
 
 
+def test_a_switch_that_fails_puts_the_previous_order_back_in_force(tmp_path):
+    """A switch can fail part of the way (the read-ahead on the new order, the planner on
+    the old): the previous order is handed over again, so that the daemon works by the order
+    `status` shows; the new file is rejected with the reason."""
+    handed: list[int] = []
+
+    def on_order(order):
+        handed.append(order.epoch)
+        if order.epoch == 2:
+            raise ValueError("cannot plan")
+
+    watcher = OrderWatcher(tmp_path / "order.npz", lambda p: load_order(p, SOURCE), on_order)
+    write_order_file(tmp_path / "order.npz", epoch=1, current=np.arange(8))
+    trio.run(watcher.check)
+    write_order_file(tmp_path / "order.npz", epoch=2, current=np.arange(8)[::-1].copy())
+    trio.run(watcher.check)
+    assert handed == [1, 2, 1]
+    status = watcher.status()
+    assert status["order"]["epoch"] == 1 and "cannot plan" in status["last_rejection"]["reason"]
+
+
+def test_an_order_over_an_empty_manifest_takes_force_in_the_read_ahead(tmp_path):
+    """An order whose file list is empty (or over an empty source) places no item on any
+    storage target: building the targets' lists failed (no target to zip with), after the
+    planner had switched, and the mount worked by half of each order."""
+    from cachefs.sim import SimConfig, run_script
+
+    write_order_file(tmp_path / "o.npz", epoch=5, current=np.zeros(0, np.int64),
+                     files=np.zeros(0, "S1"))
+
+    async def script(sim):
+        sim.prefetcher.set_order(load_order(tmp_path / "o.npz", sim.manifest))
+        return sim.prefetcher.planner.epoch, len(sim.prefetcher.planner.current)
+
+    config = SimConfig(items=8, item_bytes=1000, ram_bytes=1 << 20, epochs=1, latency_s=0.001)
+    assert run_script(config, script) == (5, 0)
+
+
 @pytest.mark.parametrize("text", ["x", "\U0001f600"])
 def test_a_rejection_reason_is_cut_to_fit_the_stats_attribute(tmp_path, text):
     # eight rejections of a file with thousands of arrays once made `cachefs stats` unreadable,
