@@ -41,6 +41,7 @@ WARM_START = b"user.cachefs.warm.start."
 
 # os.getxattr gives up above the kernel's XATTR_SIZE_MAX; keep the snapshot below it
 XATTR_SIZE_MAX = 64 * 1024
+ORDER_LISTS_SHOWN = 64  # rank files of the order in force listed where all would not fit
 
 
 class ControlDenied(CachefsError):
@@ -80,6 +81,17 @@ class Control:
             # a very long run: keep the newest epochs (the totals stay in each record)
             snapshot["epochs"] = snapshot["epochs"][len(snapshot["epochs"]) // 2:]
             snapshot["epochs_truncated"] = True
+            data = json.dumps(snapshot, separators=(",", ":")).encode()
+        order = snapshot.get("order")
+        if len(data) > XATTR_SIZE_MAX and order:
+            # an order merged from hundreds of rank files: their identities and ranks made the
+            # attribute too large to read, and `cachefs stats` and `publish` failed for every
+            # user; the first few are shown, and how many there are
+            for key in ("files", "ranks"):
+                values = order.get(key)
+                if values and len(values) > ORDER_LISTS_SHOWN:
+                    order[key] = values[:ORDER_LISTS_SHOWN]
+                    order[f"{key}_total"] = len(values)
             data = json.dumps(snapshot, separators=(",", ":")).encode()
         return data
 

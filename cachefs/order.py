@@ -52,6 +52,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import reprlib
 import secrets
 import stat
 import zipfile
@@ -221,7 +222,8 @@ def _as_int_scalar(key: str, value) -> int:
                              f"{value.shape}")
         value = value[()]
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise OrderError(f"{key} must be an integer, got {type(value).__name__} {value!r}")
+        raise OrderError(f"{key} must be an integer, got {type(value).__name__} "
+                         f"{reprlib.repr(value)}")
     if not -INT64_MAX - 1 <= int(value) <= INT64_MAX:
         raise OrderError(f"{key} must fit in 64 bits, got {value}")
     return int(value)
@@ -366,7 +368,7 @@ def validate_arrays(epoch, current, next=None, files=None, rank=None, world_size
 
 def _read_npz_key(npz, key: str) -> np.ndarray:
     try:
-        return npz[key]
+        value = npz[key]
     except ValueError as err:
         if "allow_pickle" in str(err):
             raise OrderError(f"key {key!r} holds a pickled (object) array; pickles are not "
@@ -374,6 +376,16 @@ def _read_npz_key(npz, key: str) -> np.ndarray:
         raise OrderError(f"key {key!r} is not a readable .npy array: {err}") from None
     except (zipfile.BadZipFile, EOFError, OSError, KeyError) as err:
         raise OrderError(f"truncated or corrupt npz archive (reading {key!r}: {err})") from None
+    if not isinstance(value, np.ndarray):
+        # a member with no .npy header, which numpy hands over as its raw bytes (a message
+        # quoting them took gigabytes of the daemon's memory)
+        raise OrderError(f"key {key!r} is not a .npy array (numpy.savez writes every key as "
+                         f"one)")
+    if value.dtype.itemsize == 0 and value.size:
+        # no bytes to read, and as many items as its header says: comparing them took
+        # gigabytes, for a file of a few hundred bytes
+        raise OrderError(f"key {key!r} is an array of {value.size:,} items of no bytes each")
+    return value
 
 
 def _open_regular(path: Path):

@@ -348,6 +348,57 @@ def test_reject_pickled_files_list(tmp_path, source_manifest):
     assert "'files'" in message and "pickled" in message
 
 
+def _npz_members(path: Path, members: dict[str, bytes]) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+
+
+def _npy(array: np.ndarray) -> bytes:
+    import io
+
+    out = io.BytesIO()
+    np.save(out, array)
+    return out.getvalue()
+
+
+def test_reject_a_member_that_is_no_npy_array_with_a_short_reason(tmp_path, source_manifest):
+    """numpy hands a member with no .npy header over as its raw bytes: the reason quoted
+    them, about four characters a byte, and a 195 KB file of 200 MB of zeros made the
+    daemon take 2.5 GB (up to the archive's 2 GiB, enough to have it killed)."""
+    _npz_members(tmp_path / "order.npz", {"version": b"\0" * 20_000_000,
+                                          "epoch.npy": _npy(np.int64(0)),
+                                          "current.npy": _npy(np.arange(3))})
+    message = rejection(tmp_path / "order.npz", source_manifest)
+    assert "'version' is not a .npy array" in message and len(message) < 200
+
+
+def test_reject_an_array_of_items_of_no_bytes(tmp_path, source_manifest):
+    """A `files` list of a billion items of dtype S0 takes no bytes in the archive, and
+    checking its paths filled gigabytes (2.9 GB and 16 s for a file of 942 bytes)."""
+    import io
+
+    from numpy.lib import format as npy_format
+
+    header = io.BytesIO()
+    npy_format.write_array_header_1_0(header, {"descr": "|S0", "fortran_order": False,
+                                               "shape": (1_000_000_000,)})
+    _npz_members(tmp_path / "order.npz", {"version.npy": _npy(np.int64(1)),
+                                          "epoch.npy": _npy(np.int64(0)),
+                                          "current.npy": _npy(np.arange(3)),
+                                          "files.npy": header.getvalue()})
+    tracemalloc.start()
+    try:
+        message = rejection(tmp_path / "order.npz", source_manifest)
+        _, peak_bytes = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert "'files' is an array of 1,000,000,000 items of no bytes each" in message
+    assert peak_bytes < 50_000_000
+
+
 def test_reject_missing_current(tmp_path, source_manifest):
     save_npz(tmp_path / "order.npz", epoch=np.int64(0), next=np.arange(12))
     assert "missing key 'current'" in rejection(tmp_path / "order.npz", source_manifest)

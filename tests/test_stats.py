@@ -51,3 +51,24 @@ def test_window_is_twice_the_ram_tier_in_blocks_with_a_floor():
     assert (refetch_window_blocks(ram_bytes=1 << 30, block_bytes=1 << 22)
             == MIN_REFETCH_WINDOW_BLOCKS)
     assert refetch_window_blocks(ram_bytes=64 << 30, block_bytes=1 << 17) == 1 << 20
+
+
+def test_the_stats_attribute_fits_an_order_merged_from_hundreds_of_rank_files(tmp_path):
+    """1,200 rank files merged into one order listed every file's identity and rank: the
+    attribute grew past the 64 KiB the kernel lets a program read, and `cachefs stats` and
+    `cachefs publish` failed for every user until the files were removed. The first few are
+    shown now, with how many there are."""
+    import json
+
+    from cachefs.ctrl import ORDER_LISTS_SHOWN, XATTR_SIZE_MAX, Control
+
+    files = [{"size": 10_000 + rank, "mtime_ns": 1_796_000_000_000_000_000 + rank,
+              "ino": 5_000_000 + rank} for rank in range(1200)]
+    snapshot = {"version": 1, "epochs": [{"epoch": 0}],
+                "order": {"epoch": 0, "ranks": list(range(1200)), "files": files}}
+    data = Control(lambda: json.loads(json.dumps(snapshot)), tmp_path / "order.npz",
+                   lambda request: {}).stats_json()
+    assert len(data) <= XATTR_SIZE_MAX
+    order = json.loads(data)["order"]
+    assert order["files"] == files[:ORDER_LISTS_SHOWN] and order["files_total"] == 1200
+    assert order["ranks"] == list(range(ORDER_LISTS_SHOWN)) and order["ranks_total"] == 1200
