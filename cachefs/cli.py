@@ -19,7 +19,6 @@ import errno
 import json
 import logging
 import os
-import stat
 import subprocess
 import sys
 import time
@@ -225,17 +224,10 @@ def _mount_daemon(config: MountConfig) -> None:
     log_path = config.state_dir / "daemon.log"
     command = click.get_current_context().meta[_ARGV]  # as typed, or read from the helper form
     args = [sys.executable, "-m", "cachefs", *command, "--foreground"]
-    try:  # never through a link planted in the state directory (cachefs/state_dir.py)
-        log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-                         | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
-        log_st = os.fstat(log_fd)
-        if not stat.S_ISREG(log_st.st_mode) or log_st.st_uid != os.geteuid():
-            os.close(log_fd)
-            _fail(f"the daemon's log {log_path} is not a file of this user's: another user "
-                  f"could read or block it; remove it")
-        # the log names source files, which users of the mount may not be allowed to list:
-        # its owner's alone, as a log of an earlier version (readable by all) becomes too
-        os.fchmod(log_fd, 0o600)
+    try:
+        log_fd = state_dirs.open_log(log_path)
+    except errors.StartupError as exc:
+        _fail(str(exc), exc.exit_code)
     except OSError as exc:
         _fail(f"cannot write the daemon's log {log_path}: {exc.strerror}")
     with os.fdopen(log_fd, "ab") as log_file:

@@ -51,7 +51,7 @@ def check_state_dirs(config: MountConfig) -> None:
     """The state directory and the order file's: no other user can put another in their
     place (`trusted_dirs`), and every user may not write the order file's
     (`_check_order_directory`). The files the daemon writes there are never opened through a
-    link (`write_no_link`, the CLI's log)."""
+    link (`write_no_link`, `open_log`)."""
     check_no_other_user_can_swap(config.state_dir, "state directory")
     check_no_other_user_can_swap(config.order_file.parent, "the order file's directory")
     _check_order_directory(config.order_file.parent)
@@ -64,6 +64,23 @@ def write_no_link(path: Path, data: bytes) -> None:
                  0o644)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+
+
+def open_log(path: Path) -> int:
+    """The daemon's log, opened for appending: never through a link, its user's file alone
+    (0600, a log of an earlier version readable by all too: it names source files, which
+    users of the mount may not be allowed to list). StartupError for one that is not a
+    regular file of this user's (a FIFO blocked the mount; a file of another user's got the
+    log); OSError as the open failed."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+                 | os.O_NONBLOCK, 0o600)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise errors.StartupError(f"the daemon's log {path} is not a file of this user's: "
+                                  f"another user could read or block it; remove it")
+    os.fchmod(fd, 0o600)
+    return fd
 
 
 def _check_order_directory(directory: Path) -> None:
