@@ -207,7 +207,10 @@ class RangeCache:
         self._store_failures_at_drop = 0
         # (relpath, page) of READs waiting for their answer (range_read.py), and how many
         self._reading: collections.Counter[tuple[bytes, int]] = collections.Counter()
-        self._consumed_since_drop: dict[bytes, int] = {}  # per file
+        # files whose pages the kernel may hold (pushed or read in this plan), and those with
+        # an item consumed since their pages last went
+        self._paged_files: set[bytes] = set()
+        self._consumed_files: set[bytes] = set()
         # consumed since the last drops, in all files: items, and their page extents' bytes
         self._consumed_items = 0
         self._consumed_bytes = 0
@@ -251,7 +254,7 @@ class RangeCache:
     def new_plan(self) -> None:
         """A new epoch or plan: every file's pages are dropped, so that what is read again is
         seen again, and the window is pushed anew."""
-        for relpath in list(self._consumed_since_drop):
+        for relpath in list(self._paged_files):
             self.drop_pages(relpath)
 
     # -- identities ------------------------------------------------------------------------
@@ -519,7 +522,7 @@ class RangeCache:
             self._inside_pushed.discard(item)
         for run_lo, run_hi in runs:
             self.kernel.store(inode, run_lo, block.data[run_lo - data_lo:run_hi - data_lo])
-        self._consumed_since_drop.setdefault(relpath, 0)
+        self._paged_files.add(relpath)
         if trimmed:
             self._inside_pushed.add(item)
             return False
@@ -552,15 +555,15 @@ class RangeCache:
         self._pushed_now()
         self.pushed.discard(item)
         self._inside_pushed.discard(item)
-        self._consumed_since_drop[relpath] = self._consumed_since_drop.get(relpath, 0) + 1
+        self._paged_files.add(relpath)
+        self._consumed_files.add(relpath)
         self._consumed_items += 1
         lo, hi = page_extent(*self.key_of(item)[1])
         self._consumed_bytes += hi - lo
         if (self._consumed_items >= DROP_EVERY_ITEMS
                 or self._consumed_bytes * DROP_AT_BUDGET_FRACTION >= self.ram.budget_bytes):
-            for path, count in list(self._consumed_since_drop.items()):
-                if count:
-                    self.drop_pages(path, keep_pushed=True)
+            for path in list(self._consumed_files):
+                self.drop_pages(path, keep_pushed=True)
 
     def drop_pages(self, relpath: bytes, *, keep_pushed: bool = False) -> None:
         """The kernel drops the file's pages: all of them, and the window's items are pushed
@@ -572,8 +575,8 @@ class RangeCache:
                 if keep_pushed and failures == self._store_failures_at_drop else None)
         self._store_failures_at_drop = failures
         kept = self._drop_file_pages(relpath, keep)
-        self._consumed_since_drop[relpath] = 0
-        if not any(self._consumed_since_drop.values()):
+        self._consumed_files.discard(relpath)
+        if not self._consumed_files:
             self._consumed_items = self._consumed_bytes = 0
         self.drops += 1
         if kept:
