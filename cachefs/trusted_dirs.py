@@ -40,8 +40,7 @@ def check_no_other_user_can_swap(directory: Path, what: str,
                                f"to user {link_st.st_uid}: that user could point it elsewhere",
                                exit_code)
         parent_st = os.stat(link.parent)
-        if parent_st.st_uid not in (0, uid) or (parent_st.st_mode & 0o022
-                                                and not parent_st.st_mode & stat.S_ISVTX):
+        if parent_st.st_uid not in (0, uid) or _others_may_rename_in(parent_st):
             raise StartupError(f"{what} {directory} goes through the link {link}, which another "
                                f"user could replace (its directory {link.parent} is theirs, "
                                f"or theirs to write to)", exit_code)
@@ -55,10 +54,16 @@ def check_no_other_user_can_swap(directory: Path, what: str,
             raise StartupError(f"{what} {directory} is inside {parent}, which belongs to user "
                                f"{st.st_uid}: that user could put another directory in its "
                                f"place", exit_code)
-        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        if _others_may_rename_in(st):
             raise StartupError(f"{what} {directory} is inside {parent}, which other users may "
                                f"write to (mode {st.st_mode & 0o7777:o}): they could put "
                                f"another directory in its place", exit_code)
+
+
+def _others_may_rename_in(st: os.stat_result) -> bool:
+    """Users other than the directory's owner may rename its entries: it is writable by its
+    group or by all, and not sticky."""
+    return bool(st.st_mode & 0o022) and not st.st_mode & stat.S_ISVTX
 
 
 MAX_LINKS = 40  # as the kernel's path walk allows (ELOOP past it)
