@@ -291,8 +291,8 @@ def umount(mountpoint, state_dir):
 
 def _daemon_pid(state_dir: Path) -> int | None:
     try:
-        return int(json.loads((state_dir / "pid").read_text())["pid"])
-    except (OSError, ValueError, KeyError):
+        return int(json.loads(state_dirs.read_own_file(state_dir / "pid", 4096))["pid"])
+    except (OSError, ValueError, KeyError, TypeError):  # TypeError: JSON of another shape
         return None
 
 

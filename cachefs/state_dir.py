@@ -10,9 +10,12 @@ daemon writes there are never opened through a link planted in their place.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 from cachefs import errors
@@ -58,12 +61,34 @@ def check_state_dirs(config: MountConfig) -> None:
 
 
 def write_no_link(path: Path, data: bytes) -> None:
-    """Write `path` whole, never through a link planted in its place (the daemon may be
-    root, and the state directory shared with the mount's users)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
-                 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
+    """Write `path` whole as a new file renamed over whatever has its name, so never through
+    a link, a FIFO or another user's file planted in its place (the daemon may be root, and
+    the state directory shared with the mount's users: a link there failed the mount, and a
+    FIFO named `pid` held its start until someone read it)."""
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o644)
+            f.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+
+
+def read_own_file(path: Path, max_bytes: int) -> bytes:
+    """Up to `max_bytes` of `path`, a file the daemon wrote (`write_no_link`): OSError if it is
+    not a regular file of this user's or root's (a FIFO planted there held `cachefs umount`
+    forever; a file of another user's names a process of their choosing)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, os.geteuid()):
+            raise OSError(errno.EPERM, "not a file of this user's or root's", str(path))
+        return os.read(fd, max_bytes)
+    finally:
+        os.close(fd)
 
 
 def open_log(path: Path) -> int:
