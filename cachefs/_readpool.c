@@ -493,6 +493,13 @@ static PyObject *Pool_completed(PoolObject *self, PyObject *Py_UNUSED(ignored))
     PyObject *list = PyList_New((Py_ssize_t)taken_count);
     for (size_t i = 0; i < taken_count; i++) {
         PyObject *item = list ? result_tuple(&taken[i]) : NULL;
+        if (list && !item && PyErr_ExceptionMatches(PyExc_MemoryError)) {
+            /* no memory for its bytes: this read fails (ENOMEM) and the batch's others are
+               handed over still (the batch lost left each of its readers waiting forever) */
+            PyErr_Clear();
+            item = Py_BuildValue("(LiOOOL)", taken[i].ident, ENOMEM, Py_None, Py_None, Py_None,
+                                 taken[i].elapsed_ns);
+        }
         Py_CLEAR(taken[i].bytes); /* (if no tuple took it) */
         free(taken[i].data);
         taken[i].data = NULL;

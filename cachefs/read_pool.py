@@ -184,7 +184,16 @@ class ReadPool:
             if self._pool is not pool:
                 return
             waiting = self._waiting  # `close` gives the pool that follows a new dict
-            for ident, errno_, data, before, after, elapsed_ns in pool.completed():
+            try:
+                finished = pool.completed()
+            except MemoryError:
+                # no memory for the list of the batch (each read's own bytes that find none
+                # fail alone, ENOMEM): the batch is lost, so every read waited for fails
+                # rather than wait forever; those still running are not waited for
+                log.error("out of memory collecting the source's reads: the reads in flight "
+                          "fail")
+                finished = [(ident, errno.ENOMEM, None, None, None, 0) for ident in waiting]
+            for ident, errno_, data, before, after, elapsed_ns in finished:
                 waiter = waiting.pop(ident, None)
                 if isinstance(waiter, Slots):
                     waiter.release()

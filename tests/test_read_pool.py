@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -194,6 +196,77 @@ def test_a_close_ends_the_reads_in_flight_and_the_pool_after_it_reads(tmp_path):
     for _ in range(5):
         trio.run(main)
     pool.close()
+
+
+@needs_pool
+def test_a_batch_of_reads_lost_to_memory_fails_its_reads_and_the_pool_reads_on(tmp_path):
+    """No memory for the list of a batch of finished reads (`completed()` raising
+    MemoryError) lost the batch and ended the collecting task, and the trio run with it: now
+    each read waited for fails with ENOMEM, and the pool's next reads are served."""
+    from cachefs import _readpool
+
+    data = write_file(tmp_path / "f", 10_000).read_bytes()
+    pool, slots = pool_of(tmp_path), Slots(4)
+
+    class OutOfMemoryOnce:
+        """The pool, whose first `completed()` finds no memory."""
+
+        def __init__(self, real):
+            self.real, self.failed = real, False
+
+        def completed(self):
+            if not self.failed:
+                self.failed = True
+                self.real.completed()  # the batch is taken, and lost
+                raise MemoryError
+            return self.real.completed()
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    pool._pool = OutOfMemoryOnce(_readpool.Pool(pool._root_fd, 4))
+
+    async def main():
+        with pytest.raises(OSError) as raised:
+            await pool.read(slots, b"f", 0, 1 << 20)
+        assert raised.value.errno == errno.ENOMEM
+        assert (await pool.read(slots, b"f", 0, 1 << 20)).data == data
+        assert slots.free == 4
+
+    trio.run(main)
+    pool.close()
+
+
+NO_ROOM_FOR_THE_BYTES = """
+import errno, os, resource, trio
+from cachefs import read_pool
+from cachefs.threads import Slots
+pool, slots = read_pool.ReadPool(os.open(".", os.O_PATH | os.O_DIRECTORY), threads=2), Slots(2)
+async def main():
+    assert (await pool.read(slots, b"small", 0, 1 << 20)).data == b"hello"  # threads started
+    size = [line for line in open("/proc/self/status") if line.startswith("VmSize")][0]
+    # room for the thread's buffer of the file, not for the bytes object it is copied into
+    resource.setrlimit(resource.RLIMIT_AS, (int(size.split()[1]) * 1024 + 100_000_000,
+                                            resource.RLIM_INFINITY))
+    try:
+        await pool.read(slots, b"big", 0, 1 << 30)
+    except OSError as exc:
+        print(errno.errorcode[exc.errno])
+    print((await pool.read(slots, b"small", 0, 1 << 20)).data.decode())
+trio.run(main)
+"""
+
+
+@needs_pool
+def test_a_read_with_no_memory_for_its_bytes_fails_alone(tmp_path):
+    """A finished read whose bytes find no memory (a read with no size expected, copied
+    out of its thread's buffer) fails with ENOMEM, and the pool reads on."""
+    (tmp_path / "big").write_bytes(os.urandom(64_000_000))
+    (tmp_path / "small").write_bytes(b"hello")
+    done = subprocess.run([sys.executable, "-c", NO_ROOM_FOR_THE_BYTES], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["ENOMEM", "hello"]
 
 
 @needs_pool
