@@ -79,6 +79,12 @@ MAX_UNPACKED_BYTES = 2 << 30
 _KNOWN_KEYS = frozenset({"version", "epoch", "current", "next", "files", "rank", "world_size",
                          "targets", *ITEM_KEYS})
 _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip with members / an empty zip
+# An order's archive has a member per key, a few dozen at most; its central directory (the
+# list of members, which opening the zip reads whole and makes an object of each) is a few KB.
+# One of a million empty members is 60 MB and took the daemon 600 MB before any check.
+MAX_DIRECTORY_BYTES = 64 << 10
+_END_OF_DIRECTORY = b"PK\x05\x06"
+_END_RECORD_BYTES = 22  # the end-of-central-directory record, without its comment
 UNKNOWN_KEYS_SHOWN = 5  # unknown keys a rejection names
 NPY_MAGIC = b"\x93NUMPY"  # a single .npy array (read_index_file reads those)
 # The largest world_size: a rank file's name carries at most nine digits (rank_of_file_name).
@@ -413,6 +419,22 @@ def _open_regular(path: Path):
     return os.fdopen(fd, "rb"), FileIdentity.from_stat(st)
 
 
+def _check_directory_size(handle, file_bytes: int) -> None:
+    """OrderError if the archive's central directory is larger than an order's can be
+    (MAX_DIRECTORY_BYTES), read from its end record before the zip is opened. An archive whose
+    end record is not found is left to the zip reader, which says it is corrupt."""
+    tail_bytes = min(file_bytes, _END_RECORD_BYTES + 0xFFFF)  # the record and a comment
+    handle.seek(file_bytes - tail_bytes)
+    tail = handle.read(tail_bytes)
+    at = tail.rfind(_END_OF_DIRECTORY)
+    if at < 0 or len(tail) - at < _END_RECORD_BYTES:
+        return
+    directory_bytes = int.from_bytes(tail[at + 12:at + 16], "little")
+    if directory_bytes > MAX_DIRECTORY_BYTES:
+        raise OrderError(f"the archive lists {directory_bytes:,} bytes of members, more than "
+                         f"the {MAX_DIRECTORY_BYTES:,} an order's few arrays may")
+
+
 def _read_npz(path: Path) -> tuple[dict[str, np.ndarray], FileIdentity]:
     handle, identity = _open_regular(path)
     with handle:
@@ -426,6 +448,7 @@ def _read_npz(path: Path) -> tuple[dict[str, np.ndarray], FileIdentity]:
             if magic[:4] not in _ZIP_MAGIC:
                 raise OrderError("not an npz archive (a zip of .npy arrays written by "
                                  "numpy.savez)")
+            _check_directory_size(handle, identity.size)
             handle.seek(0)
             try:
                 npz = np.load(handle, allow_pickle=False)
