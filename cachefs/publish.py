@@ -32,8 +32,9 @@ import numpy as np
 from cachefs import ctrl
 from cachefs.errors import OrderError, OrderRejected
 from cachefs.mountinfo import CACHEFS_FSTYPE, listed_path, mount_at
-from cachefs.order import (NPY_MAGIC, check_arrays, check_indices, check_targets, rank_order_path,
+from cachefs.order import (check_arrays, check_indices, check_targets, rank_order_path,
                            write_checked)
+from cachefs.order_archive import NPY_MAGIC
 from cachefs.order_items import ITEM_KEYS, ItemArrays, as_int_array, check_item_files
 
 log = logging.getLogger(__name__)

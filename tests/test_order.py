@@ -570,11 +570,11 @@ def test_an_order_whose_arrays_would_take_too_much_memory_is_rejected_unread(
         tmp_path, source_manifest, monkeypatch):
     """The size the archive states is checked before any array is read: a small compressed
     file (or a forged size) made the daemon take gigabytes, or die."""
-    from cachefs import order as order_mod
+    from cachefs import order_archive
 
     save_npz(tmp_path / "order.npz", epoch=np.int64(0), current=np.arange(12))
     assert load_order(tmp_path / "order.npz", source_manifest).epoch == 0
-    monkeypatch.setattr(order_mod, "MAX_UNPACKED_BYTES", 100)
+    monkeypatch.setattr(order_archive, "MAX_UNPACKED_BYTES", 100)
     assert "more than the 100 an order may" in rejection(tmp_path / "order.npz", source_manifest)
 
 
