@@ -17,7 +17,7 @@ import errno
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from cachefs.order import FileIdentity
+    from cachefs.order_archive import FileIdentity
 
 
 class CachefsError(Exception):

@@ -37,8 +37,6 @@ _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip with members / an empty zip
 # list of members, which opening the zip reads whole and makes an object of each) is a few KB.
 # One of a million empty members is 60 MB and took the daemon 600 MB before any check.
 MAX_DIRECTORY_BYTES = 64 << 10
-_END_OF_DIRECTORY = b"PK\x05\x06"
-_END_RECORD_BYTES = 22  # the end-of-central-directory record, without its comment
 UNKNOWN_KEYS_SHOWN = 5  # unknown keys a rejection names
 NPY_MAGIC = b"\x93NUMPY"  # a single .npy array (read_index_file reads those)
 
@@ -105,17 +103,17 @@ def _open_regular(path: Path):
     return os.fdopen(fd, "rb"), FileIdentity.from_stat(st)
 
 
-def _check_directory_size(handle, file_bytes: int) -> None:
+def _check_directory_size(handle) -> None:
     """OrderError if the archive's central directory is larger than an order's can be
-    (MAX_DIRECTORY_BYTES), read from its end record before the zip is opened. An archive whose
-    end record is not found is left to the zip reader, which says it is corrupt."""
-    tail_bytes = min(file_bytes, _END_RECORD_BYTES + 0xFFFF)  # the record and a comment
-    handle.seek(file_bytes - tail_bytes)
-    tail = handle.read(tail_bytes)
-    at = tail.rfind(_END_OF_DIRECTORY)
-    if at < 0 or len(tail) - at < _END_RECORD_BYTES:
+    (MAX_DIRECTORY_BYTES), as its end record states it, read before the zip is opened. The
+    record is found by the zip reader's own search (`zipfile._EndRecData`, its zip64 record
+    included): one found another way (a window a byte short, the record's own fields taken for
+    another record, the 32-bit size of a zip64 archive) let an archive the reader then listed
+    whole through. One with no end record is left to the reader, which says it is corrupt."""
+    end_record = zipfile._EndRecData(handle)  # type: ignore[attr-defined]
+    if end_record is None:
         return
-    directory_bytes = int.from_bytes(tail[at + 12:at + 16], "little")
+    directory_bytes = end_record[zipfile._ECD_SIZE]  # type: ignore[attr-defined]
     if directory_bytes > MAX_DIRECTORY_BYTES:
         raise OrderError(f"the archive lists {directory_bytes:,} bytes of members, more than "
                          f"the {MAX_DIRECTORY_BYTES:,} an order's few arrays may")
@@ -138,7 +136,7 @@ def read_npz(path: Path, known_keys: frozenset[str], version: int
             if magic[:4] not in _ZIP_MAGIC:
                 raise OrderError("not an npz archive (a zip of .npy arrays written by "
                                  "numpy.savez)")
-            _check_directory_size(handle, identity.size)
+            _check_directory_size(handle)
             handle.seek(0)
             try:
                 npz = np.load(handle, allow_pickle=False)

@@ -276,7 +276,7 @@ class OrderWatcher:
                     if rank is None:
                         continue
                 try:
-                    # a link as itself: its load is refused (order.py `_open_regular`)
+                    # a link as itself: its load is refused (order_archive.py `_open_regular`)
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue  # renamed away since the listing

@@ -189,19 +189,27 @@ class ReadPool:
             except MemoryError:
                 # no memory for the list of the batch (each read's own bytes that find none
                 # fail alone, ENOMEM): the batch is lost, so every read waited for fails
-                # rather than wait forever; those still running are not waited for
+                # rather than wait forever, one at a time (no list to make); those still
+                # running are waited for no more, and their slots go back now
                 log.error("out of memory collecting the source's reads: the reads in flight "
                           "fail")
-                finished = [(ident, errno.ENOMEM, None, None, None, 0) for ident in waiting]
+                while waiting:
+                    _wake(waiting.popitem()[1], errno.ENOMEM, None)
+                continue
             for ident, errno_, data, before, after, elapsed_ns in finished:
                 waiter = waiting.pop(ident, None)
-                if isinstance(waiter, Slots):
-                    waiter.release()
-                    continue
-                if waiter is None:  # a read of an earlier trio run, long cancelled
-                    continue
                 read = None
-                if not errno_:
+                if not errno_ and isinstance(waiter, trio.lowlevel.Task):
                     assert data is not None and before is not None and after is not None
                     read = PoolRead(data, _stat_result(before), after, elapsed_ns / 1e9)
-                trio.lowlevel.reschedule(waiter, outcome.Value((errno_, read)))
+                _wake(waiter, errno_, read)
+
+
+def _wake(waiter: trio.lowlevel.Task | Slots | None, errno_: int, read: PoolRead | None
+          ) -> None:
+    """A read is over: its task gets (errno, the read), or, cancelled, its slot goes back
+    (`ReadPool.read`); None: a read of an earlier trio run, long cancelled."""
+    if isinstance(waiter, Slots):
+        waiter.release()
+    elif waiter is not None:
+        trio.lowlevel.reschedule(waiter, outcome.Value((errno_, read)))

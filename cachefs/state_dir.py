@@ -79,12 +79,14 @@ def write_no_link(path: Path, data: bytes) -> None:
 
 def read_own_file(path: Path, max_bytes: int) -> bytes:
     """Up to `max_bytes` of `path`, a file the daemon wrote (`write_no_link`): OSError if it is
-    not a regular file of this user's or root's (a FIFO planted there held `cachefs umount`
-    forever; a file of another user's names a process of their choosing)."""
+    not a regular file, or, unless this user is root, not one of this user's or root's (a FIFO
+    planted there held `cachefs umount` forever; a file of another user's names a process of
+    their choosing; root unmounting a user's mount reads that user's)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, os.geteuid()):
+        euid = os.geteuid()
+        if not stat.S_ISREG(st.st_mode) or (euid != 0 and st.st_uid not in (0, euid)):
             raise OSError(errno.EPERM, "not a file of this user's or root's", str(path))
         return os.read(fd, max_bytes)
     finally:

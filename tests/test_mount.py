@@ -841,7 +841,7 @@ def test_the_start_up_heap_is_frozen_and_cycles_made_later_are_still_collected()
         "    kept.append([])\n"
         "print(gone() is None)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True)
+                          check=True, timeout=60)
     settled, before_young, after_young = done.stdout.splitlines()
     assert settled == "True True True"  # most of the heap frozen, the threshold set
     assert before_young == "True"  # no collection after 700 allocations, as before

@@ -384,6 +384,19 @@ def test_reject_an_archive_of_many_members_before_opening_it(tmp_path, source_ma
                                           "current.npy": _npy(np.arange(3)), **members})
     message = rejection(tmp_path / "order.npz", source_manifest)
     assert "bytes of members, more than the 65,536 an order's few arrays may" in message
+    # the end record as far from the end as a zip's comment can put it
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "order.npz", "a") as archive:
+        archive.comment = b"c" * 0xFFFF
+    message = rejection(tmp_path / "order.npz", source_manifest)
+    assert "bytes of members, more than the 65,536 an order's few arrays may" in message
+    # ... and a byte past that, which the zip reader still finds (a search of its own,
+    # a byte short, missed it, and the reader listed every member)
+    with open(tmp_path / "order.npz", "ab") as archive_file:
+        archive_file.write(b"c")
+    message = rejection(tmp_path / "order.npz", source_manifest)
+    assert "bytes of members, more than the 65,536 an order's few arrays may" in message
 
 
 def test_reject_an_array_of_items_of_no_bytes(tmp_path, source_manifest):
