@@ -656,6 +656,29 @@ def test_a_fifo_planted_as_the_pid_file_holds_neither_mount_nor_umount(tree, tmp
     assert str(mnt) not in mounted_paths()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="chowns a file to another user")
+def test_the_pid_file_is_read_only_from_a_regular_file_of_a_trusted_owner(tmp_path,
+                                                                          monkeypatch):
+    """`cachefs umount` reads the pid file (state_dir.read_own_file) if it is a regular file:
+    root reads one of any user's (it unmounts their mounts), another user only one of their
+    own or root's; a FIFO is refused at once, never waited on."""
+    from cachefs import state_dir
+
+    pid_file = tmp_path / "pid"
+    pid_file.write_text('{"pid": 7}')
+    os.chown(pid_file, 65534, 65534)
+    assert state_dir.read_own_file(pid_file, 4096) == b'{"pid": 7}'  # root
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(OSError):
+        state_dir.read_own_file(pid_file, 4096)
+    monkeypatch.setattr(os, "geteuid", lambda: 65534)
+    assert state_dir.read_own_file(pid_file, 4096) == b'{"pid": 7}'
+    pid_file.unlink()
+    os.mkfifo(pid_file)
+    with pytest.raises(OSError):
+        state_dir.read_own_file(pid_file, 4096)
+
+
 def test_a_mount_under_umask_000_makes_a_state_directory_it_accepts(tree, tmp_path):
     """Under umask 000 (some containers and batch jobs) the state directory a mount made was
     writable by every user, and the mount then refused it as its order directory."""
