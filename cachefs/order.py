@@ -71,8 +71,9 @@ from cachefs.order_items import ITEM_KEYS, Items, as_int_array, check_item_files
 ORDER_VERSION = 1
 
 
-_KNOWN_KEYS = frozenset({"version", "epoch", "current", "next", "files", "rank", "world_size",
-                         "targets", *ITEM_KEYS})
+_REQUIRED_KEYS = ("version", "epoch", "current")
+_KNOWN_KEYS = frozenset({*_REQUIRED_KEYS, "next", "files", "rank", "world_size", "targets",
+                         *ITEM_KEYS})
 # The largest world_size: a rank file's name carries at most nine digits (rank_of_file_name).
 MAX_WORLD_SIZE = 10**9
 # `targets`: a value is a small label (a Lustre OST index fits), and an order names at most
@@ -354,7 +355,7 @@ def load_order(path: Path, source_manifest: Manifest | Callable[[], Manifest],
     the sizes of those files of the manifest now; with it, every byte-range item must lie
     inside its file (one stat per file that holds items, never one per item).
     """
-    arrays, identity = read_npz(Path(path), _KNOWN_KEYS, ORDER_VERSION)
+    arrays, identity = read_npz(Path(path), _KNOWN_KEYS, _REQUIRED_KEYS, ORDER_VERSION)
     try:
         version = _as_int_scalar("version", arrays["version"])
         if version != ORDER_VERSION:

@@ -119,11 +119,11 @@ def _check_directory_size(handle) -> None:
                          f"the {MAX_DIRECTORY_BYTES:,} an order's few arrays may")
 
 
-def read_npz(path: Path, known_keys: frozenset[str], version: int
-             ) -> tuple[dict[str, np.ndarray], FileIdentity]:
-    """The arrays of the order file at `path`, of the keys of format `version` (`known_keys`),
-    and the identity of the file read; OrderError, with `.file` set when known, if unusable
-    (module docstring)."""
+def read_npz(path: Path, known_keys: frozenset[str], required_keys: tuple[str, ...],
+             version: int) -> tuple[dict[str, np.ndarray], FileIdentity]:
+    """The arrays of the order file at `path`, of the keys of format `version` (`known_keys`,
+    `required_keys` among them), and the identity of the file read; OrderError, with `.file`
+    set when known, if unusable (module docstring)."""
     handle, identity = _open_regular(path)
     with handle:
         try:
@@ -159,7 +159,7 @@ def read_npz(path: Path, known_keys: frozenset[str], version: int
                             if len(unknown) > UNKNOWN_KEYS_SHOWN else "")
                     raise OrderError(f"unknown key(s) {shown}{more}; version "
                                      f"{version} has {', '.join(sorted(known_keys))}")
-                for required in ("version", "epoch", "current"):
+                for required in required_keys:
                     if required not in npz.files:
                         raise OrderError(f"missing key {required!r}")
                 arrays = {key: _read_npz_key(npz, key) for key in npz.files}
