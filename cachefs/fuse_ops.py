@@ -320,7 +320,7 @@ class Operations(pyfuse3.Operations):
     async def _open(self, inode: int, entry) -> pyfuse3.FileInfo:
         item = self._item_of(entry)
         given = self.source.identity_of(entry.stat)  # what the kernel was told of the file
-        recent = self.freshness.trusted(entry.stat_time_s)
+        recent = self.freshness.trusted(entry.checked_s)  # its bytes' (inodes.py)
         pages_of = entry.page_identity if self.kernel is not None else None
         handle = await self.reader.open(inode, entry.relpath, item, given if recent else None,
                                         pages_of)
@@ -379,15 +379,16 @@ class Operations(pyfuse3.Operations):
 
     async def _read_without_open(self, inode: int) -> OpenFile:
         """The handle of a READ that came with no OPEN: `fh` is the inode (patched pyfuse3).
-        The first READ of a file the kernel was told of over a TTL ago checks the source, as
-        an open would (`_open`; Reader.checked_handle_without_open)."""
+        The first READ of a file whose version was last seen at the source over a TTL ago
+        (InodeEntry.checked_s) checks the source, as an open would (`_open`;
+        Reader.checked_handle_without_open)."""
         handle = self._without_open.get(inode)
         entry = self._live_entry(inode)
         if handle is not None:
             return handle
         item = self._item_of(entry)
         told = self.inodes.identity(inode)
-        if self.freshness.trusted(entry.stat_time_s):
+        if self.freshness.trusted(entry.checked_s):
             handle = self.reader.handle_without_open(inode, entry.relpath, item, told)
         else:
             handle = await self.reader.checked_handle_without_open(inode, entry.relpath, item,

@@ -4,10 +4,15 @@ The kernel names files by inode number; the source by path. This table hands out
 inode numbers (1 is the root, as FUSE requires) for relative paths, keeps each one stable while
 the kernel holds a reference (lookup counts, `forget`), and remembers the lstat result it last
 saw with the time it was taken (`freshness.now_s`, trio's clock). That time is how `fuse_ops`
-decides whether a file's identity must be re-checked at open or its attributes at getattr
-(`Freshness.trusted`): a changed source file is never served from a cache, yet an unchanged
-one costs no extra round trip to the source. The root's stat, taken before trio's clock runs,
-is stamped `NEVER_S` until the mount stamps it when it starts serving.
+decides whether a file's attributes must be asked again at getattr (`Freshness.trusted`).
+Whether its bytes may be served is decided by `checked_s`: the last time any look at the
+source (that lstat, a sweep's, or the fstat of a read of its bytes: `confirm`, which the
+source calls for every look) saw the version the inode is. A read-ahead's read of a file
+looked up an epoch ago is such a look: keyed on the lstat alone, the file's pushed pages
+would count as unchecked the moment they were stored. So a changed source file is never
+served from a cache, yet an unchanged one costs no extra round trip to the source. The root's
+stat, taken before trio's clock runs, is stamped `NEVER_S` until the mount stamps it when it
+starts serving.
 
 It is also the daemon's record of what the kernel holds of each inode, for the kernel data
 plane (cachefs/pagecache.py): whether the kernel has the inode at all (a lookup count above
@@ -50,6 +55,7 @@ import operator
 import os
 import stat
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cachefs.freshness import NEVER_S, now_s
@@ -122,14 +128,20 @@ class InodeEntry:
     numbering: int = -1
     manifest_index: int = -1
     page_identity: object = None  # SourceIdentity of the pages the kernel may hold, or None
+    # freshness.now_s() when a look at the source last saw the version the inode is
+    # (module docstring): what its bytes are trusted from; NEVER_S: not to be trusted
+    checked_s: float = NEVER_S
     open_handles: int = 0  # opens answered or in progress, not yet released
     retired: bool = False  # another version of the file has the path now (module docstring)
 
 
 class InodeTable:
-    def __init__(self, root_stat: os.stat_result, identity_of=None):
+    def __init__(self, root_stat: os.stat_result, identity_of=None,
+                 trusted: Callable[[float], bool] = lambda checked_s: True):
         # identity_of(stat) -> SourceIdentity: the source's (Source.identity_of)
         self._identity_of = identity_of or PackedStat.identity_fields
+        # trusted(checked_s): the freshness rule (Freshness.trusted), for `store_target`
+        self._trusted = trusted
         self._entries: dict[int, InodeEntry] = {
             ROOT_INODE: InodeEntry(b"", PackedStat.of(root_stat), NEVER_S, lookups=1)}
         self._inode_by_path: dict[bytes, int] = {b"": ROOT_INODE}
@@ -177,7 +189,7 @@ class InodeTable:
         if inode is None:
             inode = self._next_inode
             self._next_inode += 1
-            self._entries[inode] = InodeEntry(relpath, packed, now)
+            self._entries[inode] = InodeEntry(relpath, packed, now, checked_s=now)
             self._inode_by_path[relpath] = inode
         if lookup:
             self._entries[inode].lookups += 1
@@ -209,7 +221,7 @@ class InodeTable:
         be ordered before or after its stat, freshness.compare_look): its stat is asked
         again at its next use, and the kernel's pages of it are not counted on."""
         entry = self._entries[inode]
-        entry.stat_time_s = NEVER_S
+        entry.stat_time_s = entry.checked_s = NEVER_S
         entry.page_identity = None
 
     def retired_of(self, relpath: bytes) -> list[int]:
@@ -229,8 +241,22 @@ class InodeTable:
                   stat_time_s: float) -> None:
         if packed.identity_fields() != entry.stat.identity_fields():
             self._forget_close(inode)  # another version: its close is looked at again
+            entry.checked_s = stat_time_s
+        else:
+            entry.checked_s = max(entry.checked_s, stat_time_s)
         entry.stat = packed
         entry.stat_time_s = stat_time_s
+
+    def confirm(self, relpath: bytes, st: os.stat_result, asked_s: float) -> None:
+        """A look at the source asked at `asked_s` saw `st` (Source's `on_look`): if that is
+        the version the path's inode is, its bytes are trusted from then (module docstring)."""
+        inode = self._inode_by_path.get(relpath)
+        if inode is None:
+            return
+        entry = self._entries[inode]
+        if asked_s > entry.checked_s and (self._identity_of(PackedStat.of(st))
+                                          == self._identity_of(entry.stat)):
+            entry.checked_s = asked_s
 
     def forget(self, inode: int, count: int) -> bytes | None:
         """The kernel dropped `count` references; the relpath if it holds the inode no more
@@ -276,6 +302,10 @@ class InodeTable:
             return None
         entry = self._entries[inode]
         if entry.lookups <= 0 or self._identity_of(entry.stat) != identity:
+            return None
+        if not self._trusted(entry.checked_s):
+            # not seen at the source within the TTL (the sweeps fell behind): pages stored now
+            # would be read with no READ, and so with no check (revalidate.py, "Overdue")
             return None
         if entry.open_handles:
             # An open answered without keep_cache makes the kernel drop the pages when it

@@ -196,7 +196,9 @@ class Mount:
     def _wire(self, config: MountConfig) -> None:
         """Everything after the SSD tier (`__init__`), built in the order each is used."""
         cache = config.cache
-        self.inodes = InodeTable(os.lstat(self.source.root), self.source.identity_of)
+        self.inodes = InodeTable(os.lstat(self.source.root), self.source.identity_of,
+                                 self.freshness.trusted)
+        self.source.on_look = self.inodes.confirm  # a read's look trusts its file's bytes anew
         # the kernel data plane; its thread starts once the FUSE session exists (serve)
         mountpoint = os.fsencode(os.path.abspath(config.mountpoint))
         self.source_manifest = SourceManifest(config.source)
@@ -244,7 +246,8 @@ class Mount:
         self.revalidator = Revalidator(self.source, self.ram, self.inodes, self.freshness,
                                        record_identity=self.prefetcher.record_identity,
                                        source_changed=self.reader.source_changed,
-                                       open_files=lambda: self.ops.open_files())
+                                       open_files=lambda: self.ops.open_files(),
+                                       serves_without_open=lambda: self.ops.no_open)
         self.control = Control(self.snapshot, config.order_file, self.warmer.request)
         self.ops = Operations(self.source, self.reader, self.control, self.inodes, self.kernel,
                               self.freshness, kernel_timeout_s=config.kernel_timeout_s)

@@ -22,8 +22,22 @@ Where the checks happen, so that an open waits for none of them:
   task fell behind, or the TTL is 0) checks it itself, one source round trip (fuse_ops.open,
   reader.Reader.open). The zero-request mode has no open: there the sweeps are the contract
   for what RAM holds, every max(TTL / 4, MIN_INTERVAL_S) seconds, and the first READ of a
-  file the kernel was told of over a TTL ago checks it (what the SSD tier serves;
+  file whose version was last seen over a TTL ago checks it (what the SSD tier serves;
   fuse_ops.Operations._read_without_open).
+
+Overdue: when the sweeps fall behind (a source slow to answer lstats, many files held), what
+RAM holds is still checked before it is served (a READ of a file whose version was not seen
+within the TTL checks the source first), but the kernel's pages are read with no request at
+all in the zero-request mode. So every GUARD_FRACTION of a TTL (at least every
+MIN_INTERVAL_S) `drop_overdue_pages` has the kernel drop the pages of every file whose version
+will not have been seen at the source within the TTL by the next such pass (less
+MIN_INTERVAL_S, the contract's margin): the reader's next READ then comes, and checks. A file
+is seen by any look at it: a lookup, a sweep's lstat, and the read-ahead's read of its bytes
+(InodeTable.confirm), so the pages of a file read ahead an epoch after its lookup are not
+dropped; and no pages are stored for a file not seen within the TTL (InodeTable.store_target).
+While the sweeps keep up this drops nothing: they see each file by three quarters of a TTL,
+and this pass drops at fifteen sixteenths. The keep-cache mode needs no such pass: there an
+open of a file not seen within the TTL checks it (above).
 
 Cost: about 2 x (files held) / TTL lstats a second; the default TTL (60 s, as gcsfuse's stat
 cache) keeps that small for data sets that do not change while mounted, which is what cachefs
@@ -51,6 +65,7 @@ BATCH_FILES = 512  # lstats per worker-thread hop
 SWEEP_CALLS = 4
 REPORTED_FILES = 4096  # changes remembered, not to report one twice (`_apply`)
 MIN_INTERVAL_S = 0.25
+GUARD_FRACTION = 1 / 16  # of the TTL: how often overdue pages are dropped (module docstring)
 GONE = SourceIdentity(-1, 0, 0)  # the identity of a file the source no longer has
 # what an lstat fails with for a file gone (or out of the daemon's reach: the copies go, as
 # a reader would get this error); any other error is the source's, and is asked again
@@ -61,14 +76,16 @@ class Revalidator:
     def __init__(self, source: Source, ram: RamTier, inodes, freshness: Freshness, *,
                  record_identity: Callable[[bytes, SourceIdentity, int | None, float], bool],
                  source_changed: Callable[[bytes, SourceIdentity], None],
-                 open_files: Callable[[], Iterable[bytes]] = tuple):
+                 open_files: Callable[[], Iterable[bytes]] = tuple,
+                 serves_without_open: Callable[[], bool] = lambda: False):
         """`record_identity(relpath, identity, item, asked_s)`: a fresh identity, for the
         read-ahead (Prefetcher.record_identity; `item`: the file's, if known, else None;
         `asked_s`: when the source was asked; False: not recorded, an older look than one
         recorded since);
         `source_changed(relpath, identity)`: the file changed, its cached copies go
         (Reader.source_changed); `open_files()`: the files being read with no open
-        (module docstring; fuse_ops.Operations.read_without_open)."""
+        (module docstring; fuse_ops.Operations.read_without_open); `serves_without_open()`:
+        the zero-request mode is on, where overdue pages are dropped (module docstring)."""
         self.source = source
         self.ram = ram
         self.inodes = inodes
@@ -76,6 +93,7 @@ class Revalidator:
         self._record_identity = record_identity
         self._source_changed = source_changed
         self._open_files = open_files
+        self._serves_without_open = serves_without_open
         # the new version each file was last reported changed to: a file read with no open
         # keeps the old version in the inode table until the kernel stats it again, and
         # every sweep until then found the same change (and dropped its copies again)
@@ -83,18 +101,51 @@ class Revalidator:
         self.sweeps = 0
         self.checked = 0
         self.changed = 0
+        self.overdue_files = 0  # files whose pages `drop_overdue_pages` had dropped
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
-        task_status.started()
-        # with a TTL of 0 opens check their file in the keep-cache mode; the zero-request
-        # mode has no open to check at, so the sweeps run as often as they may
-        interval_s = max(MIN_INTERVAL_S, self.freshness.ttl_s / 4)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._guard_pages)
+            task_status.started()
+            # with a TTL of 0 opens check their file in the keep-cache mode; the zero-request
+            # mode has no open to check at, so the sweeps run as often as they may
+            interval_s = max(MIN_INTERVAL_S, self.freshness.ttl_s / 4)
+            while True:
+                await trio.sleep(interval_s)
+                try:
+                    await self.sweep()
+                except Exception:  # noqa: BLE001 - the next sweep asks again; the mount goes on
+                    log.exception("unexpected error re-checking the cached files")
+
+    async def _guard_pages(self) -> None:
+        """`drop_overdue_pages` in the zero-request mode, beside the sweeps, however long one
+        of them takes (module docstring)."""
+        interval_s = max(MIN_INTERVAL_S, self.freshness.ttl_s * GUARD_FRACTION)
         while True:
             await trio.sleep(interval_s)
-            try:
-                await self.sweep()
-            except Exception:  # noqa: BLE001 - the next sweep asks again; the mount goes on
-                log.exception("unexpected error re-checking the cached files")
+            if self._serves_without_open():
+                self.drop_overdue_pages(now_s() + interval_s - MIN_INTERVAL_S)
+
+    def drop_overdue_pages(self, at_s: float) -> int:
+        """The kernel drops its pages of every file whose version the freshness rule will not
+        trust at `at_s` (module docstring); how many files."""
+        overdue: dict[bytes, int] = {}
+        seen: set[bytes] = set()
+        for (relpath, _), block in list(self.ram.blocks.items()):
+            if not block.in_kernel or relpath in seen:
+                continue
+            seen.add(relpath)
+            inode = self.inodes.inode_of(relpath)
+            if inode is not None and not self.freshness.trusted(
+                    self.inodes.get(inode).checked_s, at_s=at_s):
+                overdue[relpath] = block.identity.size
+        for relpath, size_bytes in overdue.items():
+            self.ram.drop_file_pages(relpath, size_bytes)
+        if overdue:
+            log.info("%d files not seen at the source within --metadata-ttl (the re-checks "
+                     "fall behind): the kernel's pages of them dropped", len(overdue))
+        self.overdue_files += len(overdue)
+        return len(overdue)
 
     def _due(self) -> list[bytes]:
         """Files the RAM tier holds a block of, and files open, whose identity is due for a
@@ -106,7 +157,7 @@ class Revalidator:
         for relpath in dict.fromkeys([*held, *self._open_files()]):
             inode = self.inodes.inode_of(relpath)
             if inode is not None and self.freshness.refresh_due(
-                    self.inodes.get(inode).stat_time_s, at_s=at_s):
+                    self.inodes.get(inode).checked_s, at_s=at_s):
                 due.append(relpath)
         return due
 
@@ -173,4 +224,5 @@ class Revalidator:
             self._source_changed(relpath, identity)
 
     def status(self) -> dict:
-        return {"sweeps": self.sweeps, "checked": self.checked, "changed": self.changed}
+        return {"sweeps": self.sweeps, "checked": self.checked, "changed": self.changed,
+                "overdue_files": self.overdue_files}

@@ -46,7 +46,13 @@ slot left out: that is the mount's own limit, not the source's latency), and the
 `read_seconds`, a fixed-bucket histogram (`cachefs stats --json`, the Prometheus metrics).
 
 `delay_s` is a testing aid (`--source-delay-ms`): it sleeps before every open and every read,
-in the worker thread, to turn a fast local directory into a slow one.
+in the worker thread, to turn a fast local directory into a slow one; and once after each
+batch of re-checks (`lstat_many`), so that their answers land that late, as from a slow server,
+while telling what the source held when they were asked.
+
+Every look at a file (an lstat, or the fstat of a block read) is handed, with when it was
+asked, to `on_look` (the mount's inode table, InodeTable.confirm: the bytes of a file the
+read-ahead read are then trusted from that read, not from the lookup of an epoch ago).
 
 Every request for a file's data or identity (`read_block`, `lstat`, `check_readable`) is
 reported to `requests`, a `RequestObserver` (the storage targets' counters, cachefs/targets.py):
@@ -164,6 +170,8 @@ class Source:
         self.stats_reused = 0
         self.read_seconds = Histogram()  # block reads' latency (module docstring)
         self._observer = requests
+        # every look at a file, with when it was asked (module docstring)
+        self.on_look: Callable[[bytes, os.stat_result, float], None] = lambda *look: None
         # files kept open for range reads (samples inside large files)
         self._held = HeldFiles(lambda relpath: self._open(relpath)[0])
 
@@ -242,6 +250,7 @@ class Source:
                 "read_seconds": self.read_seconds.snapshot()}
 
     def _remember(self, relpath: bytes, st: os.stat_result, asked_s: float) -> None:
+        self.on_look(relpath, st, asked_s)
         seen = self._recent_stats.get(relpath)
         if seen is None or asked_s >= seen[1]:
             # not over one asked later: a lookup would make an inode of the older version
@@ -282,6 +291,8 @@ class Source:
                 results.append((relpath, self.lstat_sync(relpath)))
             except OSError as exc:
                 results.append((relpath, exc))
+        if self.delay_s:
+            time.sleep(self.delay_s)  # the answers of a slow server (module docstring)
         return results
 
     def _names_in(self, relpath: bytes) -> list[bytes]:

@@ -1,0 +1,154 @@
+"""The freshness contract when the re-checks fall behind (cachefs/revalidate.py, "Overdue").
+
+In the zero-request mode the kernel serves its pages of a file with no request at all, so the
+sweeps' re-checks are all that keeps them fresh: a source slow to answer them left a changed
+file served from the old version's pages for as long as a sweep took. Now the pages of a file
+whose version was not seen at the source within --metadata-ttl are dropped, and the reader's
+READ checks the source; a look at a file (a read of its bytes too) counts as seeing it, so
+pages read ahead long after the file's lookup are kept.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from cachefs import stats as stats_mod
+from cachefs.cache.ram import RamBlock, RamTier
+from cachefs.freshness import NEVER_S, Freshness
+from cachefs.inodes import InodeTable
+from cachefs.revalidate import Revalidator
+from cachefs.source import Source
+
+
+def test_a_changed_file_is_not_served_from_pages_the_slow_rechecks_left(tmp_path, mounter):
+    """Each batch of re-checks lands 2 s after it was asked (--source-delay-ms, which also
+    slows every open and read), four TTLs: a file rewritten in the source is read through the
+    mount 1.4 s later, before any re-check asked after the rewrite has landed. Before, the
+    kernel served it from the old version's pages, with no request; now they were dropped
+    within a quarter second of the TTL, and the READ that came checked the source."""
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(3)
+    old, new = (rng.integers(0, 256, 30_000, dtype=np.uint8).tobytes() for _ in range(2))
+    (src / "a").write_bytes(old)
+    mount = mounter(src, "--ram-cache", 1 << 20, "--metadata-ttl", 0.5,
+                    "--data-plane", "no-open", "--source-delay-ms", 2000)
+    path = mount.mountpoint / "a"
+    assert path.read_bytes() == old  # no order: a file read whole stays in the page cache
+    (tmp_path / "new").write_bytes(new)
+    os.utime(tmp_path / "new", ns=(0, 10**9))  # another version even within a second
+    (tmp_path / "new").rename(src / "a")
+    time.sleep(1.4)
+    assert path.read_bytes() == new
+    revalidation = mount.stats()["revalidation"]
+    assert revalidation["overdue_files"] >= 1, revalidation
+
+
+def _held_in_kernel(tmp_path, names: list[str]):
+    """A RAM tier whose kernel copies are block 0 of each of `names` (source files under
+    tmp_path), the inode table that told the kernel of them at time 0 (trio's clock), and a
+    revalidator over both; the files whose pages it has the kernel drop go to `dropped`."""
+    source = Source(tmp_path, threads=1)
+    freshness = Freshness(10.0)
+    inodes = InodeTable(os.lstat(tmp_path), source.identity_of, freshness.trusted)
+    dropped: list[bytes] = []
+    ram = RamTier(1 << 20, block_bytes=1 << 20, drop_kernel_pages=dropped.append)
+    for name in names:
+        relpath = name.encode()
+        st = os.lstat(tmp_path / name)
+        inodes.remember(relpath, st, lookup=True, stat_time_s=0.0)
+        block = RamBlock(b"x" * st.st_size, source.identity_of(st), -1,
+                         stats_mod.ORIGIN_PREFETCHED)
+        assert ram.reserve(st.st_size, 0.0)
+        ram.insert((relpath, 0), block, st.st_size)
+        ram.add_kernel_copy((relpath, 0), block)
+    revalidator = Revalidator(source, ram, inodes, freshness,
+                              record_identity=lambda *args: True,
+                              source_changed=lambda relpath, new: None,
+                              serves_without_open=lambda: True)
+    return source, inodes, ram, revalidator, dropped
+
+
+def test_pages_of_a_file_not_seen_within_the_ttl_go_and_a_read_of_it_counts_as_seen(tmp_path):
+    """Three files told of at time 0, TTL 10 s. At 9 s the source is read for "read" (a
+    read-ahead's read: Source.on_look, InodeTable.confirm), and "other" is lstat'ed but found
+    at another version. At 12 s the pass drops the pages of "other" and "idle" (seen last at
+    0 s), keeps those of "read" (seen at 9 s), and no pages are stored for the two any more;
+    a look asked before the recorded one changes nothing."""
+    names = ["read", "other", "idle"]
+    for name in names:
+        (tmp_path / name).write_bytes(name.encode() * 100)
+    source, inodes, ram, revalidator, dropped = _held_in_kernel(tmp_path, names)
+    source.on_look = inodes.confirm
+
+    async def main():
+        await trio.sleep(9)
+        block = await source.read_block(b"read", 0, 1 << 20)
+        assert block.data == b"read" * 100
+        (tmp_path / "other").write_bytes(b"changed")
+        other = inodes.inode_of(b"other")
+        inodes.confirm(b"other", os.lstat(tmp_path / "other"), 9.0)  # another version
+        inodes.confirm(b"idle", os.lstat(tmp_path / "idle"), -1.0)  # asked before time 0
+        assert inodes.get(other).checked_s == 0.0
+        assert inodes.get(inodes.inode_of(b"read")).checked_s == 9.0
+        await trio.sleep(3)
+        assert revalidator.drop_overdue_pages(trio.current_time()) == 2
+        assert sorted(dropped) == [b"idle", b"other"]
+        assert not ram.get((b"idle", 0)).in_kernel and ram.get((b"read", 0)).in_kernel
+        assert revalidator.status()["overdue_files"] == 2
+        read_identity = ram.get((b"read", 0)).identity
+        assert inodes.store_target(b"read", read_identity) == inodes.inode_of(b"read")
+        assert inodes.store_target(b"idle", ram.get((b"idle", 0)).identity) is None
+        assert revalidator.drop_overdue_pages(trio.current_time()) == 0  # none left to drop
+        await trio.sleep(8)  # "read" is past the TTL too
+        assert revalidator.drop_overdue_pages(trio.current_time()) == 1
+        assert inodes.store_target(b"read", read_identity) is None
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+@pytest.mark.parametrize("zero_request", [True, False], ids=["zero-request", "keep-cache"])
+def test_the_overdue_pass_runs_beside_a_sweep_that_takes_longer_than_the_ttl(tmp_path,
+                                                                             monkeypatch,
+                                                                             zero_request):
+    """A sweep whose lstats never come back does not hold up the pass: the pages of the file
+    go once its look is a TTL old (here 10 s; the pass every quarter second from there, at
+    least), and not in the keep-cache mode, where an open checks the file instead."""
+    (tmp_path / "f").write_bytes(b"f" * 100)
+    source, inodes, ram, revalidator, dropped = _held_in_kernel(tmp_path, ["f"])
+    revalidator._serves_without_open = lambda: zero_request
+
+    async def never_answered(relpaths):
+        await trio.sleep_forever()
+
+    monkeypatch.setattr(source, "lstat_many", never_answered)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(revalidator.run)
+            await trio.sleep(9.5)
+            assert dropped == []
+            await trio.sleep(1.0)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert dropped == ([b"f"] if zero_request else [])
+    # those at 2.5 and 5 s found nothing due (half a TTL old); the one at 7.5 s never ended
+    assert revalidator.sweeps == 2
+
+
+def test_a_distrusted_inode_is_not_seen_until_looked_at_again(tmp_path):
+    (tmp_path / "f").write_bytes(b"f")
+    inodes = InodeTable(os.lstat(tmp_path))
+    inode = inodes.remember(b"f", os.lstat(tmp_path / "f"), lookup=True, stat_time_s=5.0)
+    assert inodes.get(inode).checked_s == 5.0
+    inodes.distrust(inode)
+    assert inodes.get(inode).checked_s == NEVER_S
+    inodes.confirm(b"f", os.lstat(tmp_path / "f"), 6.0)
+    assert inodes.get(inode).checked_s == 6.0
