@@ -193,6 +193,11 @@ class Operations(pyfuse3.Operations):
         inode = self.inodes.remember(relpath, st, lookup=lookup, stat_time_s=stat_time_s)
         if known is not None and inode != known:
             self.reader.source_changed(relpath, self.source.identity_of(st))
+        # a read of the file before the kernel knew it (the read-ahead's, in a first epoch)
+        # saw it later than a listing did: its look is what the new inode is trusted from
+        look = self.source.recent_look(relpath)
+        if look is not None:
+            self.inodes.confirm(relpath, *look)
         return inode
 
     @_guarded

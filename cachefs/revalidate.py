@@ -10,8 +10,9 @@ Where the checks happen, so that an open waits for none of them:
 - the read-ahead re-checks the files of the order before the reader gets to them (prefetch.py);
 - this task re-checks every other file the RAM tier holds a block of once its identity is
   due for a refresh (`Freshness.refresh_due`, half a TTL old): every quarter of a TTL it
-  collects them and lstats them in batches of `BATCH_FILES`, one worker-thread hop per batch
-  (not one per file, and none on an open), `SWEEP_CALLS` batches at once; and every file open
+  collects them, the longest unseen first, and lstats them in batches of `BATCH_FILES` (or
+  split evenly over the calls, when fewer are due), one worker-thread hop per batch (not one
+  per file, and none on an open), `SWEEP_CALLS` batches at once; and every file open
   now (`open_files`): a reader holding a large file open (an HDF5 or LMDB file, a memory-mapped
   array, a tar shard) is served its blocks from RAM, from the SSD tier, or by the kernel from
   its READs' pages, while RAM may hold no block of it or only later ones (its first block
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import operator
 from collections.abc import Callable, Iterable
 
 import trio
@@ -156,24 +158,31 @@ class Revalidator:
         held = [relpath for relpath, _ in list(self.ram.blocks)]
         for relpath in dict.fromkeys([*held, *self._open_files()]):
             inode = self.inodes.inode_of(relpath)
-            if inode is not None and self.freshness.refresh_due(
-                    self.inodes.get(inode).checked_s, at_s=at_s):
-                due.append(relpath)
-        return due
+            if inode is not None:
+                checked_s = self.inodes.get(inode).checked_s
+                if self.freshness.refresh_due(checked_s, at_s=at_s):
+                    due.append((checked_s, relpath))
+        # the longest unseen first: a sweep that falls behind leaves the most recently seen
+        # to `drop_overdue_pages`, which comes to them last
+        due.sort(key=operator.itemgetter(0))
+        return [relpath for _, relpath in due]
 
     async def sweep(self) -> None:
         due = self._due()
-        batches = iter(range(0, len(due), BATCH_FILES))
+        # a few hundred files due go to every call at once, not to one in a single batch:
+        # each call's lstats are one after the other, a round trip each on a network source
+        batch_files = min(BATCH_FILES, max(1, -(-len(due) // SWEEP_CALLS)))
+        batches = iter(range(0, len(due), batch_files))
 
         async def check_batches() -> None:
             for start in batches:  # shared: each batch goes to whichever call is free
                 asked_s = now_s()
-                results = await self.source.lstat_many(due[start:start + BATCH_FILES])
+                results = await self.source.lstat_many(due[start:start + batch_files])
                 for relpath, st in results:
                     self._apply(relpath, st, asked_s)
 
         async with trio.open_nursery() as nursery:
-            for _ in range(min(SWEEP_CALLS, -(-len(due) // BATCH_FILES))):
+            for _ in range(min(SWEEP_CALLS, -(-len(due) // batch_files))):
                 nursery.start_soon(check_batches)
         self.sweeps += 1
         self.checked += len(due)

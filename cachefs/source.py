@@ -244,6 +244,10 @@ class Source:
         asked_s = now_s()
         return await self.lstat(relpath), asked_s
 
+    def recent_look(self, relpath: bytes) -> tuple[os.stat_result, float] | None:
+        """The latest look at the file remembered, and when it was asked, however old."""
+        return self._recent_stats.get(relpath)
+
     def status(self) -> dict:
         return {"requests": dict(self.requests), "stats_reused": self.stats_reused,
                 "block_reads": "read pool" if self._reads is not None else "worker threads",
