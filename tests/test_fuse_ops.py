@@ -70,7 +70,8 @@ def operations(src: Path, ttl_s: float = TTL_S, changed: list | None = None,
     `changed`."""
     source = Source(src, threads=2)
     freshness = Freshness(ttl_s)
-    inodes = InodeTable(os.lstat(src), source.identity_of)
+    inodes = InodeTable(os.lstat(src), source.identity_of, freshness.trusted)
+    source.on_look = inodes.confirm
     drops = drops if drops is not None else KernelDrops()
     invalidation = KernelInvalidation(
         inodes, drops,  # type: ignore[arg-type]
@@ -597,11 +598,12 @@ def test_a_close_of_a_retired_inode_counts_its_read_and_settles_nothing(tmp_path
 
 
 def test_the_lookup_after_an_open_found_a_change_gives_the_new_version(tmp_path):
-    """The keep-cache mode: an open checks a file the inode table's stat of which is past the
-    TTL, while the source's stat memo (an lstat a sweep took since) is not; the check finds
-    the file changed: ESTALE, and the kernel looks the file up again, once. That lookup was
-    answered from the memo, of the version the source replaced: an inode of it, whose open
-    was ESTALE again, and the reader's open(2) failed. The check's stat is the memo's now."""
+    """The keep-cache mode: an open checks a file whose inode's version was last seen past
+    the TTL, while the source's stat memo (an lstat a sweep took since, of a second version)
+    is not; the check finds a third: ESTALE, and the kernel looks the file up again, once.
+    That lookup was answered from the memo, of the version the source replaced: an inode of
+    it, whose open was ESTALE again, and the reader's open(2) failed. The check's stat is the
+    memo's now."""
     src = tmp_path / "src"
     write_file(src / "a", 2 * BLOCK_BYTES, seed=1)
     ops = operations(src, ttl_s=10.0)
@@ -610,10 +612,12 @@ def test_the_lookup_after_an_open_found_a_change_gives_the_new_version(tmp_path)
     async def main():
         old = (await ops.lookup(ROOT_INODE, b"a", None)).st_ino
         clock.jump(6.0)
-        await ops.source.lstat(b"a")  # a sweep's look: the memo, still the first version
+        write_file(src / "a", 2 * BLOCK_BYTES, seed=3)
+        os.utime(src / "a", ns=(0, 5 * 10**8))
+        await ops.source.lstat(b"a")  # a sweep's look at a second version: the memo
         write_file(src / "a", 2 * BLOCK_BYTES, seed=2)
         os.utime(src / "a", ns=(0, 10**9))
-        clock.jump(5.0)  # the table's stat is past the TTL, the memo's is not
+        clock.jump(5.0)  # the inode's version was seen past the TTL, the memo's is not
         with pytest.raises(pyfuse3.FUSEError) as raised:
             await ops.open(old, os.O_RDONLY, None)
         assert raised.value.errno == errno.ESTALE
