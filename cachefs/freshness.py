@@ -47,6 +47,11 @@ class Freshness:
         """An answer asked at `seen_s` may still be used (at `at_s`, default now)."""
         return (now_s() if at_s is None else at_s) - seen_s <= self.ttl_s
 
+    def oldest_trusted_s(self, at_s: float) -> float:
+        """The oldest stamp `trusted` accepts at `at_s`: a pass over many stamps compares each
+        with it (a call per stamp was most of such a pass)."""
+        return at_s - self.ttl_s
+
     def refresh_due(self, seen_s: float, at_s: float | None = None) -> bool:
         """An answer asked at `seen_s` is old enough to be asked again ahead of its use."""
         return (now_s() if at_s is None else at_s) - seen_s > self.ttl_s * REFRESH_AGE_FRACTION

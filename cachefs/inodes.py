@@ -160,6 +160,11 @@ class InodeTable:
     def inode_of(self, relpath: bytes) -> int | None:
         return self._inode_by_path.get(relpath)
 
+    def entry_of(self, relpath: bytes) -> InodeEntry | None:
+        """The entry of the path's inode, if the kernel holds one."""
+        inode = self._inode_by_path.get(relpath)
+        return None if inode is None else self._entries[inode]
+
     def child_path(self, parent_inode: int, name: bytes) -> bytes:
         parent = self._entries[parent_inode].relpath
         return parent + b"/" + name if parent else name

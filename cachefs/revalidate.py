@@ -131,16 +131,17 @@ class Revalidator:
     def drop_overdue_pages(self, at_s: float) -> int:
         """The kernel drops its pages of every file whose version the freshness rule will not
         trust at `at_s` (module docstring); how many files."""
+        # each of a file's blocks in the kernel looks at its entry, and the rule is one float
+        # comparison: 200,000 blocks held, half in the kernel, took 50-56 ms a pass on the
+        # trio thread, and 290 with a set of the files looked at and a call per stamp
+        oldest_trusted_s = self.freshness.oldest_trusted_s(at_s)
+        entry_of = self.inodes.entry_of
         overdue: dict[bytes, int] = {}
-        seen: set[bytes] = set()
-        for (relpath, _), block in list(self.ram.blocks.items()):
-            if not block.in_kernel or relpath in seen:
-                continue
-            seen.add(relpath)
-            inode = self.inodes.inode_of(relpath)
-            if inode is not None and not self.freshness.trusted(
-                    self.inodes.get(inode).checked_s, at_s=at_s):
-                overdue[relpath] = block.identity.size
+        for (relpath, _), block in self.ram.blocks.items():  # no await: the dict stays
+            if block.in_kernel:
+                entry = entry_of(relpath)
+                if entry is not None and entry.checked_s < oldest_trusted_s:
+                    overdue[relpath] = block.identity.size
         for relpath, size_bytes in overdue.items():
             self.ram.drop_file_pages(relpath, size_bytes)
         if overdue:
