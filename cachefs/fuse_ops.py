@@ -193,11 +193,6 @@ class Operations(pyfuse3.Operations):
         inode = self.inodes.remember(relpath, st, lookup=lookup, stat_time_s=stat_time_s)
         if known is not None and inode != known:
             self.reader.source_changed(relpath, self.source.identity_of(st))
-        # a read of the file before the kernel knew it (the read-ahead's, in a first epoch)
-        # saw it later than a listing did: its look is what the new inode is trusted from
-        look = self.source.recent_look(relpath)
-        if look is not None:
-            self.inodes.confirm(relpath, *look)
         return inode
 
     @_guarded
@@ -270,6 +265,12 @@ class Operations(pyfuse3.Operations):
             name, st = entries[index]
             relpath = parent + b"/" + name if parent else name
             inode = self._remember(relpath, st, lookup=False, stat_time_s=listed_at_s)
+            # a read of the file before the kernel knew it (the read-ahead's, in a first
+            # epoch) saw it later than the listing: the new inode is trusted from that look
+            # (a lookup's stat is that look already: Source.lstat_recent)
+            look = self.source.recent_look(relpath)
+            if look is not None:
+                self.inodes.confirm(relpath, *look)
             entry = self.inodes.get(inode)
             if entry.numbering != numbering and stat.S_ISREG(st.st_mode):
                 # the item number `_item_of` would search for at the file's first READ

@@ -116,6 +116,11 @@ for _index, _name in enumerate(PackedStat.FIELDS):
     setattr(PackedStat, _name, _field(_index))
 
 
+def _packed_identity(st: os.stat_result | PackedStat) -> tuple[int, int, int]:
+    """The identity of a stat when the table is given no source's (tests)."""
+    return PackedStat.of(st).identity_fields()
+
+
 @dataclass(slots=True)
 class InodeEntry:
     relpath: bytes
@@ -139,7 +144,7 @@ class InodeTable:
     def __init__(self, root_stat: os.stat_result, identity_of=None,
                  trusted: Callable[[float], bool] = lambda checked_s: True):
         # identity_of(stat) -> SourceIdentity: the source's (Source.identity_of)
-        self._identity_of = identity_of or PackedStat.identity_fields
+        self._identity_of = identity_of or _packed_identity
         # trusted(checked_s): the freshness rule (Freshness.trusted), for `store_target`
         self._trusted = trusted
         self._entries: dict[int, InodeEntry] = {
@@ -259,8 +264,7 @@ class InodeTable:
         if inode is None:
             return
         entry = self._entries[inode]
-        if asked_s > entry.checked_s and (self._identity_of(PackedStat.of(st))
-                                          == self._identity_of(entry.stat)):
+        if asked_s > entry.checked_s and self._identity_of(st) == self._identity_of(entry.stat):
             entry.checked_s = asked_s
 
     def forget(self, inode: int, count: int) -> bytes | None:

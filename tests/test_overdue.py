@@ -154,25 +154,34 @@ def test_a_distrusted_inode_is_not_seen_until_looked_at_again(tmp_path):
     assert inodes.get(inode).checked_s == 6.0
 
 
-def test_an_inode_made_after_a_read_of_its_file_is_trusted_from_that_read(tmp_path):
+def test_an_inode_made_after_a_read_of_its_file_is_trusted_from_that_read(tmp_path,
+                                                                          monkeypatch):
     """A first epoch: the read-ahead reads a file before the kernel knows it, and a listing
     asked before that read then makes its inode. The inode's bytes are trusted from the read
     (the later look), not from the listing: from the listing, the pages pushed of it counted
     as unseen a TTL after the listing and were dropped (a DataLoader epoch over slowfs with
     --metadata-ttl 4 dropped 173 files' pages in its first epoch)."""
+    import pyfuse3
     from test_fuse_ops import operations
+
+    from cachefs.inodes import ROOT_INODE
 
     src = tmp_path / "src"
     src.mkdir()
     (src / "a").write_bytes(b"a" * 1000)
-    listed = os.lstat(src / "a")
     ops = operations(src)
+    listed: list[int] = []
+    monkeypatch.setattr(pyfuse3, "readdir_reply", lambda token, name, attrs, next_id: (
+        listed.append(attrs.st_ino), True)[1])
 
     async def main():
-        await trio.sleep(5)
-        await ops.source.read_block(b"a", 0, 1 << 20)
-        inode = ops._remember(b"a", listed, lookup=False, stat_time_s=1.0)
-        entry = ops.inodes.get(inode)
+        await trio.sleep(1)
+        fh = await ops.opendir(ROOT_INODE, None)  # listed at 1 s
+        await trio.sleep(4)
+        await ops.source.read_block(b"a", 0, 1 << 20)  # read at 5 s
+        await ops.readdir(fh, 0, 0)  # the kernel gets the listing's entries
+        await ops.releasedir(fh)
+        entry = ops.inodes.get(listed[0])
         assert (entry.stat_time_s, entry.checked_s) == (1.0, 5.0)
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
