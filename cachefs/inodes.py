@@ -264,7 +264,12 @@ class InodeTable:
         if inode is None:
             return
         entry = self._entries[inode]
-        if asked_s > entry.checked_s and self._identity_of(st) == self._identity_of(entry.stat):
+        if asked_s <= entry.checked_s:
+            return
+        # the same three fields, the usual case, with no identity built for each (a look
+        # per file read); else as the source tells versions apart (Source.identity_of)
+        if (entry.stat.identity_fields() == (st.st_size, st.st_mtime_ns, st.st_ino)
+                or self._identity_of(st) == self._identity_of(entry.stat)):
             entry.checked_s = asked_s
 
     def forget(self, inode: int, count: int) -> bytes | None:

@@ -125,7 +125,7 @@ class Revalidator:
         interval_s = max(MIN_INTERVAL_S, self.freshness.ttl_s * GUARD_FRACTION)
         while True:
             await trio.sleep(interval_s)
-            if self._serves_without_open():
+            if self._serves_without_open() and self.ram.kernel_bytes:
                 self.drop_overdue_pages(now_s() + interval_s - MIN_INTERVAL_S)
 
     def drop_overdue_pages(self, at_s: float) -> int:
