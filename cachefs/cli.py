@@ -156,7 +156,8 @@ def cli():
 @click.option("--ssd-size", type=SIZE, default="0",
               help="Budget of the SSD tier.")
 @click.option("--source-delay-ms", type=click.FloatRange(min=0), default=0.0,
-              help="Testing aid: latency added to every source open and read.")
+              help="Testing aid: latency added to every source open, read and batch of "
+                   "re-checks.")
 @click.option("--metadata-ttl", type=click.FloatRange(min=0), default=60.0,
               show_default=True, help="Seconds a checked source identity is trusted.")
 @click.option("--kernel-timeout", type=click.FloatRange(min=0),
