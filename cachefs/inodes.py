@@ -136,6 +136,10 @@ class InodeEntry:
     # freshness.now_s() when a look at the source last saw the version the inode is
     # (module docstring): what its bytes are trusted from; NEVER_S: not to be trusted
     checked_s: float = NEVER_S
+    # now_s() when a look that could not be ordered against the inode's stat distrusted it
+    # (`distrust`): a look asked before then may have seen the file before that one did,
+    # and does not make it trusted again (`confirm`)
+    distrusted_s: float = NEVER_S
     open_handles: int = 0  # opens answered or in progress, not yet released
     retired: bool = False  # another version of the file has the path now (module docstring)
 
@@ -232,6 +236,7 @@ class InodeTable:
         again at its next use, and the kernel's pages of it are not counted on."""
         entry = self._entries[inode]
         entry.stat_time_s = entry.checked_s = NEVER_S
+        entry.distrusted_s = now_s()
         entry.page_identity = None
 
     def retired_of(self, relpath: bytes) -> list[int]:
@@ -264,7 +269,7 @@ class InodeTable:
         if inode is None:
             return
         entry = self._entries[inode]
-        if asked_s <= entry.checked_s:
+        if asked_s <= entry.checked_s or asked_s <= entry.distrusted_s:
             return
         # the same three fields, the usual case, with no identity built for each (a look
         # per file read); else as the source tells versions apart (Source.identity_of)

@@ -158,11 +158,9 @@ class Revalidator:
         due = []
         held = [relpath for relpath, _ in list(self.ram.blocks)]
         for relpath in dict.fromkeys([*held, *self._open_files()]):
-            inode = self.inodes.inode_of(relpath)
-            if inode is not None:
-                checked_s = self.inodes.get(inode).checked_s
-                if self.freshness.refresh_due(checked_s, at_s=at_s):
-                    due.append((checked_s, relpath))
+            entry = self.inodes.entry_of(relpath)
+            if entry is not None and self.freshness.refresh_due(entry.checked_s, at_s=at_s):
+                due.append((entry.checked_s, relpath))
         # the longest unseen first: a sweep that falls behind leaves the most recently seen
         # to `drop_overdue_pages`, which comes to them last
         due.sort(key=operator.itemgetter(0))

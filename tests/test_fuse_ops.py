@@ -525,19 +525,23 @@ def test_a_late_report_of_an_older_version_keeps_the_newer_inode(tmp_path):
     invalidation = KernelInvalidation(
         inodes, drops, invalidate_entry=lambda parent, name: drops.entries.append(
             (parent, name)))  # type: ignore[arg-type]
-    first = inodes.remember(b"a", stats[0], lookup=True, stat_time_s=1.0)
-    third = inodes.remember(b"a", stats[2], lookup=True, stat_time_s=3.0)  # a lookup: v3
-    assert third != first and inodes.get(first).retired
-    invalidation.source_changed(b"a", v2, asked_s=2.0)  # a read of v2, landing late
-    assert inodes.inode_of(b"a") == third and not inodes.get(third).retired
-    # which of the two looks saw the file later cannot be told: the inode is asked again at
-    # its next use, and its pages go meanwhile
-    assert inodes.get(third).stat_time_s == NEVER_S
-    assert drops.pages == [third, first] and drops.entries == [(ROOT_INODE, b"a")]
-    invalidation.source_changed(b"a", v1, asked_s=4.0)  # asked after the lookup's stat
-    assert inodes.inode_of(b"a") is None and inodes.get(third).retired
-    assert drops.pages == [third, first, third]
-    assert v3 == inodes.identity(third)
+
+    async def main():  # on trio's clock: a distrust is stamped (InodeTable.distrust)
+        first = inodes.remember(b"a", stats[0], lookup=True, stat_time_s=1.0)
+        third = inodes.remember(b"a", stats[2], lookup=True, stat_time_s=3.0)  # a lookup: v3
+        assert third != first and inodes.get(first).retired
+        invalidation.source_changed(b"a", v2, asked_s=2.0)  # a read of v2, landing late
+        assert inodes.inode_of(b"a") == third and not inodes.get(third).retired
+        # which of the two looks saw the file later cannot be told: the inode is asked again at
+        # its next use, and its pages go meanwhile
+        assert inodes.get(third).stat_time_s == NEVER_S
+        assert drops.pages == [third, first] and drops.entries == [(ROOT_INODE, b"a")]
+        invalidation.source_changed(b"a", v1, asked_s=4.0)  # asked after the lookup's stat
+        assert inodes.inode_of(b"a") is None and inodes.get(third).retired
+        assert drops.pages == [third, first, third]
+        assert v3 == inodes.identity(third)
+
+    trio.run(main, clock=trio.testing.MockClock())
 
 
 def test_the_source_remembers_the_stat_asked_last_whichever_lands_last(tmp_path):
