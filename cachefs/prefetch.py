@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import numpy as np
 import trio
@@ -584,7 +584,6 @@ class Prefetcher:
             if item in self._read_whole:
                 return  # a reader read it whole since the walk started this (`read_whole`)
             first_block = 0
-            demanded: list[int] = []  # blocks a reader's READ waited for (Fetched.demanded)
             identity = self.meta.identity_not_due(item, self.freshness)
             if identity is None and not self._needs_stat(relpath):
                 # Nothing cached to validate: read block 0 at once; the fstat of that read is
@@ -598,8 +597,6 @@ class Prefetcher:
                     self._revisit(item, 0, None)
                     return
                 identity, first_block = fetched.identity, 1
-                if fetched.demanded:
-                    demanded.append(0)
                 if not self._record_checked(item, identity, fetched.asked_s):
                     self._revisit(item, 0, None)  # read again, at the version seen since
                     return
@@ -630,11 +627,9 @@ class Prefetcher:
                     self._revisit(item, 0, None)
                     break
                 identity = fetched.identity
-                if fetched.demanded:
-                    demanded.append(block_index)
             else:
                 if self.tiered.kernel is not None:
-                    self._push(item, identity, demanded)  # a reader is about to open it
+                    self._push(item, identity)  # a reader is about to open it
         except OSError as exc:
             # the reader will hit the same error on demand and get its errno
             self.prefetch_errors += 1
@@ -659,26 +654,19 @@ class Prefetcher:
         pos_cur = self.planner.pos_cur
         return item < len(pos_cur) and pos_cur[item] >= 0
 
-    def _push(self, item: int, identity: SourceIdentity, answered: Sequence[int] = ()
-              ) -> None:
+    def _push(self, item: int, identity: SourceIdentity) -> None:
         """Store the item's blocks into the kernel's pages, ahead of its reader; not once a
         reader has read it whole, now or when a lookup the push waits for is answered (under
         another manifest by then, the item number means another file, and the push goes
         ahead). The kernel holds such a file from its READs, and a push made its blocks,
         ranked to go first (Ranking.read_whole), the kernel's too: their eviction dropped
         the pages the reader was still reading (a block read twice an epoch in
-        tests/test_torch.py, 1 run in 5, by a fetch a demand read had waited for).
-        Nor the blocks in `answered`, whose reads a reader's READ waited for: the READ's
-        answer fills those pages (a store of them waited for its page locks, the store
-        threads' other stores behind it, and wrote the same bytes again), and the reader's
-        close counts them as the kernel's (Reader's `blocks_read`)."""
+        tests/test_torch.py, 1 run in 5, by a fetch a demand read had waited for)."""
         if item in self._read_whole:
             return
         manifest = self.ranking.manifest
-        blocks = range(block_count(identity.size, self.block_bytes))
         self.tiered.push(manifest.path(item), identity,
-                         [index for index in blocks if index not in answered] if answered
-                         else blocks,
+                         range(block_count(identity.size, self.block_bytes)),
                          still_wanted=lambda: (manifest is not self.ranking.manifest
                                                or item not in self._read_whole))
 

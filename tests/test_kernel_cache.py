@@ -1172,26 +1172,3 @@ def test_a_batch_of_closes_that_fails_to_be_handed_over_does_not_stop_the_watche
     finally:
         watcher.stop()
         os.close(events_write)
-
-
-def test_a_file_whose_read_a_reader_waited_for_is_not_stored_again(tmp_path, mounter):
-    """The zero-request mode, a first epoch over a slow source: the reader's READ of the
-    order's first file waits for the read-ahead's read of it, and its answer fills the
-    kernel's pages. The read-ahead stored that file too, a store that waited for the READ's
-    page locks, held up the store threads' other stores meanwhile, and wrote the same bytes
-    again. Now only the files no READ waited for are stored; all read the source's bytes."""
-    from cachefs import order
-    from cachefs.publish import publish
-
-    src = tmp_path / "src"
-    relpaths = make_flat_dataset(src, 4, 50_000, vary=False)
-    mount = mounter(src, "--ram-cache", 1 << 24, "--data-plane", "no-open",
-                    "--source-delay-ms", 300)
-    current = order.permutation(4, 0, 0)
-    publish(mount.mountpoint, 0, current, next=order.permutation(4, 0, 1))
-    first = relpaths[current[0]]
-    assert (mount.mountpoint / first).read_bytes() == (src / first).read_bytes()
-    status = settled(mount, "stores", 3)
-    time.sleep(1.5)  # every read-ahead read landed (two delays each) and its store ran
-    assert kernel(mount)["stores"] == 3, status
-    read_all(mount, relpaths)

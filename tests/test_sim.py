@@ -579,8 +579,8 @@ def test_the_walk_passes_over_the_files_the_kernel_holds_whole(monkeypatch):
         looked.append(item), real_first_missing(self, item))[1])
     monkeypatch.setattr(prefetch.Prefetcher, "_start_item", lambda self, item, *args: (
         started.append(item), real_start(self, item, *args))[1])
-    monkeypatch.setattr(prefetch.Prefetcher, "_push", lambda self, item, identity, *rest: (
-        pushed.append(item), real_push(self, item, identity, *rest))[1])
+    monkeypatch.setattr(prefetch.Prefetcher, "_push", lambda self, item, identity: (
+        pushed.append(item), real_push(self, item, identity))[1])
 
     async def script(sim):
         sim.prefetcher.set_order(sim.order(0))

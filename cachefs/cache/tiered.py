@@ -72,19 +72,15 @@ class Fetched:
     # freshness.now_s() before the source was asked: its look at the file (`identity`) came
     # after this; NEVER_S for a copy of a version the caller named (the SSD tier's)
     asked_s: float = NEVER_S
-    # a reader's READ waited for this read (`fetch`): its answer puts the bytes in the
-    # kernel's pages, and a store of them would only wait for that answer's page locks
-    demanded: bool = False
 
 
 class _Flight:
-    __slots__ = ("done", "result", "error", "demanded")
+    __slots__ = ("done", "result", "error")
 
-    def __init__(self, demanded: bool):
+    def __init__(self):
         self.done = trio.Event()
         self.result: Fetched | None = None
         self.error: OSError | None = None
-        self.demanded = demanded  # a reader waits for it (Fetched.demanded)
 
 
 def block_length(identity: SourceIdentity, block_index: int, block_bytes: int) -> int:
@@ -199,7 +195,6 @@ class TieredCache:
         file's index in `manifest` (-1: in none).
         """
         while (flight := self.inflight.get(key)) is not None:
-            flight.demanded |= demand
             await flight.done.wait()
             if flight.error is not None:
                 raise OSError(flight.error.errno, flight.error.strerror, key[0])
@@ -215,13 +210,11 @@ class TieredCache:
                 return Fetched(result.data, result.identity, stats_mod.ORIGIN_MISS, True,
                                result.asked_s)
             return result
-        flight = _Flight(demand)
+        flight = _Flight()
         self.inflight[key] = flight
         try:
             flight.result = await self._load(key, identity, item, manifest, demand,
                                              expected_bytes)
-            if flight.result is not None:
-                flight.result.demanded = flight.demanded
             return flight.result
         except OSError as exc:
             flight.error = exc
