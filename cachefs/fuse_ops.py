@@ -58,7 +58,7 @@ import trio
 from cachefs import errors, threads
 from cachefs.ctrl import Control
 from cachefs.dirs import DirListings, Listing
-from cachefs.freshness import Freshness
+from cachefs.freshness import NEVER_S, Freshness
 from cachefs.inodes import ROOT_INODE, InodeTable, PackedStat
 from cachefs.pagecache import KernelPages
 from cachefs.reader import AloneFile, OpenFile, Reader
@@ -180,8 +180,11 @@ class Operations(pyfuse3.Operations):
         parent = self._entry(parent_inode)  # ENOENT for a parent we do not know
         await self._closes_reported(parent_inode, parent.relpath)
         relpath = self.inodes.child_path(parent_inode, name)
-        # a file just read ahead is answered from the fstat of that read: no round trip
-        st, stat_time_s = await self.source.lstat_recent(relpath, self.freshness)
+        # a file just read ahead is answered from the fstat of that read: no round trip;
+        # not from a look asked before its inode was distrusted (InodeTable.distrust)
+        known = self.inodes.entry_of(relpath)
+        st, stat_time_s = await self.source.lstat_recent(
+            relpath, self.freshness, NEVER_S if known is None else known.distrusted_s)
         inode = self._remember(relpath, st, lookup=True, stat_time_s=stat_time_s)
         # the table's stat: a newer one than the memo's stays there (InodeTable.remember)
         return self._attrs(inode, self.inodes.get(inode).stat)
@@ -199,7 +202,8 @@ class Operations(pyfuse3.Operations):
     async def getattr(self, inode, ctx=None):
         entry = self._live_entry(inode)
         if not self.freshness.trusted(entry.stat_time_s):
-            st, stat_time_s = await self.source.lstat_recent(entry.relpath, self.freshness)
+            st, stat_time_s = await self.source.lstat_recent(entry.relpath, self.freshness,
+                                                             entry.distrusted_s)
             entry = self._live_entry(inode)  # not retired while the source was asked
             if stat.S_ISREG(entry.stat.st_mode):  # a directory stays one inode (inodes.py)
                 self._check_told(inode, self.source.identity_of(st), self.inodes.identity(inode))

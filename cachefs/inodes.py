@@ -261,6 +261,11 @@ class InodeTable:
             entry.checked_s = max(entry.checked_s, stat_time_s)
         entry.stat = packed
         entry.stat_time_s = stat_time_s
+        if stat_time_s <= entry.distrusted_s:
+            # asked before the inode was distrusted: it may have seen the file before the
+            # look that distrusted it (`confirm`), so it trusts nothing (a sweep's lstat or a
+            # lookup's remembered stat landing late made the inode trusted again)
+            entry.stat_time_s = entry.checked_s = NEVER_S
 
     def confirm(self, relpath: bytes, st: os.stat_result, asked_s: float) -> None:
         """A look at the source asked at `asked_s` saw `st` (Source's `on_look`): if that is

@@ -532,6 +532,8 @@ class RangeCache:
 
     def reading(self, relpath: bytes, lo: int, hi: int, add: bool) -> None:
         """A READ of bytes [lo, hi) of the file waits for its answer (`add`), or has it."""
+        if add:
+            self._paged_files.add(relpath)  # the kernel keeps the pages of its answer
         for page in range(lo // PAGE_BYTES, -(-hi // PAGE_BYTES)):
             key = (relpath, page)
             if add:
@@ -575,6 +577,8 @@ class RangeCache:
                 if keep_pushed and failures == self._store_failures_at_drop else None)
         self._store_failures_at_drop = failures
         kept = self._drop_file_pages(relpath, keep)
+        if keep is None:
+            self._paged_files.discard(relpath)  # until a push or a READ brings pages back
         self._consumed_files.discard(relpath)
         if not self._consumed_files:
             self._consumed_items = self._consumed_bytes = 0
@@ -589,6 +593,10 @@ class RangeCache:
             return
         for held in (self.pushed, self._inside_pushed):
             held -= set(self._of_file(held, relpath).tolist())
+
+    def paged_files(self) -> list[bytes]:
+        """The files whose pages the kernel may hold (pushed or read in this plan)."""
+        return list(self._paged_files)
 
     def _of_file(self, held: set[int], relpath: bytes) -> np.ndarray:
         """The items of `held` (`pushed` or `_inside_pushed`) that are ranges of the file."""

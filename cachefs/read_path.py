@@ -39,6 +39,7 @@ class ReadPath:
     prefetcher: Prefetcher
     reader: Reader
     targets: Targets
+    range_cache: RangeCache
 
 
 def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, freshness: Freshness,
@@ -83,4 +84,4 @@ def build_read_path(source, stats: stats_mod.Stats, ram: RamTier, ssd, freshness
                     sequential_blocks=sequential_blocks,
                     ranges=RangeReader(planner, ranking, range_cache, stats,
                                        prefetcher.consumed))
-    return ReadPath(planner, ranking, tiered, prefetcher, reader, targets)
+    return ReadPath(planner, ranking, tiered, prefetcher, reader, targets, range_cache)

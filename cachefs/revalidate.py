@@ -36,6 +36,8 @@ MIN_INTERVAL_S, the contract's margin): the reader's next READ then comes, and c
 is seen by any look at it: a lookup, a sweep's lstat, and the read-ahead's read of its bytes
 (InodeTable.confirm), so the pages of a file read ahead an epoch after its lookup are not
 dropped; and no pages are stored for a file not seen within the TTL (InodeTable.store_target).
+The pages of a file of byte-range items are the range cache's, which RAM does not count
+(cachefs/range_cache.py `paged_files`): all of them go too.
 While the sweeps keep up this drops nothing: they see each file by three quarters of a TTL,
 and this pass drops at fifteen sixteenths. The keep-cache mode needs no such pass: there an
 open of a file not seen within the TTL checks it (above).
@@ -79,7 +81,9 @@ class Revalidator:
                  record_identity: Callable[[bytes, SourceIdentity, int | None, float], bool],
                  source_changed: Callable[[bytes, SourceIdentity], None],
                  open_files: Callable[[], Iterable[bytes]] = tuple,
-                 serves_without_open: Callable[[], bool] = lambda: False):
+                 serves_without_open: Callable[[], bool] = lambda: False,
+                 range_files: Callable[[], Iterable[bytes]] = tuple,
+                 drop_range_pages: Callable[[bytes], None] = lambda relpath: None):
         """`record_identity(relpath, identity, item, asked_s)`: a fresh identity, for the
         read-ahead (Prefetcher.record_identity; `item`: the file's, if known, else None;
         `asked_s`: when the source was asked; False: not recorded, an older look than one
@@ -87,7 +91,10 @@ class Revalidator:
         `source_changed(relpath, identity)`: the file changed, its cached copies go
         (Reader.source_changed); `open_files()`: the files being read with no open
         (module docstring; fuse_ops.Operations.read_without_open); `serves_without_open()`:
-        the zero-request mode is on, where overdue pages are dropped (module docstring)."""
+        the zero-request mode is on, where overdue pages are dropped (module docstring);
+        `range_files()`: the files of byte-range items whose pages the kernel may hold, which
+        RAM does not count, and `drop_range_pages(relpath)` has the kernel drop them all
+        (RangeCache.paged_files, RangeCache.drop_pages)."""
         self.source = source
         self.ram = ram
         self.inodes = inodes
@@ -96,6 +103,8 @@ class Revalidator:
         self._source_changed = source_changed
         self._open_files = open_files
         self._serves_without_open = serves_without_open
+        self._range_files = range_files
+        self._drop_range_pages = drop_range_pages
         # the new version each file was last reported changed to: a file read with no open
         # keeps the old version in the inode table until the kernel stats it again, and
         # every sweep until then found the same change (and dropped its copies again)
@@ -125,7 +134,7 @@ class Revalidator:
         interval_s = max(MIN_INTERVAL_S, self.freshness.ttl_s * GUARD_FRACTION)
         while True:
             await trio.sleep(interval_s)
-            if self._serves_without_open() and self.ram.kernel_bytes:
+            if self._serves_without_open() and (self.ram.kernel_bytes or self._range_files()):
                 self.drop_overdue_pages(now_s() + interval_s - MIN_INTERVAL_S)
 
     def drop_overdue_pages(self, at_s: float) -> int:
@@ -144,6 +153,13 @@ class Revalidator:
                     overdue[relpath] = block.identity.size
         for relpath, size_bytes in overdue.items():
             self.ram.drop_file_pages(relpath, size_bytes)
+        # a file of byte-range items: the kernel holds pages of its items that RAM does not
+        # count (cachefs/range_cache.py), all read with no request but for each sentinel
+        for relpath in self._range_files():
+            entry = entry_of(relpath)
+            if entry is not None and entry.checked_s < oldest_trusted_s:
+                self._drop_range_pages(relpath)
+                overdue[relpath] = 0
         if overdue:
             log.info("%d files not seen at the source within --metadata-ttl (the re-checks "
                      "fall behind): the kernel's pages of them dropped", len(overdue))

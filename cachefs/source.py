@@ -78,7 +78,7 @@ import trio
 from cachefs import read_pool
 from cachefs import threads as threads_mod
 from cachefs.beneath import check_relpath, open_beneath, proc_path
-from cachefs.freshness import Freshness, now_s
+from cachefs.freshness import NEVER_S, Freshness, now_s
 from cachefs.held_files import HeldFiles
 from cachefs.inodes import PackedStat
 from cachefs.mountinfo import filesystem_type
@@ -233,12 +233,13 @@ class Source:
         self._remember(relpath, st, asked_s)
         return st
 
-    async def lstat_recent(self, relpath: bytes, freshness: Freshness
-                           ) -> tuple[os.stat_result, float]:
+    async def lstat_recent(self, relpath: bytes, freshness: Freshness,
+                           after_s: float = NEVER_S) -> tuple[os.stat_result, float]:
         """An lstat `freshness` trusts, and the freshness.now_s() it was asked: the
-        remembered one if still trusted (no round trip), else a new one."""
+        remembered one if still trusted and asked after `after_s` (no round trip), else a
+        new one."""
         seen = self._recent_stats.get(relpath)
-        if seen is not None and freshness.trusted(seen[1]):
+        if seen is not None and seen[1] > after_s and freshness.trusted(seen[1]):
             self.stats_reused += 1
             return seen
         asked_s = now_s()
