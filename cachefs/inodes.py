@@ -190,9 +190,12 @@ class InodeTable:
         packed = PackedStat.of(st)
         if inode is not None:
             entry = self._entries[inode]
-            if now >= entry.stat_time_s:
+            if now >= entry.stat_time_s and now > entry.distrusted_s:
                 # not over a newer one: a directory listing of some age (cachefs/dirs.py) would
-                # take the file back to the version it had then
+                # take the file back to the version it had then; nor one asked before the
+                # inode was distrusted (`distrust`), which may have seen the file before the
+                # look that distrusted it: a listing's stat of another version retired the
+                # inode and gave that version a trusted one
                 if (entry.lookups > 0 and stat.S_ISREG(entry.stat.st_mode)
                         and packed.identity_fields() != entry.stat.identity_fields()
                         and self.identity(inode) != self._identity_of(packed)):
@@ -254,6 +257,7 @@ class InodeTable:
 
     def _set_stat(self, inode: int, entry: InodeEntry, packed: PackedStat,
                   stat_time_s: float) -> None:
+        checked_s = entry.checked_s
         if packed.identity_fields() != entry.stat.identity_fields():
             self._forget_close(inode)  # another version: its close is looked at again
             entry.checked_s = stat_time_s
@@ -263,9 +267,11 @@ class InodeTable:
         entry.stat_time_s = stat_time_s
         if stat_time_s <= entry.distrusted_s:
             # asked before the inode was distrusted: it may have seen the file before the
-            # look that distrusted it (`confirm`), so it trusts nothing (a sweep's lstat or a
-            # lookup's remembered stat landing late made the inode trusted again)
-            entry.stat_time_s = entry.checked_s = NEVER_S
+            # look that distrusted it (`confirm`), so it trusts nothing (a sweep's lstat
+            # landing late made the inode trusted again); a look asked after the distrust
+            # that saw its version (`confirm`) still counts
+            entry.stat_time_s = NEVER_S
+            entry.checked_s = checked_s if checked_s > entry.distrusted_s else NEVER_S
 
     def confirm(self, relpath: bytes, st: os.stat_result, asked_s: float) -> None:
         """A look at the source asked at `asked_s` saw `st` (Source's `on_look`): if that is

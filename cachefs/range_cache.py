@@ -532,8 +532,9 @@ class RangeCache:
 
     def reading(self, relpath: bytes, lo: int, hi: int, add: bool) -> None:
         """A READ of bytes [lo, hi) of the file waits for its answer (`add`), or has it."""
-        if add:
-            self._paged_files.add(relpath)  # the kernel keeps the pages of its answer
+        # the kernel keeps the pages of its answer: at its end too, if a drop of the file's
+        # pages came while it waited (`drop_pages` forgot the file, and its answer landed)
+        self._paged_files.add(relpath)
         for page in range(lo // PAGE_BYTES, -(-hi // PAGE_BYTES)):
             key = (relpath, page)
             if add:

@@ -167,13 +167,16 @@ class Revalidator:
         return len(overdue)
 
     def _due(self) -> list[bytes]:
-        """Files the RAM tier holds a block of, and files open, whose identity is due for a
-        refresh. A file the kernel has no inode for is skipped: the lookup that must come
-        before its open stats it."""
+        """Files the RAM tier holds a block of, files open, and files of byte-range items
+        the kernel may hold pages of, whose identity is due for a refresh. A file the kernel
+        has no inode for is skipped: the lookup that must come before its open stats it."""
         at_s = now_s()
         due = []
         held = [relpath for relpath, _ in list(self.ram.blocks)]
-        for relpath in dict.fromkeys([*held, *self._open_files()]):
+        # and files of byte-range items whose pages the kernel may hold with none of their
+        # items left in RAM: unchecked, `drop_overdue_pages` dropped them a TTL on, sweeps
+        # keeping up or not
+        for relpath in dict.fromkeys([*held, *self._open_files(), *self._range_files()]):
             entry = self.inodes.entry_of(relpath)
             if entry is not None and self.freshness.refresh_due(entry.checked_s, at_s=at_s):
                 due.append((entry.checked_s, relpath))

@@ -114,6 +114,26 @@ def _held_in_kernel(tmp_path, names: list[str]):
     return source, inodes, ram, revalidator, dropped
 
 
+def test_range_files_with_pages_in_the_kernel_are_swept_and_dropped_when_overdue(tmp_path):
+    """A file of byte-range items whose pages the kernel may hold (RangeCache.paged_files),
+    with none of its items in RAM: the sweeps check it (unchecked, the pass dropped it a TTL
+    on however well they kept up), and the pass drops all its pages when it is overdue."""
+    (tmp_path / "rows").write_bytes(b"r" * 100)
+    source, inodes, ram, revalidator, _ = _held_in_kernel(tmp_path, [])
+    inodes.remember(b"rows", os.lstat(tmp_path / "rows"), lookup=True, stat_time_s=0.0)
+    dropped: list[bytes] = []
+    revalidator._range_files = lambda: [b"rows"]
+    revalidator._drop_range_pages = dropped.append
+
+    async def main():
+        await trio.sleep(6)  # past half the TTL: due
+        assert revalidator._due() == [b"rows"]
+        assert revalidator.drop_overdue_pages(9.0) == 0 and dropped == []
+        assert revalidator.drop_overdue_pages(11.0) == 1 and dropped == [b"rows"]
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
 def test_pages_of_a_file_not_seen_within_the_ttl_go_and_a_read_of_it_counts_as_seen(tmp_path):
     """Three files told of at time 0, TTL 10 s. At 9 s the source is read for "read" (a
     read-ahead's read: Source.on_look, InodeTable.confirm), and "other" is lstat'ed but found
@@ -233,9 +253,37 @@ def test_a_stat_asked_before_the_distrust_trusts_nothing(tmp_path, late_look):
         entry = inodes.get(inode)
         assert entry.checked_s == entry.stat_time_s == NEVER_S
         assert inodes.store_target(b"f", source.identity_of(st)) is None
-        inodes.update_stat(inode, st, 11.0)  # a look after the distrust
+        inodes.confirm(b"f", st, 10.5)  # a read's look after the distrust counts...
+        inodes.update_stat(inode, st, 8.5)  # ... and a late stat asked before it undoes none
+        assert entry.checked_s == 10.5 and entry.stat_time_s == NEVER_S
+        inodes.update_stat(inode, st, 11.0)  # a stat after the distrust
         assert entry.checked_s == entry.stat_time_s == 11.0
         assert inodes.store_target(b"f", source.identity_of(st)) == inode
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_listing_older_than_the_distrust_makes_no_inode_of_its_version(tmp_path):
+    """A listing taken at 8 s saw another version than the inode's; the inode was distrusted
+    at 10 s. The listing's stat (a directory handle's, cachefs/dirs.py) may have seen the file
+    before the look that distrusted it: before, it retired the inode and gave its version a
+    new inode trusted from 8 s, whose pages were then stored and served."""
+    (tmp_path / "f").write_bytes(b"f")
+    source = Source(tmp_path, threads=1)
+    inodes = InodeTable(os.lstat(tmp_path), source.identity_of, Freshness(10.0).trusted)
+    st = os.lstat(tmp_path / "f")
+    (tmp_path / "g").write_bytes(b"gg")
+    other = os.lstat(tmp_path / "g")
+
+    async def main():
+        inode = inodes.remember(b"f", st, lookup=True, stat_time_s=9.0)
+        await trio.sleep(10)
+        inodes.distrust(inode)
+        assert inodes.remember(b"f", other, lookup=True, stat_time_s=8.0) == inode
+        assert not inodes.get(inode).retired and inodes.get(inode).checked_s == NEVER_S
+        # a stat asked after the distrust: the new version gets an inode of its own
+        assert inodes.remember(b"f", other, lookup=True, stat_time_s=11.0) != inode
+        assert inodes.get(inode).retired
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
