@@ -391,13 +391,19 @@ class Operations(pyfuse3.Operations):
         """The handle of a READ that came with no OPEN: `fh` is the inode (patched pyfuse3).
         The first READ of a file whose version was last seen at the source over a TTL ago
         (InodeEntry.checked_s) checks the source, as an open would (`_open`;
-        Reader.checked_handle_without_open)."""
+        Reader.checked_handle_without_open), and so does a later READ of the file held open
+        once its version was last seen that long ago."""
         handle = self._without_open.get(inode)
         entry = self._live_entry(inode)
+        told = self.inodes.identity(inode)
         if handle is not None:
+            if not self.freshness.trusted(entry.checked_s):
+                # held open, and not seen at the source within the TTL since (the sweeps fell
+                # behind): checked as its first READ was, before RAM serves it more of the
+                # version it was opened at (revalidate.py, "Overdue")
+                self._check_told(inode, await self.reader.fresh_identity(handle), told)
             return handle
         item = self._item_of(entry)
-        told = self.inodes.identity(inode)
         if self.freshness.trusted(entry.checked_s):
             handle = self.reader.handle_without_open(inode, entry.relpath, item, told)
         else:

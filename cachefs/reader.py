@@ -241,6 +241,16 @@ class Reader:
             handle.origin = stats_mod.ORIGIN_MISS
         self._prefetcher.record_identity(handle.relpath, handle.identity, seen_s=asked_s)
 
+    async def fresh_identity(self, handle: OpenFile) -> SourceIdentity:
+        """The handle's file's identity at the source now, for a READ of a file held open
+        past a TTL unseen (fuse_ops.Operations._read_without_open); the wait is the reader's
+        stall."""
+        started_s = now_s()
+        identity, _, asked_s = await self._tiered.fresh_identity(handle.relpath)
+        handle.stall_s += now_s() - started_s
+        self._prefetcher.record_identity(handle.relpath, identity, seen_s=asked_s)
+        return identity
+
     async def checked_handle_without_open(self, inode: int, relpath: bytes, item: int,
                                           told: SourceIdentity) -> OpenFile:
         """`handle_without_open` for the first READ of a file the kernel was told of longer

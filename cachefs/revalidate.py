@@ -22,9 +22,9 @@ Where the checks happen, so that an open waits for none of them:
 - in the keep-cache mode, an open of a cached file whose identity has expired anyway (this
   task fell behind, or the TTL is 0) checks it itself, one source round trip (fuse_ops.open,
   reader.Reader.open). The zero-request mode has no open: there the sweeps are the contract
-  for what RAM holds, every max(TTL / 4, MIN_INTERVAL_S) seconds, and the first READ of a
-  file whose version was last seen over a TTL ago checks it (what the SSD tier serves;
-  fuse_ops.Operations._read_without_open).
+  for what RAM holds, every max(TTL / 4, MIN_INTERVAL_S) seconds, and a READ of a file
+  whose version was last seen over a TTL ago checks it, the first one or one of a file held
+  open (what the SSD tier serves; fuse_ops.Operations._read_without_open).
 
 Overdue: when the sweeps fall behind (a source slow to answer lstats, many files held), what
 RAM holds is still checked before it is served (a READ of a file whose version was not seen

@@ -54,6 +54,37 @@ def test_a_changed_file_is_not_served_from_pages_the_slow_rechecks_left(tmp_path
     assert revalidation["overdue_files"] >= 1, revalidation
 
 
+def test_a_file_held_open_is_checked_again_once_unseen_for_a_ttl(tmp_path, mounter):
+    """A reader holds a file open, reads its start, and the file is rewritten in the source;
+    0.8 s later (the re-checks lag by 1 s) it reads further on. The daemon's RAM holds the old
+    version whole, and before, that READ was served from it with no check (only a file's first
+    READ checked); now the READ checks the source, finds the change, and the reader gets
+    ESTALE, as from NFS (man/cachefs-mount.1): never the old version past the TTL."""
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(5)
+    old, new = (rng.integers(0, 256, 300_000, dtype=np.uint8).tobytes() for _ in range(2))
+    (src / "a").write_bytes(old)
+    mount = mounter(src, "--ram-cache", 1 << 22, "--metadata-ttl", 0.5,
+                    "--data-plane", "no-open", "--source-delay-ms", 1000)
+    fd = os.open(mount.mountpoint / "a", os.O_RDONLY)
+    try:
+        assert os.pread(fd, 4096, 0) == old[:4096]
+        (tmp_path / "new").write_bytes(new)
+        os.utime(tmp_path / "new", ns=(0, 10**9))
+        (tmp_path / "new").rename(src / "a")
+        time.sleep(0.8)
+        try:
+            got = os.pread(fd, 4096, 262_144)
+        except OSError as exc:
+            assert exc.errno == errno.ESTALE, exc
+        else:
+            assert got == new[262_144:266_240]
+    finally:
+        os.close(fd)
+    assert (mount.mountpoint / "a").read_bytes() == new
+
+
 def test_a_changed_file_of_byte_range_items_is_not_served_from_pages_left(tmp_path,
                                                                           mounter):
     """The same under an order of byte-range items (rows of a .npy): the kernel's pages of
