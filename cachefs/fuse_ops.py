@@ -395,15 +395,16 @@ class Operations(pyfuse3.Operations):
         once its version was last seen that long ago."""
         handle = self._without_open.get(inode)
         entry = self._live_entry(inode)
-        told = self.inodes.identity(inode)
         if handle is not None:
             if not self.freshness.trusted(entry.checked_s):
                 # held open, and not seen at the source within the TTL since (the sweeps fell
                 # behind): checked as its first READ was, before RAM serves it more of the
                 # version it was opened at (revalidate.py, "Overdue")
-                self._check_told(inode, await self.reader.fresh_identity(handle), told)
+                self._check_told(inode, await self.reader.fresh_identity(handle),
+                                 self.inodes.identity(inode))
             return handle
         item = self._item_of(entry)
+        told = self.inodes.identity(inode)
         if self.freshness.trusted(entry.checked_s):
             handle = self.reader.handle_without_open(inode, entry.relpath, item, told)
         else:
