@@ -151,6 +151,8 @@ class Operations(pyfuse3.Operations):
         # the zero-request mode's handles, by inode: made at a file's first READ, released
         # when a close of it is reported
         self._without_open: dict[int, OpenFile] = {}
+        # by inode, the check of a file held open in progress (`_check_held_open`)
+        self._held_checks: dict[int, trio.Event] = {}
         # closes reported by file handle (decide_mode): marks a directory, given its relpath,
         # in a worker thread; the directories marked or being marked, by inode
         self._mark_directory: Callable[[bytes], None] | None = None
@@ -397,11 +399,7 @@ class Operations(pyfuse3.Operations):
         entry = self._live_entry(inode)
         if handle is not None:
             if not self.freshness.trusted(entry.checked_s):
-                # held open, and not seen at the source within the TTL since (the sweeps fell
-                # behind): checked as its first READ was, before RAM serves it more of the
-                # version it was opened at (revalidate.py, "Overdue")
-                self._check_told(inode, await self.reader.fresh_identity(handle),
-                                 self.inodes.identity(inode))
+                await self._check_held_open(inode, handle)
             return handle
         item = self._item_of(entry)
         told = self.inodes.identity(inode)
@@ -410,13 +408,35 @@ class Operations(pyfuse3.Operations):
         else:
             handle = await self.reader.checked_handle_without_open(inode, entry.relpath, item,
                                                                    told)
+            # not retired while the source was asked: a change found meanwhile (a lookup of
+            # a newer version) is not this look's to report, which may be of an older one
+            self._live_entry(inode)
             self._check_told(inode, handle.identity, told)
-            entry = self._live_entry(inode)  # not retired while the source was asked
             made = self._without_open.get(inode)
             if made is not None:
                 return made  # another READ of the file made one while this one checked
         self._without_open[inode] = handle
         return handle
+
+    async def _check_held_open(self, inode: int, handle: OpenFile) -> None:
+        """A READ of a file held open whose version was not seen at the source within the
+        TTL since (the sweeps fell behind): checked as its first READ was, before RAM serves
+        it more of the version it was opened at (revalidate.py, "Overdue"); ESTALE if it
+        changed. One check at a time per file: the READs that come meanwhile (the kernel's
+        read-ahead sends several) wait for its outcome, and ask again only if it left the
+        file unseen (it failed, or landed past the TTL)."""
+        while (pending := self._held_checks.get(inode)) is not None:
+            await pending.wait()
+            if self.freshness.trusted(self._live_entry(inode).checked_s):
+                return
+        pending = self._held_checks[inode] = trio.Event()
+        try:
+            identity = await self.reader.fresh_identity(handle)
+        finally:
+            del self._held_checks[inode]
+            pending.set()
+        self._live_entry(inode)  # not retired meanwhile (as for a first READ)
+        self._check_told(inode, identity, self.inodes.identity(inode))
 
     def decide_mode(self, no_open: bool,
                     mark_directory: Callable[[bytes], None] | None = None) -> None:

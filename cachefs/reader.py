@@ -246,7 +246,10 @@ class Reader:
         past a TTL unseen (fuse_ops.Operations._read_without_open); the wait is the reader's
         stall."""
         started_s = now_s()
-        identity, _, asked_s = await self._tiered.fresh_identity(handle.relpath)
+        # not from a read in flight, which may have been asked before the TTL, or before the
+        # inode was distrusted: a look asked now
+        identity, _, asked_s = await self._tiered.fresh_identity(handle.relpath,
+                                                                 join_flight=False)
         handle.stall_s += now_s() - started_s
         self._prefetcher.record_identity(handle.relpath, identity, seen_s=asked_s)
         return identity

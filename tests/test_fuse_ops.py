@@ -379,6 +379,47 @@ def test_a_read_without_open_past_the_ttl_checks_the_source_first(tmp_path):
     trio.run(main, clock=clock)
 
 
+def test_reads_of_a_file_held_open_past_the_ttl_check_it_once_together(tmp_path):
+    """The zero-request mode: a file held open (its handle made by a first READ, no close
+    since) is checked again by a READ once its version was unseen for a TTL; the READs that
+    come meanwhile wait for that one check. Unchanged, all read on; changed, all get ESTALE
+    (before, they were served the old version from RAM with no check)."""
+    src = tmp_path / "src"
+    write_file(src / "a", 2 * BLOCK_BYTES, seed=1)
+    ops = operations(src, ttl_s=1.0)
+    ops.decide_mode(no_open=True)
+    clock = trio.testing.MockClock()
+    source = ops.source
+
+    async def main():
+        a = (await ops.lookup(ROOT_INODE, b"a", None)).st_ino
+        old = (src / "a").read_bytes()
+        assert await ops.read(a, 0, BLOCK_BYTES) == old[:BLOCK_BYTES]
+        results: list = []
+
+        async def read_second_block():
+            try:
+                results.append(await ops.read(a, BLOCK_BYTES, BLOCK_BYTES))
+            except pyfuse3.FUSEError as exc:
+                results.append(exc.errno)
+
+        for change in (False, True):
+            if change:
+                write_file(src / "a", 2 * BLOCK_BYTES, seed=2)
+                os.utime(src / "a", ns=(0, 10**9))
+            clock.jump(2.0)
+            checks = source.requests["identity_check"]
+            results.clear()
+            async with trio.open_nursery() as nursery:
+                for _ in range(4):
+                    nursery.start_soon(read_second_block)
+            assert source.requests["identity_check"] == checks + 1
+            expected = errno.ESTALE if change else old[BLOCK_BYTES:]
+            assert results == [expected] * 4
+
+    trio.run(main, clock=clock)
+
+
 def test_an_older_stat_does_not_replace_a_newer_one(tmp_path):
     """A directory listing of some age (cachefs/dirs.py lists once per open directory) must
     not take a file back to the version it had then: the kernel would be told the old size."""
