@@ -40,7 +40,8 @@ from cachefs.mountinfo import listed_path, mount_at, mounted_paths
 from cachefs.config import MountConfig
 from cachefs.ctrl import Control
 from cachefs.freshness import Freshness
-from cachefs.fuse_ops import KernelInvalidation, Operations
+from cachefs.fuse_ops import Operations
+from cachefs.kernel_invalidation import KernelInvalidation
 from cachefs.inodes import ROOT_INODE, InodeTable
 from cachefs.manifest import Manifest, quote_path, scan_source
 from cachefs.order import load_order

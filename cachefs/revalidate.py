@@ -239,7 +239,7 @@ class Revalidator:
                 # still the version the kernel was given: trusted for another TTL. A changed
                 # one is not recorded here: the inode table holds what the kernel was told,
                 # and the kernel learns the new version by its next lookup or stat
-                # (fuse_ops.KernelInvalidation)
+                # (kernel_invalidation.KernelInvalidation)
                 self.inodes.update_stat(inode, st, asked_s)
         known = block.identity if block is not None else told
         if known is not None and known != identity:

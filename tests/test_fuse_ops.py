@@ -20,7 +20,8 @@ import trio.testing
 from cachefs.cache.ram import RamTier, page_bytes
 from cachefs.ctrl import Control
 from cachefs.freshness import NEVER_S, Freshness
-from cachefs.fuse_ops import LISTED_ITEMS, KernelInvalidation, Operations
+from cachefs.fuse_ops import LISTED_ITEMS, Operations
+from cachefs.kernel_invalidation import KernelInvalidation
 from cachefs.inodes import ROOT_INODE, InodeTable
 from cachefs.manifest import scan_source
 from cachefs.order import Order

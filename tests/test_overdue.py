@@ -11,6 +11,7 @@ pages read ahead long after the file's lookup are kept.
 from __future__ import annotations
 
 import errno
+import io
 import os
 import time
 
@@ -30,24 +31,37 @@ from cachefs.revalidate import Revalidator
 from cachefs.source import Source
 
 
+def _source_of_a(tmp_path, seed: int, size_bytes: int) -> tuple:
+    """A source directory holding file "a" of `size_bytes` random bytes, and the bytes of two
+    versions of it: the one written, and one to rewrite it with (`_rewrite`)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(seed)
+    old, new = (rng.integers(0, 256, size_bytes, dtype=np.uint8).tobytes() for _ in range(2))
+    (src / "a").write_bytes(old)
+    return src, old, new
+
+
+def _rewrite(tmp_path, path, data: bytes) -> None:
+    """Replace the source file `path` by `data`, written beside it and renamed over it, its
+    modification time set apart: another version even within a second."""
+    (tmp_path / "new").write_bytes(data)
+    os.utime(tmp_path / "new", ns=(0, 10**9))
+    (tmp_path / "new").rename(path)
+
+
 def test_a_changed_file_is_not_served_from_pages_the_slow_rechecks_left(tmp_path, mounter):
     """Each batch of re-checks lands 2 s after it was asked (--source-delay-ms, which also
     slows every open and read), four TTLs: a file rewritten in the source is read through the
     mount 1.4 s later, before any re-check asked after the rewrite has landed. Before, the
     kernel served it from the old version's pages, with no request; now they were dropped
     within a quarter second of the TTL, and the READ that came checked the source."""
-    src = tmp_path / "src"
-    src.mkdir()
-    rng = np.random.default_rng(3)
-    old, new = (rng.integers(0, 256, 30_000, dtype=np.uint8).tobytes() for _ in range(2))
-    (src / "a").write_bytes(old)
+    src, old, new = _source_of_a(tmp_path, 3, 30_000)
     mount = mounter(src, "--ram-cache", 1 << 20, "--metadata-ttl", 0.5,
                     "--data-plane", "no-open", "--source-delay-ms", 2000)
     path = mount.mountpoint / "a"
     assert path.read_bytes() == old  # no order: a file read whole stays in the page cache
-    (tmp_path / "new").write_bytes(new)
-    os.utime(tmp_path / "new", ns=(0, 10**9))  # another version even within a second
-    (tmp_path / "new").rename(src / "a")
+    _rewrite(tmp_path, src / "a", new)
     time.sleep(1.4)
     assert path.read_bytes() == new
     revalidation = mount.stats()["revalidation"]
@@ -60,19 +74,13 @@ def test_a_file_held_open_is_checked_again_once_unseen_for_a_ttl(tmp_path, mount
     version whole, and before, that READ was served from it with no check (only a file's first
     READ checked); now the READ checks the source, finds the change, and the reader gets
     ESTALE, as from NFS (man/cachefs-mount.1): never the old version past the TTL."""
-    src = tmp_path / "src"
-    src.mkdir()
-    rng = np.random.default_rng(5)
-    old, new = (rng.integers(0, 256, 300_000, dtype=np.uint8).tobytes() for _ in range(2))
-    (src / "a").write_bytes(old)
+    src, old, new = _source_of_a(tmp_path, 5, 300_000)
     mount = mounter(src, "--ram-cache", 1 << 22, "--metadata-ttl", 0.5,
                     "--data-plane", "no-open", "--source-delay-ms", 1000)
     fd = os.open(mount.mountpoint / "a", os.O_RDONLY)
     try:
         assert os.pread(fd, 4096, 0) == old[:4096]
-        (tmp_path / "new").write_bytes(new)
-        os.utime(tmp_path / "new", ns=(0, 10**9))
-        (tmp_path / "new").rename(src / "a")
+        _rewrite(tmp_path, src / "a", new)
         time.sleep(0.8)
         try:
             got = os.pread(fd, 4096, 262_144)
@@ -103,10 +111,10 @@ def test_a_changed_file_of_byte_range_items_is_not_served_from_pages_left(tmp_pa
     publish(mount.mountpoint, 0, permutation(2, 0, 0), items=items, files=["rows.npy"])
     path = mount.mountpoint / "rows.npy"
     assert path.read_bytes() == (src / "rows.npy").read_bytes()
-    np.save(tmp_path / "new.npy", new)
-    os.utime(tmp_path / "new.npy", ns=(0, 10**9))
-    expected = (tmp_path / "new.npy").read_bytes()
-    (tmp_path / "new.npy").rename(src / "rows.npy")
+    buffer = io.BytesIO()
+    np.save(buffer, new)
+    expected = buffer.getvalue()
+    _rewrite(tmp_path, src / "rows.npy", expected)
     time.sleep(0.5)  # the re-checks asked since land 0.8 s after
     try:
         got = path.read_bytes()
@@ -234,10 +242,11 @@ def test_the_overdue_pass_runs_beside_a_sweep_that_takes_longer_than_the_ttl(tmp
 
 
 def test_a_distrusted_inode_is_not_seen_until_looked_at_again(tmp_path):
-    """A look that could not be ordered against the inode's stat (fuse_ops
-    KernelInvalidation.source_changed) distrusts it at 10 s: a look at its version asked at
-    8 s, landing after, may have seen the file before that one did and leaves it distrusted
-    (before, it made the inode trusted again); one asked at 11 s makes it trusted."""
+    """A look that could not be ordered against the inode's stat (KernelInvalidation.
+    source_changed, cachefs/kernel_invalidation.py) distrusts it at 10 s: a look at its
+    version asked at 8 s, landing after, may have seen the file before that one did and
+    leaves it distrusted (before, it made the inode trusted again); one asked at 11 s makes
+    it trusted."""
     (tmp_path / "f").write_bytes(b"f")
     inodes = InodeTable(os.lstat(tmp_path))
     st = os.lstat(tmp_path / "f")

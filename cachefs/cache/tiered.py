@@ -449,8 +449,8 @@ class TieredCache:
         remembered stat of another version), and tell `on_source_changed`. `asked_s`: when
         the look that saw `identity` was asked, if it may land after a look at a newer
         version (a source read: the kernel's inode of that newer version stays, trusted no
-        more, fuse_ops.KernelInvalidation); None: a look just asked, or one whose order the
-        caller checked."""
+        more, cachefs/kernel_invalidation.py); None: a look just asked, or one whose order
+        the caller checked."""
         stale = [key for key, block in self.ram.blocks.items()
                  if key[0] == relpath and block.identity != identity]
         for key in stale:
