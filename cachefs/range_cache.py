@@ -596,7 +596,13 @@ class RangeCache:
             held -= set(self._of_file(held, relpath).tolist())
 
     def paged_files(self) -> list[bytes]:
-        """The files whose pages the kernel may hold (pushed or read in this plan)."""
+        """The files whose pages the kernel may hold (pushed or read in this plan); one whose
+        inode the kernel forgot holds none, and is forgotten here too (else the overdue pass,
+        cachefs/revalidate.py, looked at it until the next plan)."""
+        if self.kernel_inodes is not None:
+            inode_of = self.kernel_inodes.inode_of
+            self._paged_files = {relpath for relpath in self._paged_files
+                                 if inode_of(relpath) is not None}
         return list(self._paged_files)
 
     def _of_file(self, held: set[int], relpath: bytes) -> np.ndarray:
