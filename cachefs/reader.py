@@ -233,24 +233,21 @@ class Reader:
             return
         # not read ahead (or its identity is stale): the batch of its target starts now
         self._prefetcher.demand_miss(handle.item, handle.manifest)
+        handle.identity = await self.fresh_identity(handle, join_flight=not disagree)
+
+    async def fresh_identity(self, handle: OpenFile, *, join_flight: bool = False
+                             ) -> SourceIdentity:
+        """The handle's file's identity at the source now (TieredCache.fresh_identity),
+        recorded for the read-ahead; the wait is the reader's stall, and a miss if it waited
+        for the file's data. By default not from a read in flight, which may have been asked
+        before the TTL, or before the inode was distrusted: the check of a READ of a file held
+        open past a TTL unseen (fuse_ops.Operations._read_without_open) asks anew."""
         started_s = now_s()
-        handle.identity, waited_for_data, asked_s = await self._tiered.fresh_identity(
-            handle.relpath, join_flight=not disagree)
+        identity, waited_for_data, asked_s = await self._tiered.fresh_identity(
+            handle.relpath, join_flight=join_flight)
         handle.stall_s += now_s() - started_s
         if waited_for_data:
             handle.origin = stats_mod.ORIGIN_MISS
-        self._prefetcher.record_identity(handle.relpath, handle.identity, seen_s=asked_s)
-
-    async def fresh_identity(self, handle: OpenFile) -> SourceIdentity:
-        """The handle's file's identity at the source now, for a READ of a file held open
-        past a TTL unseen (fuse_ops.Operations._read_without_open); the wait is the reader's
-        stall."""
-        started_s = now_s()
-        # not from a read in flight, which may have been asked before the TTL, or before the
-        # inode was distrusted: a look asked now
-        identity, _, asked_s = await self._tiered.fresh_identity(handle.relpath,
-                                                                 join_flight=False)
-        handle.stall_s += now_s() - started_s
         self._prefetcher.record_identity(handle.relpath, identity, seen_s=asked_s)
         return identity
 
