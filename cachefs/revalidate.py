@@ -134,7 +134,7 @@ class Revalidator:
         interval_s = max(MIN_INTERVAL_S, self.freshness.ttl_s * GUARD_FRACTION)
         while True:
             await trio.sleep(interval_s)
-            if self._serves_without_open() and (self.ram.kernel_bytes or self._range_files()):
+            if self._serves_without_open():
                 self.drop_overdue_pages(now_s() + interval_s - MIN_INTERVAL_S)
 
     def drop_overdue_pages(self, at_s: float) -> int:
@@ -146,11 +146,12 @@ class Revalidator:
         oldest_trusted_s = self.freshness.oldest_trusted_s(at_s)
         entry_of = self.inodes.entry_of
         overdue: dict[bytes, int] = {}
-        for (relpath, _), block in self.ram.blocks.items():  # no await: the dict stays
-            if block.in_kernel:
-                entry = entry_of(relpath)
-                if entry is not None and entry.checked_s < oldest_trusted_s:
-                    overdue[relpath] = block.identity.size
+        if self.ram.kernel_bytes:  # else the kernel holds no page the RAM tier counts
+            for (relpath, _), block in self.ram.blocks.items():  # no await: the dict stays
+                if block.in_kernel:
+                    entry = entry_of(relpath)
+                    if entry is not None and entry.checked_s < oldest_trusted_s:
+                        overdue[relpath] = block.identity.size
         for relpath, size_bytes in overdue.items():
             self.ram.drop_file_pages(relpath, size_bytes)
         # a file of byte-range items: the kernel holds pages of its items that RAM does not
