@@ -45,7 +45,7 @@ from array import array
 
 import numpy as np
 
-from cachefs.cache.ram import BlockKey, RamTier, block_count
+from cachefs.cache.ram import BlockKey, RamBlock, RamTier, block_count
 from cachefs.manifest import Manifest
 from cachefs.order_items import Items
 from cachefs.planner import ARRAY_MIN_ITEMS, NEVER, Planner
@@ -387,7 +387,7 @@ class Ranking:
 
     # -- the kernel's page cache ------------------------------------------------------------
 
-    def kernel_may_keep(self, item: int, priority: float | None) -> bool:
+    def kernel_may_keep(self, item: int, first: RamBlock | None) -> bool:
         """Whether the kernel's pages of a file a reader is done with may be its only copy
         (the daemon's goes): yes for a file with no known future (LRU among such files, as
         the RAM tier ranks them), and for one read again within KERNEL_KEEP_S at the rate
@@ -398,16 +398,21 @@ class Ranking:
         every file of the order (the next epoch's head, and a file read again just after an
         epoch switched), and the kernel's pages are kept beside it or dropped, so that the
         head the policy keeps across the epoch boundary survives.
-        `priority`: the file's first block's in the RAM tier (None: not kept)."""
-        if priority is None:
+        `first`: the file's first block in the RAM tier (None: not held), ranked as the plan
+        has it now (`priority_of`: not kept, no copy is left to the kernel alone)."""
+        if first is None:
             return False
-        if math.isinf(priority):
-            return True
+        use = self._use_of(first.item)
+        if use is None:
+            return True  # no known future: ranked last among such blocks (LRU)
+        if self._ranked(first.item, 0, first.identity, use) is None:
+            return False
         if self._s_per_item is None or self.kernel_losses or item < 0:
             return False
-        # the distance in files from the plan, not from `priority`: a next-epoch file's rank
+        # the distance in files from the plan, not from the rank: a next-epoch file's rank
         # is its distance divided by its read cost (`set_read_costs`)
-        use = self.planner.next_use(item)
+        if item != first.item:  # numbered by another manifest than the block
+            use = self.planner.next_use(item)
         return use != NEVER and (use - self.planner.cursor) * self._s_per_item <= KERNEL_KEEP_S
 
     def note_kernel_loss(self) -> None:

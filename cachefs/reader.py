@@ -607,9 +607,7 @@ class Reader:
         # room is needed, RamTier.defer_ranks), and settling that here re-ranked all of RAM
         # after every epoch switch, in a pass the kernel serves from its pages
         first = self._tiered.ram.get((handle.relpath, 0))
-        priority = (None if first is None
-                    else self._ranking.priority_of(first.item, 0, first.identity))
-        if self._ranking.kernel_may_keep(handle.item, priority):
+        if self._ranking.kernel_may_keep(handle.item, first):
             self._tiered.hand_to_kernel(handle.relpath, handle.identity, handle.blocks_read)
         elif handle.read_called or handle.kernel_whole:
             self._tiered.keep_pages(handle.relpath, handle.identity, handle.blocks_read)

@@ -387,8 +387,9 @@ def test_the_kernel_keeps_a_file_by_its_distance_not_by_its_cost_scaled_rank():
     """A next-epoch file of a 4x slower target ranks as if 4x nearer (RAM keeps it longer),
     but whether the kernel's pages may be its only copy goes by how far away it really is:
     1,999 files at 12 ms a file is 24 s, past KERNEL_KEEP_S (20 s), though its rank says 15 s."""
-    from cachefs.cache.ram import RamTier
+    from cachefs.cache.ram import RamBlock, RamTier
     from cachefs.ranking import KERNEL_KEEP_S, Ranking
+    from cachefs.source import SourceIdentity
 
     n = 1000
     manifest = Manifest.from_paths([f"f{i:04d}" for i in range(n)]).prepare()
@@ -403,7 +404,8 @@ def test_the_kernel_keeps_a_file_by_its_distance_not_by_its_cost_scaled_rank():
     ranking.consumed_at(0.012)  # the readers' pace: 12 ms a file
     for item in (999, 10):
         planner.consume(item)  # next used in the next epoch, at n + item
-    far, near = ranking.priority_of(999, 0, None), ranking.priority_of(10, 0, None)
+    far = ranking.priority_of(999, 0, None)
     assert far == pytest.approx(n + 999 / 4) and (far - planner.cursor) * 0.012 < KERNEL_KEEP_S
-    assert not ranking.kernel_may_keep(999, far)
-    assert ranking.kernel_may_keep(10, near)  # 1,010 files: 12 s
+    identity = SourceIdentity(1, 1, 1)
+    assert not ranking.kernel_may_keep(999, RamBlock(b"x", identity, 999, 0))
+    assert ranking.kernel_may_keep(10, RamBlock(b"x", identity, 10, 0))  # 1,010 files: 12 s

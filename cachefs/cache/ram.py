@@ -193,6 +193,13 @@ class RamTier:
         self.reserved_bytes += nbytes
         return True
 
+    def reserve_free(self, nbytes: int) -> bool:
+        """Reserve `nbytes` if they fit without evicting anything (no rank needed)."""
+        if self.used_bytes + nbytes > self.budget_bytes:
+            return False
+        self.reserved_bytes += nbytes
+        return True
+
     def unreserve(self, nbytes: int) -> None:
         self.reserved_bytes -= nbytes
         assert self.reserved_bytes >= 0, "reservation released twice"

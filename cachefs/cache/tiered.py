@@ -253,9 +253,15 @@ class TieredCache:
                  else None if expected_bytes is None
                  else min(expected_bytes, self.block_bytes))
         expected = self.block_bytes if known is None else known
-        priority = self.priority_of(item, block_index, identity)
         charge = self.ram.charge_of(expected)
-        reserved = charge if priority is not None and self.ram.reserve(charge, priority) else 0
+        if demand and self.ram.reserve_free(charge):
+            # a reader waits for it either way: its rank decides only an eviction now, and
+            # whether it stays once read (asked then, below): one rank a block, not two
+            reserved = charge
+        else:
+            priority = self.priority_of(item, block_index, identity)
+            reserved = (charge if priority is not None and self.ram.reserve(charge, priority)
+                        else 0)
         if not demand and not reserved:
             return None
         try:
