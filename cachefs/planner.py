@@ -115,10 +115,10 @@ class Planner:
         self._recent_near: deque[bool] = deque(maxlen=RECENT_CONSUMPTIONS)
         self._near_count = 0
         self._near_max = 0
-        # max - min of `_recent`, found when `follows` is first asked after a consumption
-        # (None: not yet): it is asked at every demand miss, at every file of a reader off
-        # the order, whose closes come about eight to a batch
-        self._recent_spread: int | None = None
+        # `follows`, found when first asked after a consumption (None: not yet): it is asked
+        # at every demand miss, at every file of a reader off the order, whose closes come
+        # about eight to a batch
+        self._follows: bool | None = None
         # the read-ahead of an order of byte ranges (cachefs/range_prefetch.py), which walks
         # one list, `window`, has handled every window position below this
         self.scan = 0
@@ -162,6 +162,7 @@ class Planner:
                       and np.array_equal(order.current, self.current))
         joined = not same_epoch and self._rank_joined(order)
         self.order = order
+        self._follows = None  # its ranks weigh in `_near_items`
         manifest_len = order.item_count  # byte-range items, or the manifest's files
         self.reranked_items = None
         if joined:
@@ -338,13 +339,16 @@ class Planner:
     @property
     def follows(self) -> bool:
         """Whether the readers go through the order together (module docstring): the recent
-        consumptions lie near each other (or there are too few to tell)."""
-        recent = self._recent
-        if len(recent) < RECENT_CONSUMPTIONS:
-            return True
-        if self._recent_spread is None:
-            self._recent_spread = max(recent) - min(recent)
-        return self._recent_spread < self._near_items()
+        consumptions lie near each other (or there are too few to tell). Judged again after
+        each consumption only: the window's size, which `_near_items` weighs too, changes
+        with the files' sizes as they become known, and a verdict a batch of closes old
+        does as well."""
+        follows = self._follows
+        if follows is None:
+            recent = self._recent
+            follows = self._follows = (len(recent) < RECENT_CONSUMPTIONS
+                                       or max(recent) - min(recent) < self._near_items())
+        return follows
 
     def _near_items(self) -> int:
         """How far past the cursor readers that follow the order read (module docstring)."""
@@ -372,11 +376,11 @@ class Planner:
                 near_count += 1
                 near_max = max(near_max, position + 1)
         self._near_count, self._near_max = near_count, near_max
-        self._recent_spread = None
+        self._follows = None
 
     def _forget_positions(self) -> None:
         self._recent.clear()
-        self._recent_spread = None
+        self._follows = None
         self._recent_near.clear()
         self._near_count = self._near_max = 0
 
