@@ -19,7 +19,7 @@ from cachefs.cache.ram import BLOCK_OVERHEAD_BYTES, RamBlock, RamTier
 from cachefs.inodes import InodeTable
 from cachefs.manifest import Manifest
 from cachefs.order import Order
-from cachefs.planner import NEVER, Planner
+from cachefs.planner import NEVER, SCALAR_ENTRIES, Planner
 from cachefs.source import SourceIdentity
 
 MANIFEST = Manifest.from_paths([f"f{i}" for i in range(8)])
@@ -941,3 +941,27 @@ def test_item_identities_keep_the_look_asked_last_and_doubt_a_conflict():
     assert meta.seen_s[0] == NEVER_S
     assert meta.record(1, old, seen_s=NEVER_S)  # unknown: any look is news
     assert meta.mean_size(0) == (11 + 10) // 2
+
+
+def test_entries_walked_one_by_one_are_those_of_the_chunks():
+    """`entries` walks its first entries one by one (`due_item`, the demand miss's few) and
+    the rest by chunks (`due_items`): both give the same entries, whatever was consumed, in
+    either order, within any end."""
+    rng = np.random.default_rng(7)
+    n = 300
+    planner = Planner(32)
+    manifest = Manifest.from_paths([f"f{i:03d}" for i in range(n)])
+    assert planner.set_order(order(1, rng.permutation(n), rng.permutation(n), manifest))
+    for item in rng.permutation(n)[:170].tolist():
+        planner.consume(item)  # some at the cursor, most beyond it
+    # a target's list: every third virtual position, past the known orders too
+    positions = np.arange(0, 2 * n + 40, 3, dtype=np.int64)
+    longest = 0
+    for start, end in [(0, 2 * n + 40), (5, 100), (50, 2 * n), (190, 2 * n + 40), (0, 10)]:
+        chunked = [(index, position, item)
+                   for indices, virtual, items, _ in planner.entry_chunks(positions, start, end)
+                   for index, position, item in zip(indices.tolist(), virtual.tolist(),
+                                                    items.tolist(), strict=True)]
+        assert list(planner.entries(positions, start, end)) == chunked, (start, end)
+        longest = max(longest, len(chunked))
+    assert longest > SCALAR_ENTRIES  # a walk went on past the entries taken one by one
