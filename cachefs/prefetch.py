@@ -78,7 +78,8 @@ from cachefs.config import MISS_BATCH_ITEMS
 from cachefs.freshness import Freshness, now_s
 from cachefs.item_meta import ItemMeta
 from cachefs.placement import Placement
-from cachefs.planner import ARRAY_MIN_ITEMS, NEVER, READERS_SPREAD_ITEMS, Planner
+from cachefs.planner import (ARRAY_MIN_ITEMS, NEVER, READERS_SPREAD_ITEMS, SCALAR_ENTRIES,
+                             Planner)
 from cachefs.range_prefetch import RangePrefetcher
 from cachefs.ranking import Ranking
 from cachefs.sorted_arrays import index_left
@@ -497,11 +498,36 @@ class Prefetcher:
         position `end`, less the files the kernel holds whole whose identity is not due for a
         re-check at `walked_s`: the walk would find nothing to do for them, and they are gone
         past (`target.scan`) a stretch at a time. In a pass the kernel serves from its pages
-        that is every file, and a look at each, block by block, was most of the walk."""
+        that is every file, and a look at each, block by block, was most of the walk.
+        The first SCALAR_ENTRIES entries are looked at one by one: a walk starts about ten
+        files, and the numpy work of a stretch was most of its cost (136 us of the trio
+        thread's CPU a walk in a DataLoader's first epoch over slow storage)."""
+        positions, start = target.positions, target.scan
+        one_by_one = min(index_left(positions, end, start), start + SCALAR_ENTRIES)
+        past_idle = 0  # past the last idle entry (below)
+        for index in range(start, one_by_one):
+            position = positions.item(index)
+            item = self.planner.due_item(position)
+            if item < 0:
+                continue
+            if self._idle(item, walked_s):
+                past_idle = index + 1
+                continue
+            target.scan = max(target.scan, past_idle)
+            yield index, position, item
+        target.scan = max(target.scan, past_idle)
+        if one_by_one < start + SCALAR_ENTRIES:
+            return  # the list ended below `end`
+        yield from self._stretches_to_walk(target, one_by_one, end, walked_s)
+
+    def _stretches_to_walk(self, target: Target, start: int, end: int, walked_s: float
+                           ) -> Iterator[tuple[int, int, int]]:
+        """`_entries_to_walk` from list index `start` on, a stretch (`Planner.entry_chunks`)
+        at a time."""
         meta = self.meta
         kernel = self.tiered.kernel is not None
         for indices, positions, items, _ in self.planner.entry_chunks(
-                target.positions, target.scan, end):
+                target.positions, start, end):
             if kernel:
                 sizes = meta.size[items]
                 idle = ((sizes >= 0)
@@ -519,6 +545,16 @@ class Prefetcher:
                 yield int(indices[at]), int(positions[at]), int(items[at])
             if len(idle):
                 target.scan = max(target.scan, int(past_idle[-1]))
+
+    def _idle(self, item: int, walked_s: float) -> bool:
+        """One entry's look of `_stretches_to_walk`: the kernel holds the file whole, and its
+        identity is not due for a re-check at `walked_s`."""
+        if self.tiered.kernel is None:
+            return False
+        size = self.meta.size.item(item)
+        return (size >= 0 and self.ram.kernel_blocks_of_item(item) == block_count(
+                    size, self.block_bytes)
+                and not self.meta.refresh_due(item, self.freshness, walked_s))
 
     @staticmethod
     def _push_head(heads: list, number: int, entries) -> None:

@@ -887,6 +887,7 @@ def test_ram_counts_per_item_the_blocks_the_kernel_holds_under_random_traffic(se
         if (held := ram.get(key)) is not None and held.in_kernel and held.data is None:
             alone.append((key, held))
         assert ram.kernel_blocks_of(items).tolist() == counted()
+        assert [ram.kernel_blocks_of_item(item) for item in items.tolist()] == counted()
         assert all(made_block.resident == (ram.get(made_key) is made_block)
                    for made_key, made_block in made[-50:])
         for _, kernel_alone in alone[-50:]:

@@ -563,12 +563,17 @@ def test_a_file_whose_first_blocks_the_kernel_holds_is_read_whole_at_its_last_re
     assert run_script(config, script) == (1000, 0, 0)  # read whole: not read again
 
 
-def test_the_walk_passes_over_the_files_the_kernel_holds_whole(monkeypatch):
+@pytest.mark.parametrize("one_by_one", [0, 7, 1000])
+def test_the_walk_passes_over_the_files_the_kernel_holds_whole(monkeypatch, one_by_one):
     """A pass the kernel serves from its pages: the read-ahead's walk starts nothing and
     pushes nothing for the files the kernel holds whole, and its scan goes past them
     (prefetch.py `_entries_to_walk`); a file one of whose blocks lost its kernel copy is
-    pushed again, and one RAM lost is read again: only those two are looked at."""
+    pushed again, and one RAM lost is read again: only those two are looked at. The same
+    whether the walk looks at the entries a stretch at a time, one by one, or both (its
+    first `one_by_one` entries)."""
     from cachefs import prefetch
+
+    monkeypatch.setattr(prefetch, "SCALAR_ENTRIES", one_by_one)
 
     started: list[int] = []
     pushed: list[int] = []

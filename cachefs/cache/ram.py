@@ -448,6 +448,11 @@ class RamTier:
         held[inside] = counts[items[inside]]
         return held
 
+    def kernel_blocks_of_item(self, item: int) -> int:
+        """`kernel_blocks_of` one item."""
+        counts = self._kernel_blocks
+        return counts.item(item) if item < len(counts) else 0
+
     def items_renumbered(self) -> None:
         """The blocks' `item` numbers changed (a new manifest, Ranking.use_manifest): the
         counts of `kernel_blocks_of` are made again."""
