@@ -119,6 +119,24 @@ def test_cursor_is_lowest_unconsumed_position_under_out_of_order_consumption():
     assert planner.cursor == 5 and planner.consumed_count == 5
 
 
+def test_the_cursor_is_the_lowest_unconsumed_position_after_every_consumption():
+    """The cursor moves a few positions one by one, and a long run of consumed positions a
+    stretch at a time (`_advance_cursor`): after every consumption it is the lowest
+    unconsumed position, whether the readers consume near it or far ahead of it."""
+    rng = np.random.default_rng(3)
+    n = 1500
+    manifest = Manifest.from_paths([f"f{i:04d}" for i in range(n)])
+    planner = Planner(50)
+    current = rng.permutation(n)
+    assert planner.set_order(order(1, current, manifest=manifest))
+    # near the cursor at first, then a run of 700 positions consumed ahead of it
+    by_position = [*range(0, 40), *range(41, 741), 40, *rng.permutation(range(741, n))]
+    for position in by_position:
+        planner.consume(int(current[position]))
+        unconsumed = np.flatnonzero(~planner.consumed)
+        assert planner.cursor == (unconsumed[0] if len(unconsumed) else n)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_a_batch_of_consumptions_is_what_consuming_them_one_by_one_makes(seed):
     """`consume_many` (vectorised: the closes of one batch) takes the same items, completes
