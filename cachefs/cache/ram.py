@@ -178,10 +178,11 @@ class RamTier:
 
     def reserve(self, nbytes: int, priority: float) -> bool:
         """Reserve `nbytes` for a block of `priority`, evicting strictly farther blocks."""
+        if self.reserve_free(nbytes):
+            return True
         if nbytes > self.budget_bytes:
             return False
-        if self.used_bytes + nbytes > self.budget_bytes:
-            self._settle_ranks()  # only an eviction reads the ranks (module docstring)
+        self._settle_ranks()  # only an eviction reads the ranks (module docstring)
         while self.used_bytes + nbytes > self.budget_bytes:
             if self._give_up_kept_twice():
                 continue
