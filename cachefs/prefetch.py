@@ -503,22 +503,21 @@ class Prefetcher:
         files, and the numpy work of a stretch was most of its cost (136 us of the trio
         thread's CPU a walk in a DataLoader's first epoch over slow storage)."""
         positions, start = target.positions, target.scan
-        one_by_one = min(index_left(positions, end, start), start + SCALAR_ENTRIES)
+        stop = index_left(positions, end, start)
+        one_by_one = min(stop, start + SCALAR_ENTRIES)
+        # the first entries as `Planner.entries` gives them (one by one), below the position
+        # of the entry the stretches start at
+        first_end = positions.item(one_by_one) if one_by_one < stop else end
         past_idle = 0  # past the last idle entry (below)
-        for index in range(start, one_by_one):
-            position = positions.item(index)
-            item = self.planner.due_item(position)
-            if item < 0:
-                continue
+        for index, position, item in self.planner.entries(positions, start, first_end):
             if self._idle(item, walked_s):
                 past_idle = index + 1
                 continue
             target.scan = max(target.scan, past_idle)
             yield index, position, item
         target.scan = max(target.scan, past_idle)
-        if one_by_one < start + SCALAR_ENTRIES:
-            return  # the list ended below `end`
-        yield from self._stretches_to_walk(target, one_by_one, end, walked_s)
+        if one_by_one < stop:
+            yield from self._stretches_to_walk(target, one_by_one, end, walked_s)
 
     def _stretches_to_walk(self, target: Target, start: int, end: int, walked_s: float
                            ) -> Iterator[tuple[int, int, int]]:
