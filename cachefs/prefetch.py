@@ -50,6 +50,16 @@ are recorded by path, or by the item of the file's RAM block, which is renumbere
 manifest (`record_identity`). So a late result for an item of an old manifest can
 neither index the new arrays out of range nor land in the slot of another file.
 
+Reads begun with no task. Most files of a read-ahead are one source read: unseen (nothing
+cached to validate; the read's fstat is the identity) or seen and of one block. Such a file's
+read is begun by the walk itself (`_begin_item`, `TieredCache.start_fetch`, `Source.
+start_block`, cachefs/read_pool.py `start`), and its landing is handled when the read pool
+collects its end (`_first_block_landed`): the same steps as `_fetch_item`'s, in the same
+order, with no task. A task for each cost the trio thread its spawn, two trips through the
+scheduler and a chain of eight coroutines. A file with more to do (several blocks, a copy to
+stat first, no source thread free at once, a read to make again) is read by `_fetch_item`, in
+a task of its own, as before; `status()["task_fetches"]` counts those.
+
 Window size: `--lookahead N` items past the furthest item read near the cursor, or
 automatically `source_threads` items, at most a quarter of the RAM budget. A longer window
 hides no more latency once every source thread is busy, and each window slot taken is a slot
@@ -136,6 +146,9 @@ class Prefetcher:
         self._room_wait = False  # the last walk stopped for want of RAM (`consumed`)
         self._nursery: trio.Nursery | None = None
         self.prefetch_errors = 0
+        # items whose read-ahead ran in a task of its own (`_fetch_item`), not begun without
+        # one (`_begin_item`): cachefs stats' prefetch.task_fetches
+        self.task_fetches = 0
 
     def poke(self) -> None:
         self._wake.set()
@@ -569,7 +582,82 @@ class Prefetcher:
     def _start_item(self, item: int, target: Target, manifest, nursery: trio.Nursery) -> None:
         self._inflight_items[item] = target
         target.inflight_items += 1
-        nursery.start_soon(self._fetch_item, item, manifest)
+        try:
+            begun = self._begin_item(item, manifest)
+        except Exception:  # noqa: BLE001 - one file's read-ahead never ends the mount's
+            self.prefetch_errors += 1
+            log.exception("unexpected error reading %r ahead", manifest.path(item))
+            self._item_done(item, manifest)
+            return
+        if not begun:
+            self.task_fetches += 1
+            nursery.start_soon(self._fetch_item, item, manifest)
+
+    def _begin_item(self, item: int, manifest) -> bool:
+        """`_fetch_item`'s work begun with no task (module docstring, "Reads begun with no
+        task"), where the file is one source read: its identity is unknown (nothing cached to
+        validate) or known and of one block, and the tiered cache can begin that read now
+        (`TieredCache.start_fetch`). False: nothing was begun."""
+        if item in self._read_whole:
+            return False
+        relpath = manifest.path(item)
+        identity = self.meta.identity_not_due(item, self.freshness)
+        if identity is None:
+            if self._needs_stat(relpath):
+                return False
+            expected_bytes: int | None = self._size_estimate(item)
+        elif identity.size > self.block_bytes or self.tiered.holds((relpath, 0), identity):
+            return False  # several reads, or none (a push: `_fetch_item`)
+        else:
+            expected_bytes = None
+        self.ranking.remember_item(relpath, item)
+        for_current = self._unconsumed(item)
+        return self.tiered.start_fetch(
+            (relpath, 0), identity, item, manifest, expected_bytes=expected_bytes,
+            on_done=lambda fetched, error: self._first_block_landed(
+                item, manifest, identity, for_current, fetched, error))
+
+    def _first_block_landed(self, item: int, manifest, identity: SourceIdentity | None,
+                            for_current: bool, fetched, error: OSError | None) -> None:
+        """The first block of a file begun by `_begin_item` has landed (`fetched`, or the
+        OSError of its read): what `_fetch_item` does after its first fetch, and a task of it
+        for what is left, if anything is (blocks past the first of a file found longer than a
+        block, or a read the source is to make again its own way)."""
+        handed_on = False
+        try:
+            if self._superseded(manifest):
+                return
+            if error is not None:
+                raise error
+            if fetched is None:  # a read to make again: the task's fetch does
+                self.task_fetches += 1
+                self._running_nursery().start_soon(self._fetch_item, item, manifest)
+                handed_on = True
+                return
+            if not self._record_checked(item, fetched.identity, fetched.asked_s):
+                self._revisit(item, 0, None)  # read again, at the version seen since
+                return
+            if identity is None:
+                self.poke()  # a size is known: the automatic window may change
+            if block_count(fetched.identity.size, self.block_bytes) > 1:
+                self.task_fetches += 1
+                self._running_nursery().start_soon(self._fetch_item, item, manifest,
+                                                    for_current)
+                handed_on = True
+            elif self.tiered.kernel is not None:
+                self._push(item, fetched.identity)  # a reader is about to open it
+        except OSError as exc:
+            self._fetch_failed(manifest.path(item), exc)
+        except Exception:  # noqa: BLE001 - one file's read-ahead never ends the mount's
+            self.prefetch_errors += 1
+            log.exception("unexpected error reading %r ahead", manifest.path(item))
+        finally:
+            if not handed_on:
+                self._item_done(item, manifest)
+
+    def _running_nursery(self) -> trio.Nursery:
+        assert self._nursery is not None, "reads are begun only while `run` runs"
+        return self._nursery
 
     def _first_missing(self, item: int) -> int | None:
         """The first block of the item RAM does not hold (0 for a file of unknown size);
@@ -604,17 +692,20 @@ class Prefetcher:
         cachefs/range_prefetch.py's)."""
         return manifest is not self.ranking.manifest or self.ranking.ranged
 
-    async def _fetch_item(self, item: int, manifest) -> None:
+    async def _fetch_item(self, item: int, manifest, for_current: bool | None = None
+                          ) -> None:
         """Read ahead one item of `manifest`; after every await it stops if the manifest
         changed (`_superseded`): the new order's window is walked anew, and the tiered cache
-        has kept or dropped what landed by the new order's priorities."""
+        has kept or dropped what landed by the new order's priorities. `for_current`: whether
+        it was unconsumed when its read-ahead began (`_first_block_landed`; None: now)."""
         if self._superseded(manifest):
             return  # set_order ran before this task started: not counted in the new set
         relpath = manifest.path(item)
         self.ranking.remember_item(relpath, item)
         # fetched for this epoch's window: if a reader consumes it first (a demand read, or a
         # close reported while this waited), its blocks are not read again for this epoch
-        for_current = self._unconsumed(item)
+        if for_current is None:
+            for_current = self._unconsumed(item)
         try:
             if item in self._read_whole:
                 return  # a reader read it whole since the walk started this (`read_whole`)
@@ -666,18 +757,26 @@ class Prefetcher:
                 if self.tiered.kernel is not None:
                     self._push(item, identity)  # a reader is about to open it
         except OSError as exc:
-            # the reader will hit the same error on demand and get its errno
-            self.prefetch_errors += 1
-            log.debug("prefetch of %r failed: %s", relpath, exc)
+            self._fetch_failed(relpath, exc)
         except Exception:  # noqa: BLE001 - one file's read-ahead never ends the mount's
             self.prefetch_errors += 1
             log.exception("unexpected error reading %r ahead", relpath)
         finally:
-            if not self._superseded(manifest):  # else it is in no set any more
-                target = self._inflight_items.pop(item, None)
-                if target is not None:
-                    target.inflight_items -= 1
-            self.poke()
+            self._item_done(item, manifest)
+
+    def _fetch_failed(self, relpath: bytes, exc: OSError) -> None:
+        # the reader will hit the same error on demand and get its errno
+        self.prefetch_errors += 1
+        log.debug("prefetch of %r failed: %s", relpath, exc)
+
+    def _item_done(self, item: int, manifest) -> None:
+        """An item's read-ahead is over: out of the set in flight (unless another manifest
+        came into force: it is in no set any more), and the walk told."""
+        if not self._superseded(manifest):
+            target = self._inflight_items.pop(item, None)
+            if target is not None:
+                target.inflight_items -= 1
+        self.poke()
 
     # The files of the window are stored into the kernel's page cache (TieredCache.push) as
     # the window reaches them (a file kept in RAM) or as their read lands, so a reader opens
@@ -762,4 +861,4 @@ class Prefetcher:
         if self.ranges is not None and self.ranking.ranged:
             return self.ranges.status()
         return {"inflight": len(self._inflight_items), "errors": self.prefetch_errors,
-                "miss_batch_items": self.miss_batch_items}
+                "miss_batch_items": self.miss_batch_items, "task_fetches": self.task_fetches}

@@ -42,6 +42,11 @@ Slots: the caller holds one of the source's `threads.Slots` for each read, as fo
 call, so the slots still bound the reads in flight; the pool has a thread per slot, so a read
 never queues inside it. A cancelled read (unmount) returns at once, and its slot is given back
 when its thread is done with it, as `threads.run_sync` does.
+
+Two ways to wait. `read` is awaited by the task that wants the block. `start` begins a read
+with no task at all, when a slot is free at once: the collection calls its `on_done` with the
+outcome, on the trio thread. The read-ahead begins most of its reads so (cachefs/prefetch.py,
+"Reads begun with no task").
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import outcome
@@ -83,6 +89,18 @@ class PoolRead:
     elapsed_s: float
 
 
+# `ReadPool.start`'s `on_done(errno, read)`: 0 and the read, or an errno and None
+OnDone = Callable[[int, "PoolRead | None"], None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Begun:
+    """A read begun with `start`: the slot it holds, and whom to tell when it ends."""
+
+    slots: Slots
+    on_done: OnDone
+
+
 def _stat_result(fields: tuple) -> os.stat_result:
     mode, ino, dev, nlink, uid, gid, size, atime_ns, mtime_ns, ctime_ns, blksize, blocks, rdev \
         = fields
@@ -100,9 +118,9 @@ class ReadPool:
         self._root_fd, self._threads = root_fd, threads
         # started with the first read: a source may never read a block
         self._pool: _readpool.Pool | None = None
-        # read ident -> the task waiting for it, or the slots to give its slot back to if
-        # its task was cancelled
-        self._waiting: dict[int, trio.lowlevel.Task | Slots] = {}
+        # read ident -> the task waiting for it, the slots to give its slot back to if its
+        # task was cancelled, or the `_Begun` of a read begun with `start`
+        self._waiting: dict[int, trio.lowlevel.Task | Slots | _Begun] = {}
         self._next_ident = 0
         self._collecting: trio.lowlevel.TrioToken | None = None  # the run `_collect` is in
 
@@ -122,14 +140,19 @@ class ReadPool:
             pass  # outside a trio run: no task waits on it
         pool.close()
         waiting, self._waiting = self._waiting, {}
+        try:
+            trio.lowlevel.current_trio_token()
+            in_run = True
+        except RuntimeError:
+            in_run = False
         for waiter in waiting.values():
-            if isinstance(waiter, Slots):
-                waiter.release()
-            else:
-                try:
-                    trio.lowlevel.reschedule(waiter, outcome.Value((errno.ECANCELED, None)))
-                except RuntimeError:
-                    pass  # a task of a trio run that has ended
+            if isinstance(waiter, _Begun) and not in_run:
+                waiter.slots.release()  # what it would tell is of a trio run that has ended
+                continue
+            try:
+                _wake(waiter, errno.ECANCELED, None)
+            except RuntimeError:
+                pass  # a task of a trio run that has ended
 
     async def read(self, slots: Slots, relpath: bytes, offset: int, max_bytes: int,
                    delay_s: float = 0.0, size_hint: int = 0) -> PoolRead:
@@ -138,24 +161,8 @@ class ReadPool:
         testing delay, slept before the open and before the read. `size_hint` > 0: the
         bytes expected, read straight into the bytes object returned (cachefs/_readpool.c),
         and no more than that."""
-        if self._pool is None:
-            assert _readpool is not None  # available()
-            self._pool = _readpool.Pool(self._root_fd, self._threads)
-        token = trio.lowlevel.current_trio_token()
-        if self._collecting is not token:
-            # the first read of this trio run (tests run several over one source)
-            self._collecting = token
-            trio.lowlevel.spawn_system_task(self._collect, self._pool,
-                                            name="cachefs-read-pool")
         await slots.acquire()
-        ident = self._next_ident
-        self._next_ident += 1
-        try:
-            self._pool.submit(ident, relpath, offset, max_bytes, int(delay_s * 1e9),
-                              size_hint)
-        except BaseException:
-            slots.release()
-            raise
+        ident = self._submit(slots, relpath, offset, max_bytes, delay_s, size_hint)
         self._waiting[ident] = trio.lowlevel.current_task()
 
         def abort(_raise_cancel) -> trio.lowlevel.Abort:
@@ -167,6 +174,41 @@ class ReadPool:
         if errno_:
             raise OSError(errno_, os.strerror(errno_), relpath)
         return read
+
+    def start(self, slots: Slots, relpath: bytes, offset: int, max_bytes: int,
+              delay_s: float, size_hint: int, on_done: OnDone) -> bool:
+        """`read`, begun now if one of `slots` is free (else False, and nothing is begun),
+        with no task waiting: `on_done(errno, read)` is called on the trio thread when it
+        ends, as `read` would return or raise; an exception it raises is logged, and
+        ends nothing else. Never calls it before returning."""
+        if not slots.try_acquire():
+            return False
+        ident = self._submit(slots, relpath, offset, max_bytes, delay_s, size_hint)
+        self._waiting[ident] = _Begun(slots, on_done)
+        return True
+
+    def _submit(self, slots: Slots, relpath: bytes, offset: int, max_bytes: int,
+                delay_s: float, size_hint: int) -> int:
+        """Hand a read to the pool's threads, holding a slot of `slots` already taken (given
+        back if it cannot be handed): its ident."""
+        try:
+            if self._pool is None:
+                assert _readpool is not None  # available()
+                self._pool = _readpool.Pool(self._root_fd, self._threads)
+            token = trio.lowlevel.current_trio_token()
+            if self._collecting is not token:
+                # the first read of this trio run (tests run several over one source)
+                self._collecting = token
+                trio.lowlevel.spawn_system_task(self._collect, self._pool,
+                                                name="cachefs-read-pool")
+            ident = self._next_ident
+            self._next_ident += 1
+            self._pool.submit(ident, relpath, offset, max_bytes, int(delay_s * 1e9),
+                              size_hint)
+        except BaseException:
+            slots.release()
+            raise
+        return ident
 
     async def _collect(self, pool: _readpool.Pool) -> None:
         """Wake the task of each finished read of `pool`, a batch per wake-up (module
@@ -199,17 +241,24 @@ class ReadPool:
             for ident, errno_, data, before, after, elapsed_ns in finished:
                 waiter = waiting.pop(ident, None)
                 read = None
-                if not errno_ and isinstance(waiter, trio.lowlevel.Task):
+                if not errno_ and isinstance(waiter, (trio.lowlevel.Task, _Begun)):
                     assert data is not None and before is not None and after is not None
                     read = PoolRead(data, _stat_result(before), after, elapsed_ns / 1e9)
                 _wake(waiter, errno_, read)
 
 
-def _wake(waiter: trio.lowlevel.Task | Slots | None, errno_: int, read: PoolRead | None
-          ) -> None:
+def _wake(waiter: trio.lowlevel.Task | Slots | _Begun | None, errno_: int,
+          read: PoolRead | None) -> None:
     """A read is over: its task gets (errno, the read), or, cancelled, its slot goes back
-    (`ReadPool.read`); None: a read of an earlier trio run, long cancelled."""
+    (`ReadPool.read`), or, begun with `start`, its slot goes back and its `on_done` is told;
+    None: a read of an earlier trio run, long cancelled."""
     if isinstance(waiter, Slots):
         waiter.release()
+    elif isinstance(waiter, _Begun):
+        waiter.slots.release()
+        try:
+            waiter.on_done(errno_, read)
+        except Exception:  # noqa: BLE001 - one read's handling never ends the collection
+            log.exception("unexpected error handling a finished read of the source")
     elif waiter is not None:
         trio.lowlevel.reschedule(waiter, outcome.Value((errno_, read)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import types
+from collections.abc import Callable
 
 import numpy as np
 import trio
@@ -107,6 +108,25 @@ class SimSource:
             return BlockData(sim_ranges.range_content(self._item(relpath), start,
                                                       start + length), identity)
         return BlockData(payload(relpath, block_index, length), identity)
+
+    def start_block(self, relpath: bytes, block_index: int, block_bytes: int, *, item: int,
+                    expected_bytes: int,
+                    on_done: Callable[[BlockData | None, OSError | None], None]) -> bool:
+        """`Source.start_block`: `read_block` begun with no task of the caller's waiting, if a
+        source thread is free now (else False), its outcome handed to `on_done`."""
+        if not self.limiter.available_tokens:
+            return False
+
+        async def read() -> None:
+            try:
+                block = await self.read_block(relpath, block_index, block_bytes,
+                                              background=True, item=item)
+            except OSError as exc:
+                on_done(None, exc)
+            else:
+                on_done(block, None)
+        trio.lowlevel.spawn_system_task(read, name="sim-source-read")
+        return True
 
     async def read_ranges(self, relpath: bytes, ranges: list[tuple[int, int]], *,
                           background: bool = False, hold_s: float = 0.0) -> BlockData:

@@ -492,31 +492,79 @@ class Source:
         if block is None:  # no pool, or its read was not all of one version: read again here
             block = await self._observed(relpath, self.read_block_sync, block_index,
                                          block_bytes, background=background, item=item)
+        self._block_read(relpath, block, asked_s)
+        return block
+
+    def start_block(self, relpath: bytes, block_index: int, block_bytes: int, *, item: int,
+                    expected_bytes: int,
+                    on_done: Callable[[BlockData | None, OSError | None], None]) -> bool:
+        """`read_block(background=True)` begun now by the read pool, with no task waiting
+        (cachefs/read_pool.py `start`), if it has a free slot; else False, and nothing is
+        begun. `on_done(block, error)` is then called on the trio thread with the block, or
+        with None if the pool's read was not all of one version (`read_block` reads such a
+        block again its own way: the caller awaits it), or with the OSError it raised."""
+        if self._reads is None:
+            return False
+        check_relpath(relpath)  # as open_beneath checks a path before openat2
+        offset = block_index * block_bytes
+        asked_s = now_s()
+        observer = self._observer
+        started_s = time.perf_counter()
+
+        def landed(errno_: int, read: read_pool.PoolRead | None) -> None:
+            block, error = None, None
+            if read is None:
+                error = OSError(errno_, os.strerror(errno_), relpath)
+            else:
+                block = self._pool_block(relpath, offset, block_bytes, read)
+            if observer is not None:  # as `_observing` reports a request
+                observer.request_finished(
+                    target, time.perf_counter() - started_s if read is None else read.elapsed_s,
+                    0 if block is None else len(block.data))
+            if block is not None:
+                self._block_read(relpath, block, asked_s)
+            if block is not None or error is not None:
+                self.requests["block_read"] += 1  # else the caller's `read_block` counts it
+            on_done(block, error)
+
+        if not self._reads.start(self._background, relpath or b".", offset, block_bytes,
+                                 self.delay_s, expected_bytes, landed):
+            return False
+        target = observer.request_started(relpath, item) if observer is not None else None
+        return True
+
+    def _block_read(self, relpath: bytes, block: BlockData, asked_s: float) -> None:
+        """A block was read (asked at `asked_s`): its time counted, its fstat remembered."""
         self.read_seconds.observe(block.read_s)
         # fstat of a file opened through no link: what lstat would say of a regular file
         assert block.stat is not None  # a block read always has its fstat
         self._remember(relpath, block.stat, asked_s)
-        return block
 
     async def _pooled_block(self, relpath: bytes, block_index: int, block_bytes: int,
                             background: bool, expected_bytes: int
                             ) -> tuple[BlockData | None, float]:
-        """One read of the block by the read pool, and its seconds in the pool's thread: None
-        unless the fstats before and after it say one version and it got all of the block at
-        that version (else `read_block_sync` reads it again, with its retries)."""
+        """One read of the block by the read pool, and its seconds in the pool's thread
+        (`_pool_block`)."""
         check_relpath(relpath)  # as open_beneath checks a path before openat2
         offset = block_index * block_bytes
         assert self._reads is not None
         read = await self._reads.read(self._background if background else self._demand,
                                       relpath or b".", offset, block_bytes, self.delay_s,
                                       expected_bytes)
+        return self._pool_block(relpath, offset, block_bytes, read), read.elapsed_s
+
+    def _pool_block(self, relpath: bytes, offset: int, block_bytes: int,
+                    read: read_pool.PoolRead) -> BlockData | None:
+        """The block the read pool read: None unless the fstats before and after it say one
+        version and it got all of the block at that version (else `read_block_sync` reads it
+        again, with its retries)."""
         st = read.before
         whole = len(read.data) == max(0, min(block_bytes, st.st_size - offset))
         if not whole or read.after != (st.st_size, st.st_mtime_ns, st.st_ino):
             log.debug("source file changed or read short in the read pool; reading it again: "
                       "%r", relpath)
-            return None, read.elapsed_s
-        return BlockData(read.data, self.identity_of(st), st, read.elapsed_s), read.elapsed_s
+            return None
+        return BlockData(read.data, self.identity_of(st), st, read.elapsed_s)
 
     def read_ranges_sync(self, relpath: bytes, ranges: list[tuple[int, int]],
                          hold_s: float = 0.0) -> BlockData:

@@ -70,9 +70,15 @@ class Slots:
     def in_use(self) -> int:
         return self.total - self.free
 
-    async def acquire(self) -> None:
+    def try_acquire(self) -> bool:
+        """Take a slot if one is free and nobody waits for one (the fast path of `acquire`)."""
         if self.free and not self._waiters:
             self.free -= 1
+            return True
+        return False
+
+    async def acquire(self) -> None:
+        if self.try_acquire():
             return
         handed = trio.Event()
         self._waiters.append(handed)

@@ -384,3 +384,92 @@ def test_without_the_pool_the_source_reads_in_worker_threads(tmp_path, monkeypat
         return await source.read_block(b"f", 0, 8192)
 
     assert trio.run(main).data == data
+
+
+@needs_pool
+def test_a_read_begun_with_no_task_hands_its_outcome_to_on_done(tmp_path, caplog):
+    """`start`: begun only with a slot free at once (else False, nothing taken), its outcome
+    handed to `on_done` on the trio thread after `start` returned, its slot back before; an
+    error is its errno; an `on_done` that raises is logged and the pool reads on; a close
+    tells the reads begun, and gives their slots back."""
+    data = write_file(tmp_path / "f", 10_000).read_bytes()
+    pool, slots = pool_of(tmp_path), Slots(1)
+    told = []
+
+    def on_done(errno_, read):
+        told.append((errno_, None if read is None else read.data, slots.free))
+
+    async def main():
+        assert pool.start(slots, b"f", 0, 1 << 20, 0.0, 10_000, on_done)
+        assert told == [] and slots.free == 0
+        assert not pool.start(slots, b"f", 0, 1 << 20, 0.0, 0, on_done)  # no slot free
+        await wait_until(lambda: told)
+        assert told == [(0, data, 1)]
+        assert pool.start(slots, b"missing", 0, 4096, 0.0, 0, on_done)
+        await wait_until(lambda: len(told) == 2)
+        assert told[1] == (errno.ENOENT, None, 1)
+
+        def raises(errno_, read):
+            raise RuntimeError("a bug in on_done")
+        assert pool.start(slots, b"f", 0, 4096, 0.0, 0, raises)
+        await trio.sleep(0.2)
+        assert "a bug in on_done" in caplog.text and slots.free == 1
+        assert (await pool.read(slots, b"f", 0, 4096)).data == data[:4096]
+        assert pool.start(slots, b"f", 0, 4096, 0.3, 0, on_done)  # sleeps in its thread
+        await trio.sleep(0.05)
+        pool.close()
+        assert told[2] == (errno.ECANCELED, None, 1)
+
+    trio.run(main)
+    pool.close()
+
+
+async def wait_until(condition, timeout_s: float = 5.0) -> None:
+    with trio.fail_after(timeout_s):
+        while not condition():
+            await trio.sleep(0.005)
+
+
+@needs_pool
+@pytest.mark.parametrize("after", ["same", "changed", "missing"])
+def test_the_source_begins_a_block_read_with_no_task(tmp_path, monkeypatch, after):
+    """`Source.start_block`: the block and its identity, counted and its fstat remembered as
+    `read_block`'s; None for a read of two versions (which the caller makes again with
+    `read_block`); the OSError of a read that failed; False with no free thread."""
+    data = write_file(tmp_path / "f", 5000).read_bytes()
+    st = os.stat(tmp_path / "f")
+    if after == "changed":
+        real_start = read_pool.ReadPool.start
+
+        def racing_start(self, slots, relpath, offset, max_bytes, delay_s, size_hint, on_done):
+            def changed(errno_, read):
+                on_done(errno_, read_pool.PoolRead(
+                    read.data, read.before, (st.st_size, st.st_mtime_ns + 1, st.st_ino),
+                    read.elapsed_s))
+            return real_start(self, slots, relpath, offset, max_bytes, delay_s, size_hint,
+                              changed)
+        monkeypatch.setattr(read_pool.ReadPool, "start", racing_start)
+    source = source_mod.Source(tmp_path, threads=1)
+    told = []
+    relpath = b"missing" if after == "missing" else b"f"
+
+    async def main():
+        assert source.start_block(relpath, 0, 8192, item=0, expected_bytes=5000,
+                                  on_done=lambda *outcome: told.append(outcome))
+        assert not source.start_block(b"f", 0, 8192, item=0, expected_bytes=5000,
+                                      on_done=lambda *outcome: told.append(outcome))
+        await wait_until(lambda: told)
+
+    trio.run(main)
+    block, error = told[0]
+    # a read of two versions is counted by the `read_block` that makes it again
+    assert source.requests["block_read"] == (0 if after == "changed" else 1)
+    if after == "same":
+        assert error is None and block.data == data
+        assert block.identity == source.identity_of(st)
+        assert sum(source.read_seconds.counts) == 1
+        assert source._recent_stats.get(b"f")[0].st_mtime_ns == st.st_mtime_ns
+    elif after == "changed":
+        assert (block, error) == (None, None)
+    else:
+        assert block is None and error.errno == errno.ENOENT

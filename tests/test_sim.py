@@ -612,15 +612,19 @@ def test_the_walk_passes_over_the_files_the_kernel_holds_whole(monkeypatch, one_
     assert run_script(config, script) == ([5, 9], [9], [5, 9], True)
 
 
-def test_an_unexpected_error_reading_one_file_ahead_leaves_the_others_read(caplog):
+@pytest.mark.parametrize("where", ["task", "begin", "landing"])
+def test_an_unexpected_error_reading_one_file_ahead_leaves_the_others_read(caplog, where):
     """One file whose read-ahead fails with an error that is no OSError (a bug) is logged and
     counted, and the read-ahead goes on with the other files: the exception went up through
-    the read-ahead's nursery, and the mount with it."""
+    the read-ahead's nursery, and the mount with it. Wherever it is raised: in a task's fetch
+    (`where="task"`: every read-ahead made one), as a read is begun with no task, or as such
+    a read lands."""
     config = SimConfig(items=20, item_bytes=5000, ram_bytes=1 << 20, latency_s=0.01,
                        epochs=1, consume_s=0.0, shuffle=False)
 
     async def script(sim):
-        fetch = sim.tiered.fetch
+        tiered = sim.tiered
+        fetch, start_fetch, from_source = tiered.fetch, tiered.start_fetch, tiered._from_source
         bad = sim.paths[3]
 
         async def failing_fetch(key, *args, **kwargs):
@@ -628,7 +632,21 @@ def test_an_unexpected_error_reading_one_file_ahead_leaves_the_others_read(caplo
                 raise RuntimeError("read-ahead bug")
             return await fetch(key, *args, **kwargs)
 
-        sim.tiered.fetch = failing_fetch
+        def failing_start(key, *args, **kwargs):
+            if where == "task":
+                return False
+            if where == "begin" and key[0] == bad:
+                raise RuntimeError("read-ahead bug")
+            return start_fetch(key, *args, **kwargs)
+
+        def failing_landing(key, *args):
+            if key[0] == bad:
+                raise RuntimeError("read-ahead bug")
+            return from_source(key, *args)
+
+        tiered.fetch, tiered.start_fetch = failing_fetch, failing_start
+        if where == "landing":
+            tiered._from_source = failing_landing
         sim.prefetcher.set_order(sim.order(0))
         await trio.sleep(1.0)
         return ({relpath for relpath, _ in sim.ram.blocks}, bad,
@@ -637,3 +655,26 @@ def test_an_unexpected_error_reading_one_file_ahead_leaves_the_others_read(caplo
     held, bad, errors = run_script(config, script)
     assert errors >= 1 and "read-ahead bug" in caplog.text
     assert bad not in held and len(held) == 19
+
+
+@pytest.mark.parametrize("item_bytes, task_per_file", [(5000, False), (300 * KIB, True)])
+def test_the_read_ahead_begins_a_file_of_one_block_with_no_task(item_bytes, task_per_file):
+    """A file the read-ahead reads in one source read (unseen, of one block) is begun with no
+    task (`Prefetcher._begin_item`): its landing is handled as the source's read ends. A
+    file of several blocks takes a task for its blocks after the first. Either way each
+    file's blocks are read once, and the window (no reader consumes here) is read ahead."""
+    config = SimConfig(items=64, item_bytes=item_bytes, block_bytes=128 * KIB,
+                       ram_bytes=64 << 20, latency_s=0.01, epochs=1, consume_s=0.001,
+                       shuffle=False)
+
+    async def script(sim):
+        sim.prefetcher.set_order(sim.order(0))
+        await trio.sleep(2.0)
+        blocks = {key for key in sim.ram.blocks}
+        return (sim.prefetcher.task_fetches, len(blocks), sim.source.requests,
+                sim.prefetcher.prefetch_errors)
+
+    task_fetches, blocks, requests, errors = run_script(config, script)
+    files = blocks // (3 if task_per_file else 1)
+    assert blocks == requests and files >= 16 and errors == 0
+    assert task_fetches == (files if task_per_file else 0)

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import errno
+import os
+
+import pytest
 import trio
 
+from cachefs import read_pool
 from cachefs import stats as stats_mod
 from cachefs.cache.ram import RamTier
 from cachefs.cache.tiered import TieredCache
@@ -119,3 +124,63 @@ def test_a_failing_drop_of_a_stale_ssd_entry_is_a_miss():
     fetched = trio.run(main)
     assert (fetched.identity, fetched.data) == (NEW, b"n" * 10)
     assert stats.ssd_errors == 1
+
+
+def test_a_fetch_begun_with_no_task_lands_in_ram_and_serves_the_reader_waiting_for_it(
+        tmp_path):
+    """`start_fetch` (the read-ahead's usual fetch): one source read begun now, whose
+    landing keeps the block in RAM, is what a demand fetch of the block in flight waits for
+    (a stall: it came from the source), and tells `on_done`. Not begun (False), with nothing
+    reserved or in flight: the block in flight already, no room in RAM, no source thread
+    free. A read that fails tells its error, and keeps nothing."""
+    from cachefs.source import Source
+    if not read_pool.available():
+        pytest.skip("cachefs._readpool not built")
+    data = os.urandom(5000)
+    (tmp_path / "f").write_bytes(data)
+    (tmp_path / "g").write_bytes(data)
+    ram = RamTier(1 << 20, block_bytes=8192)
+    tiered = TieredCache(ram, Source(tmp_path, threads=1), stats_mod.Stats(), 8192,
+                         Ranking())
+    told = []
+
+    def on_done(fetched, error):
+        told.append((fetched, error))
+
+    async def main():
+        assert tiered.start_fetch((b"f", 0), None, 0, None, expected_bytes=5000,
+                                  on_done=on_done)
+        assert (b"f", 0) in tiered.inflight and ram.reserved_bytes > 0
+        assert not tiered.start_fetch((b"f", 0), None, 0, None, on_done=on_done)
+        # the source's one thread is taken: nothing begun, nothing reserved for it
+        reserved = ram.reserved_bytes
+        assert not tiered.start_fetch((b"g", 0), None, 1, None, on_done=on_done)
+        assert ram.reserved_bytes == reserved and (b"g", 0) not in tiered.inflight
+        reader = await tiered.fetch((b"f", 0), None, 0, None, demand=True)
+        assert (reader.data, reader.origin) == (data, stats_mod.ORIGIN_MISS)
+        assert len(told) == 1
+        fetched, error = told[0]
+        assert error is None and fetched.data == data
+        assert fetched.origin == stats_mod.ORIGIN_PREFETCHED
+        assert ram.get((b"f", 0)).data == data and ram.reserved_bytes == 0
+        assert not tiered.inflight
+
+        assert tiered.start_fetch((b"missing", 0), None, 2, None, expected_bytes=10,
+                                  on_done=on_done)
+        with trio.fail_after(5):
+            while len(told) < 2:
+                await trio.sleep(0.005)
+        assert told[1][0] is None and told[1][1].errno == errno.ENOENT
+        assert ram.reserved_bytes == 0 and (b"missing", 0) not in ram and not tiered.inflight
+
+    trio.run(main)
+    # no room: a RAM tier smaller than the block
+    small = TieredCache(RamTier(100, block_bytes=8192), Source(tmp_path, threads=1),
+                        stats_mod.Stats(), 8192, Ranking())
+
+    async def no_room():
+        assert not small.start_fetch((b"f", 0), None, 0, None, expected_bytes=5000,
+                                     on_done=on_done)
+        assert small.ram.reserved_bytes == 0 and not small.inflight
+
+    trio.run(no_room)

@@ -52,7 +52,7 @@ from cachefs.cache.ram import BlockKey, RamBlock, RamTier, block_count
 from cachefs.freshness import NEVER_S, now_s
 from cachefs.pagecache import KernelPages
 from cachefs.recent import RecentMap
-from cachefs.source import Source, SourceIdentity
+from cachefs.source import BlockData, Source, SourceIdentity
 
 log = logging.getLogger(__name__)
 
@@ -223,8 +223,64 @@ class TieredCache:
             flight.error = OSError(errno.EIO, "fetch interrupted")
             raise
         finally:
-            del self.inflight[key]
-            flight.done.set()
+            self._flight_over(key, flight)
+
+    def start_fetch(self, key: BlockKey, identity: SourceIdentity | None, item: int,
+                    manifest, *, expected_bytes: int | None = None,
+                    on_done: Callable[[Fetched | None, OSError | None], None]) -> bool:
+        """`fetch(demand=False)` of a block only the source can give, begun now with no task
+        waiting (`Source.start_block`): `on_done(fetched, error)` is called on the trio thread
+        once it has landed, with what `fetch` would return or the OSError it would raise;
+        `fetched` None: the source's read is to be made again its own way, by `fetch`. False,
+        and nothing begun, where `fetch` has more to do than one source read, or must do
+        nothing: the block is in flight already, the SSD tier holds a copy of the file, RAM
+        has no room for it, or the source has no thread free now."""
+        if key in self.inflight or (identity is not None and self.ssd is not None and (
+                self.ssd.contains(key, identity) or self.ssd.holds_other_version(key, identity))):
+            return False
+        relpath, block_index = key
+        item, manifest = self.item_now(relpath, item, manifest)
+        reserved, known = self._reserve(key, identity, item, demand=False,
+                                        expected_bytes=expected_bytes)
+        if not reserved:
+            return False
+        flight = _Flight()
+        asked_s = now_s()
+
+        def landed(block: BlockData | None, error: OSError | None) -> None:
+            fetched, held = None, reserved
+            try:
+                if block is not None:
+                    fetched = self._from_source(key, identity, block, False, asked_s)
+                    held = 0  # `_keep` keeps or gives back the reservation
+                    self._keep(key, fetched, item, manifest, reserved)
+            except Exception:  # noqa: BLE001 - as a fetch's: one block's failure, not the mount's
+                log.exception("unexpected error keeping a block read ahead: %r", key)
+                fetched, error = None, OSError(errno.EIO, "fetch interrupted")
+            finally:
+                if held:
+                    self.ram.unreserve(held)
+                flight.result, flight.error = fetched, error
+                self._flight_over(key, flight)
+            on_done(fetched, error)
+
+        try:
+            begun = self.source.start_block(relpath, block_index, self.block_bytes, item=item,
+                                            expected_bytes=self._read_bytes(identity, known),
+                                            on_done=landed)
+        except BaseException:
+            self.ram.unreserve(reserved)
+            raise
+        if not begun:
+            self.ram.unreserve(reserved)
+            return False
+        self.inflight[key] = flight
+        return True
+
+    def _flight_over(self, key: BlockKey, flight: _Flight) -> None:
+        """The fetch of `key` has its outcome in `flight`: whoever waits for it is told."""
+        del self.inflight[key]
+        flight.done.set()
 
     async def fresh_identity(self, relpath: bytes, *, join_flight: bool = True
                              ) -> tuple[SourceIdentity, bool, float]:
@@ -246,40 +302,65 @@ class TieredCache:
                     demand: bool, expected_bytes: int | None) -> Fetched | None:
         relpath, block_index = key
         item, manifest = self.item_now(relpath, item, manifest)
-        # an estimate of 0 (an empty file's last size) is 0, not "unknown": a whole block
-        # reserved for it took RAM the walk had not found room for, which evicted the kept
-        # head of the next epoch, or failed, and the walk started it again forever
-        known = (block_length(identity, block_index, self.block_bytes) if identity
-                 else None if expected_bytes is None
-                 else min(expected_bytes, self.block_bytes))
-        expected = self.block_bytes if known is None else known
-        charge = self.ram.charge_of(expected)
-        if demand and self.ram.reserve_free(charge):
-            # a reader waits for it either way: its rank decides only an eviction now, and
-            # whether it stays once read (asked then, below): one rank a block, not two
-            reserved = charge
-        else:
-            priority = self.priority_of(item, block_index, identity)
-            reserved = (charge if priority is not None and self.ram.reserve(charge, priority)
-                        else 0)
+        reserved, known = self._reserve(key, identity, item, demand=demand,
+                                        expected_bytes=expected_bytes)
         if not demand and not reserved:
             return None
         try:
             fetched = await self._read_ssd(key, identity) if identity else None
             if fetched is None:
                 item, manifest = self.item_now(relpath, item, manifest)  # after the await
-                fetched = await self._read_source(key, identity, demand, item, known or 0)
+                fetched = await self._read_source(key, identity, demand, item,
+                                                  self._read_bytes(identity, known))
+        except BaseException:
+            if reserved:
+                self.ram.unreserve(reserved)
+            raise
+        self._keep(key, fetched, item, manifest, reserved)
+        return fetched
+
+    def _reserve(self, key: BlockKey, identity: SourceIdentity | None, item: int, *,
+                 demand: bool, expected_bytes: int | None) -> tuple[int, int | None]:
+        """RAM for a block before it is read, if its rank earns it (`fetch`): the bytes
+        reserved (0: none), and the block's length if known."""
+        # an estimate of 0 (an empty file's last size) is 0, not "unknown": a whole block
+        # reserved for it took RAM the walk had not found room for, which evicted the kept
+        # head of the next epoch, or failed, and the walk started it again forever
+        known = (block_length(identity, key[1], self.block_bytes) if identity
+                 else None if expected_bytes is None
+                 else min(expected_bytes, self.block_bytes))
+        charge = self.ram.charge_of(self.block_bytes if known is None else known)
+        if demand and self.ram.reserve_free(charge):
+            # a reader waits for it either way: its rank decides only an eviction now, and
+            # whether it stays once read (asked then, `_keep`): one rank a block, not two
+            return charge, known
+        priority = self.priority_of(item, key[1], identity)
+        return (charge if priority is not None and self.ram.reserve(charge, priority)
+                else 0), known
+
+    def _read_bytes(self, identity: SourceIdentity | None, known: int | None) -> int:
+        """The bytes the source's read pool is to read a block into (0: it finds out): the
+        block's length if the version is known; else a whole block, not the estimate RAM was
+        reserved for: the read of a file longer than that stopped there, short, and was made
+        again, so each such file of a first epoch over files of several sizes was read
+        twice."""
+        return (known or 0) if identity is not None else self.block_bytes
+
+    def _keep(self, key: BlockKey, fetched: Fetched, item: int, manifest, reserved: int
+              ) -> None:
+        """A block read has landed: counted if the source gave it, and kept in RAM if its
+        rank earns the `reserved` room (else that goes back)."""
+        try:
             # the manifest may have changed during the read: the block lands numbered anew
-            item, manifest = self.item_now(relpath, item, manifest)
+            item, manifest = self.item_now(key[0], item, manifest)
             if fetched.from_source:
                 self.stats.source_fetched(item, key, len(fetched.data))
             block = RamBlock(fetched.data, fetched.identity, item, fetched.origin)
-            priority = self.priority_of(item, block_index, fetched.identity)
+            priority = self.priority_of(item, key[1], fetched.identity)
             if reserved and priority is not None:
                 block.priority = priority
                 self.ram.insert(key, block, reserved)
                 reserved = 0
-            return fetched
         finally:
             if reserved:
                 self.ram.unreserve(reserved)
@@ -313,9 +394,15 @@ class TieredCache:
         block = await self.source.read_block(relpath, block_index, self.block_bytes,
                                              background=not demand, item=item,
                                              expected_bytes=expected_bytes)
+        return self._from_source(key, identity, block, demand, asked_s)
+
+    def _from_source(self, key: BlockKey, identity: SourceIdentity | None, block: BlockData,
+                     demand: bool, asked_s: float) -> Fetched:
+        """A block the source gave (asked at `asked_s`), for a fetch that expected
+        `identity`: a change of the file is acted on, and the block offered to the SSD."""
         if identity is not None and block.identity != identity:
-            log.info("source file changed: %r", relpath)
-            self.source_changed(relpath, block.identity, asked_s)
+            log.info("source file changed: %r", key[0])
+            self.source_changed(key[0], block.identity, asked_s)
         self._queue_admission(key, block.identity, block.data)
         origin = stats_mod.ORIGIN_MISS if demand else stats_mod.ORIGIN_PREFETCHED
         return Fetched(block.data, block.identity, origin, True, asked_s)
