@@ -266,7 +266,7 @@ class TieredCache:
 
         try:
             begun = self.source.start_block(relpath, block_index, self.block_bytes, item=item,
-                                            expected_bytes=self._read_bytes(identity, known),
+                                            expected_bytes=known or 0,
                                             on_done=landed)
         except BaseException:
             self.ram.unreserve(reserved)
@@ -310,8 +310,7 @@ class TieredCache:
             fetched = await self._read_ssd(key, identity) if identity else None
             if fetched is None:
                 item, manifest = self.item_now(relpath, item, manifest)  # after the await
-                fetched = await self._read_source(key, identity, demand, item,
-                                                  self._read_bytes(identity, known))
+                fetched = await self._read_source(key, identity, demand, item, known or 0)
         except BaseException:
             if reserved:
                 self.ram.unreserve(reserved)
@@ -337,14 +336,6 @@ class TieredCache:
         priority = self.priority_of(item, key[1], identity)
         return (charge if priority is not None and self.ram.reserve(charge, priority)
                 else 0), known
-
-    def _read_bytes(self, identity: SourceIdentity | None, known: int | None) -> int:
-        """The bytes the source's read pool is to read a block into (0: it finds out): the
-        block's length if the version is known; else a whole block, not the estimate RAM was
-        reserved for: the read of a file longer than that stopped there, short, and was made
-        again, so each such file of a first epoch over files of several sizes was read
-        twice."""
-        return (known or 0) if identity is not None else self.block_bytes
 
     def _keep(self, key: BlockKey, fetched: Fetched, item: int, manifest, reserved: int
               ) -> None:
