@@ -15,8 +15,8 @@
  * thread reads into its buffer, which nothing else can reach until `completed()` hands it
  * over (shortened if the read got fewer bytes). Copying each block out of a buffer of the
  * thread's into a new object, on the trio thread, was a fifth of the time its completions
- * took there. Without a hint (or for an empty file) the thread reads into a buffer of its own,
- * sized by its fstat, and `completed()` copies it.
+ * took there. Without a hint, for an empty file, or for a file longer than the hint, the
+ * thread reads into a buffer of its own, sized by its fstat, and `completed()` copies it.
  *
  * Lifetime: the pool's state is shared by the object and its threads and freed by whichever
  * lets go last. `close()` (or the object's deallocation) drops the queued jobs and the
@@ -184,11 +184,13 @@ static void read_block(int root_fd, const struct job *job, struct result *res)
     long long want = st.st_size - job->offset;
     want = want < 0 ? 0 : want < job->max_bytes ? want : job->max_bytes;
     char *into;
-    if (job->bytes) {
-        /* a file grown past the hint: this much, which the caller sees is short of its size */
-        want = want < job->room ? want : job->room;
+    if (job->bytes && want <= job->room) {
         into = PyBytes_AS_STRING(job->bytes);
     } else {
+        /* no hint, or a file longer than it (grown since it was last seen, or of a size the
+           caller estimated): a buffer of the fstat's size, copied at `completed()`. Stopping
+           at the hint gave the caller a read short of the file's size, which it made again
+           whole: a second read of each file longer than the mean size it expected */
         into = res->data = malloc(want > 0 ? (size_t)want : 1);
         if (!into) {
             res->err = ENOMEM;
@@ -454,9 +456,10 @@ static PyObject *result_tuple(struct result *res)
         return Py_BuildValue("(LiOOOL)", res->ident, res->err, Py_None, Py_None, Py_None,
                              res->elapsed_ns);
     }
-    if (!data)
+    if (res->data) { /* read into the thread's buffer: the object made for the hint unused */
+        Py_XDECREF(data);
         data = PyBytes_FromStringAndSize(res->data, res->nbytes);
-    else if (res->nbytes < PyBytes_GET_SIZE(data) && _PyBytes_Resize(&data, res->nbytes) < 0)
+    } else if (res->nbytes < PyBytes_GET_SIZE(data) && _PyBytes_Resize(&data, res->nbytes) < 0)
         data = NULL; /* (freed by _PyBytes_Resize, MemoryError set) */
     PyObject *before = stat_tuple(res->before);
     PyObject *after = Py_BuildValue("(LLL)", res->after_size, res->after_mtime_ns,

@@ -32,7 +32,11 @@ version and the read got all of it, and otherwise reads the block again its own 
 retry rules (`Source._one_version`), so there is one definition of "one version".
 
 Where the caller knows the size to expect (`size_hint`), the bytes object is made when the read
-is queued and the thread reads straight into it: no copy at the end on the trio thread.
+is queued and the thread reads straight into it: no copy at the end on the trio thread. A file
+found longer than that (grown, or of a size the caller estimated) is read whole all the same,
+into a buffer of the thread's that the collection copies: a read that stopped at the hint was
+made again by the source, so a first epoch over files of many sizes read each file longer
+than the mean twice.
 
 Without the compiled module (a build without a C compiler) `available()` is False and the
 source reads in Python worker threads, as before; `cachefs stats --json` says which
@@ -159,8 +163,8 @@ class ReadPool:
         """Up to `max_bytes` of `relpath` from `offset` (to its end), holding one of `slots`;
         OSError as the system calls failed (module docstring). `delay_s`: the source's
         testing delay, slept before the open and before the read. `size_hint` > 0: the
-        bytes expected, read straight into the bytes object returned (cachefs/_readpool.c),
-        and no more than that."""
+        bytes expected, read straight into the bytes object returned (cachefs/_readpool.c)
+        if the file holds no more."""
         await slots.acquire()
         ident = self._submit(slots, relpath, offset, max_bytes, delay_s, size_hint)
         self._waiting[ident] = trio.lowlevel.current_task()
