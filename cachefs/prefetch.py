@@ -585,8 +585,7 @@ class Prefetcher:
         try:
             begun = self._begin_item(item, manifest)
         except Exception:  # noqa: BLE001 - one file's read-ahead never ends the mount's
-            self.prefetch_errors += 1
-            log.exception("unexpected error reading %r ahead", manifest.path(item))
+            self._fetch_broke(manifest.path(item))
             self._item_done(item, manifest)
             return
         if not begun:
@@ -649,8 +648,7 @@ class Prefetcher:
         except OSError as exc:
             self._fetch_failed(manifest.path(item), exc)
         except Exception:  # noqa: BLE001 - one file's read-ahead never ends the mount's
-            self.prefetch_errors += 1
-            log.exception("unexpected error reading %r ahead", manifest.path(item))
+            self._fetch_broke(manifest.path(item))
         finally:
             if not handed_on:
                 self._item_done(item, manifest)
@@ -759,15 +757,21 @@ class Prefetcher:
         except OSError as exc:
             self._fetch_failed(relpath, exc)
         except Exception:  # noqa: BLE001 - one file's read-ahead never ends the mount's
-            self.prefetch_errors += 1
-            log.exception("unexpected error reading %r ahead", relpath)
+            self._fetch_broke(relpath)
         finally:
             self._item_done(item, manifest)
 
-    def _fetch_failed(self, relpath: bytes, exc: OSError) -> None:
-        # the reader will hit the same error on demand and get its errno
+    def _fetch_failed(self, what, exc: OSError) -> None:
+        """A read-ahead of `what` (a file's path, or a block's key) failed: counted; the
+        reader will hit the same error on demand and get its errno."""
         self.prefetch_errors += 1
-        log.debug("prefetch of %r failed: %s", relpath, exc)
+        log.debug("read-ahead of %r failed: %s", what, exc)
+
+    def _fetch_broke(self, what) -> None:
+        """A read-ahead of `what` raised what no read should (a bug): counted and logged,
+        and the other files' read-ahead goes on (call it in an `except` clause)."""
+        self.prefetch_errors += 1
+        log.exception("unexpected error reading %r ahead", what)
 
     def _item_done(self, item: int, manifest) -> None:
         """An item's read-ahead is over: out of the set in flight (unless another manifest
@@ -851,11 +855,9 @@ class Prefetcher:
         try:
             await self.tiered.fetch(key, identity, item, manifest, demand=False)
         except OSError as exc:
-            self.prefetch_errors += 1
-            log.debug("read-ahead of %r failed: %s", key, exc)
+            self._fetch_failed(key, exc)
         except Exception:  # noqa: BLE001 - one block's read-ahead never ends the mount's
-            self.prefetch_errors += 1
-            log.exception("unexpected error reading %r ahead", key)
+            self._fetch_broke(key)
 
     def status(self) -> dict:
         if self.ranges is not None and self.ranking.ranged:

@@ -109,12 +109,16 @@ class SimSource:
                                                       start + length), identity)
         return BlockData(payload(relpath, block_index, length), identity)
 
+    def can_start_block(self) -> bool:
+        """`Source.can_start_block`: a source thread is free now."""
+        return self.limiter.available_tokens > 0
+
     def start_block(self, relpath: bytes, block_index: int, block_bytes: int, *, item: int,
                     expected_bytes: int,
                     on_done: Callable[[BlockData | None, OSError | None], None]) -> bool:
         """`Source.start_block`: `read_block` begun with no task of the caller's waiting, if a
         source thread is free now (else False), its outcome handed to `on_done`."""
-        if not self.limiter.available_tokens:
+        if not self.can_start_block():
             return False
 
         async def read() -> None:

@@ -495,6 +495,11 @@ class Source:
         self._block_read(relpath, block, asked_s)
         return block
 
+    def can_start_block(self) -> bool:
+        """Whether `start_block` would begin a read now (the read pool, a read-ahead slot
+        free)."""
+        return self._reads is not None and self._background.can_acquire()
+
     def start_block(self, relpath: bytes, block_index: int, block_bytes: int, *, item: int,
                     expected_bytes: int,
                     on_done: Callable[[BlockData | None, OSError | None], None]) -> bool:

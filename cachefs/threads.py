@@ -70,9 +70,13 @@ class Slots:
     def in_use(self) -> int:
         return self.total - self.free
 
+    def can_acquire(self) -> bool:
+        """A slot is free and nobody waits for one: `try_acquire` would take it."""
+        return bool(self.free) and not self._waiters
+
     def try_acquire(self) -> bool:
-        """Take a slot if one is free and nobody waits for one (the fast path of `acquire`)."""
-        if self.free and not self._waiters:
+        """Take a slot if `can_acquire` (the fast path of `acquire`)."""
+        if self.can_acquire():
             self.free -= 1
             return True
         return False

@@ -235,9 +235,9 @@ class TieredCache:
         and nothing begun, where `fetch` has more to do than one source read, or must do
         nothing: the block is in flight already, the SSD tier holds a copy of the file, RAM
         has no room for it, or the source has no thread free now."""
-        if key in self.inflight or (identity is not None and self.ssd is not None and (
-                self.ssd.contains(key, identity) or self.ssd.holds_other_version(key, identity))):
-            return False
+        if (key in self.inflight or (identity is not None and self._ssd_has(key, identity))
+                or not self.source.can_start_block()):
+            return False  # (no thread: nothing reserved, so nothing evicted, for a read not begun)
         relpath, block_index = key
         item, manifest = self.item_now(relpath, item, manifest)
         reserved, known = self._reserve(key, identity, item, demand=False,
@@ -356,12 +356,15 @@ class TieredCache:
             if reserved:
                 self.ram.unreserve(reserved)
 
+    def _ssd_has(self, key: BlockKey, identity: SourceIdentity) -> bool:
+        """The SSD tier holds the block, of this version or another (whose read drops it)."""
+        return self.ssd is not None and (self.ssd.contains(key, identity)
+                                         or self.ssd.holds_other_version(key, identity))
+
     async def _read_ssd(self, key: BlockKey, identity: SourceIdentity) -> Fetched | None:
-        if self.ssd is None:
+        if not self._ssd_has(key, identity):
             return None
         held = self.ssd.contains(key, identity)
-        if not held and not self.ssd.holds_other_version(key, identity):
-            return None
         # one held of another version is stale (the file changed, perhaps while unmounted):
         # `read` drops and counts it, which frees its budget for the new version's
         try:
