@@ -50,10 +50,14 @@ class KernelInvalidation:
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            await trio.sleep_forever()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            # closed: a change seen as the mount stops (a read landing late) starts nothing
+            self._nursery = None
 
     def source_changed(self, relpath: bytes, identity: SourceIdentity,
                        asked_s: float | None = None) -> None:

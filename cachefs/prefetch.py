@@ -432,13 +432,16 @@ class Prefetcher:
     # -- the read-ahead loop ---------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            while True:
-                self._start_fetches(nursery)
-                await self._wake.wait()
-                self._wake = trio.Event()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                while True:
+                    self._start_fetches(nursery)
+                    await self._wake.wait()
+                    self._wake = trio.Event()
+        finally:
+            self._nursery = None  # closed: nothing starts in it (`_hand_to_task`)
 
     def _start_fetches(self, nursery: trio.Nursery) -> None:
         """Walk every target's list (cachefs/targets.py) nearest position first, and start
@@ -629,9 +632,7 @@ class Prefetcher:
             if error is not None:
                 raise error
             if fetched is None:  # a read to make again: the task's fetch does
-                self.task_fetches += 1
-                self._running_nursery().start_soon(self._fetch_item, item, manifest)
-                handed_on = True
+                handed_on = self._hand_to_task(item, manifest, None)
                 return
             if not self._record_checked(item, fetched.identity, fetched.asked_s):
                 self._revisit(item, 0, None)  # read again, at the version seen since
@@ -639,10 +640,7 @@ class Prefetcher:
             if identity is None:
                 self.poke()  # a size is known: the automatic window may change
             if block_count(fetched.identity.size, self.block_bytes) > 1:
-                self.task_fetches += 1
-                self._running_nursery().start_soon(self._fetch_item, item, manifest,
-                                                    for_current)
-                handed_on = True
+                handed_on = self._hand_to_task(item, manifest, for_current)
             elif self.tiered.kernel is not None:
                 self._push(item, fetched.identity)  # a reader is about to open it
         except OSError as exc:
@@ -653,9 +651,15 @@ class Prefetcher:
             if not handed_on:
                 self._item_done(item, manifest)
 
-    def _running_nursery(self) -> trio.Nursery:
-        assert self._nursery is not None, "reads are begun only while `run` runs"
-        return self._nursery
+    def _hand_to_task(self, item: int, manifest, for_current: bool | None) -> bool:
+        """The rest of an item begun by `_begin_item` goes to a task of `_fetch_item`; not
+        once `run` has ended (the mount is stopping: a read begun before lands as the source's
+        pool is collected, after the nursery closed), when False: the rest is not read."""
+        if self._nursery is None:
+            return False
+        self.task_fetches += 1
+        self._nursery.start_soon(self._fetch_item, item, manifest, for_current)
+        return True
 
     def _first_missing(self, item: int) -> int | None:
         """The first block of the item RAM does not hold (0 for a file of unknown size);

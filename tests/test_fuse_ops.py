@@ -586,6 +586,29 @@ def test_a_late_report_of_an_older_version_keeps_the_newer_inode(tmp_path):
     trio.run(main, clock=trio.testing.MockClock())
 
 
+def test_a_change_seen_after_the_invalidations_ended_starts_nothing(tmp_path):
+    """With no kernel page cache of ours, a kernel drop is a task of the invalidation's
+    run; once the mount stops and that run ends, a source read landing late that finds a
+    change retires the inode and starts no task (a closed nursery raised)."""
+    src = tmp_path / "src"
+    write_file(src / "a", 100, seed=1)
+    old = os.lstat(src / "a")
+    write_file(src / "a", 200, seed=2)
+    source = Source(src, threads=1)
+    inodes = InodeTable(os.lstat(src), source.identity_of)
+    invalidation = KernelInvalidation(inodes, None, invalidate_entry=lambda *_: None)
+
+    async def main():
+        inode = inodes.remember(b"a", old, lookup=True)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(invalidation.run)
+            nursery.cancel_scope.cancel()  # as the mount's end cancels it
+        invalidation.source_changed(b"a", source.identity_of(os.lstat(src / "a")))
+        assert inodes.get(inode).retired and inodes.inode_of(b"a") is None
+
+    trio.run(main)
+
+
 def test_the_source_remembers_the_stat_asked_last_whichever_lands_last(tmp_path):
     """Two looks at a file that changed between them can land in either order; the lookup
     answered from the memo must get the later one's, or it made an inode of the version the

@@ -657,6 +657,31 @@ def test_an_unexpected_error_reading_one_file_ahead_leaves_the_others_read(caplo
     assert bad not in held and len(held) == 19
 
 
+def test_a_read_begun_with_no_task_that_lands_after_the_read_ahead_ended_starts_nothing(
+        caplog):
+    """The mount stops: the read-ahead's run ends (its nursery closes) while reads it began
+    with no task are in flight, and the source's pool hands them over after that. A file
+    longer than its first block then has nothing to read the rest in: its read-ahead ends
+    there, quietly (it logged a RuntimeError, "Nursery is closed to new arrivals", for each
+    such file: a CI soak saw it)."""
+    config = SimConfig(items=16, item_bytes=300 * KIB, block_bytes=128 * KIB,
+                       ram_bytes=64 << 20, latency_s=0.05, epochs=1, consume_s=0.0,
+                       shuffle=False)
+
+    async def script(sim):
+        sim.prefetcher.set_order(sim.order(0))
+        await trio.sleep(0.01)
+        begun = sim.source.requests
+        sim.prefetcher._nursery.cancel_scope.cancel()  # as the mount's end cancels it
+        await trio.sleep(0.2)
+        return begun, len(sim.ram.blocks), sim.source.requests, \
+            sim.prefetcher.task_fetches, sim.prefetcher.prefetch_errors
+
+    begun, landed, requests, task_fetches, errors = run_script(config, script)
+    assert begun >= 1 and landed == begun and requests == begun  # the first blocks only
+    assert (task_fetches, errors) == (0, 0) and "unexpected error" not in caplog.text
+
+
 @pytest.mark.parametrize("item_bytes, task_per_file", [(5000, False), (300 * KIB, True)])
 def test_the_read_ahead_begins_a_file_of_one_block_with_no_task(item_bytes, task_per_file):
     """A file the read-ahead reads in one source read (unseen, of one block) is begun with no

@@ -718,6 +718,34 @@ def test_a_change_takes_the_old_versions_entries_out_of_the_index_at_once(cache_
         assert tier.admit((b"f", 0), new, payload(2))  # the key is free again
 
 
+def test_a_change_seen_after_the_tiers_run_ended_starts_nothing(cache_dir, tmp_path):
+    """The mount stops: the tiered cache's run (the nursery its SSD drops run in) has ended
+    when a source read landing late finds a change. Its RAM copies go and nothing starts (a
+    closed nursery raised); the old version's entry stays for the next mount, which serves
+    an entry only to a reader of the version it was written from."""
+    import trio
+
+    old = ident(1)
+    new = old._replace(mtime_ns=old.mtime_ns + 1)
+    with SsdTier(cache_dir, budget_bytes=10 * E, block_bytes=BLOCK) as tier:
+        assert tier.admit((b"f", 0), old, payload(1))
+
+        async def run_ssd(fn, *args):
+            return fn(*args)
+        tiered = tiered_over(tier, tmp_path, run_ssd)
+
+        async def main():
+            async with trio.open_nursery() as nursery:
+                await nursery.start(tiered.run)
+                nursery.cancel_scope.cancel()  # as the mount's end cancels it
+            tiered.source_changed(b"f", new)
+
+        trio.run(main)
+        assert tier.contains((b"f", 0), old)
+        assert tier.read((b"f", 0), new) is None  # and the stale entry goes
+        assert not tier.contains((b"f", 0), old)
+
+
 def test_a_block_read_before_a_change_is_not_left_in_the_tier_after_it(cache_dir, tmp_path):
     """A block of the old version, read before the change was found and still on its way to
     the tier (its admission queued, or being written) when the change took the old version's

@@ -154,14 +154,19 @@ class TieredCache:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
         """SSD admission workers; also the nursery for background tier work."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            if self.ssd is not None:
-                async with self._admit_recv:
-                    for _ in range(SSD_THREADS):
-                        nursery.start_soon(self._admission_worker, self._admit_recv.clone())
-            task_status.started()
-            await trio.sleep_forever()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                if self.ssd is not None:
+                    async with self._admit_recv:
+                        for _ in range(SSD_THREADS):
+                            nursery.start_soon(self._admission_worker,
+                                               self._admit_recv.clone())
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            # closed: a change seen as the mount stops (a read landing late) starts nothing
+            self._nursery = None
 
     # -- lookups ---------------------------------------------------------------------------
 
