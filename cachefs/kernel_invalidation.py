@@ -50,14 +50,15 @@ class KernelInvalidation:
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
-        try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                task_status.started()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            try:
                 await trio.sleep_forever()
-        finally:
-            # closed: a change seen as the mount stops (a read landing late) starts nothing
-            self._nursery = None
+            finally:
+                # the mount is stopping: a change seen now (a read landing late) starts
+                # nothing in the nursery, which closes once its tasks end
+                self._nursery = None
 
     def source_changed(self, relpath: bytes, identity: SourceIdentity,
                        asked_s: float | None = None) -> None:

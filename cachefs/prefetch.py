@@ -288,11 +288,14 @@ class Prefetcher:
     def _record_checked(self, item: int, identity: SourceIdentity, seen_s: float) -> bool:
         """Record a fresh stat (asked at `seen_s`); if the file changed since we last saw it,
         drop its copies. False: a look at another version asked after it was recorded first
-        (ItemMeta.record: neither is trusted now), and this one's copies go instead."""
+        (ItemMeta.record: neither is trusted now), and this one's copies go instead; the
+        read-ahead stops there, and the item is walked again (`_revisit`), to be read at the
+        version seen since."""
         known = self.meta.identity(item)
         if not self.meta.record(item, identity, seen_s):
             assert known is not None  # only a known item has a look to lose to
             self.tiered.source_changed(self.ranking.manifest.path(item), known)
+            self._revisit(item, 0, None)
             return False
         if known is not None and known != identity:
             self.tiered.source_changed(self.ranking.manifest.path(item), identity)
@@ -432,16 +435,19 @@ class Prefetcher:
     # -- the read-ahead loop ---------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
-        try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                task_status.started()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            try:
                 while True:
                     self._start_fetches(nursery)
                     await self._wake.wait()
                     self._wake = trio.Event()
-        finally:
-            self._nursery = None  # closed: nothing starts in it (`_hand_to_task`)
+            finally:
+                # the mount is stopping: nothing starts in the nursery any more
+                # (`_hand_to_task`), which closes once its tasks end, and other tasks run
+                # before this one leaves it
+                self._nursery = None
 
     def _start_fetches(self, nursery: trio.Nursery) -> None:
         """Walk every target's list (cachefs/targets.py) nearest position first, and start
@@ -635,7 +641,6 @@ class Prefetcher:
                 handed_on = self._hand_to_task(item, manifest, None)
                 return
             if not self._record_checked(item, fetched.identity, fetched.asked_s):
-                self._revisit(item, 0, None)  # read again, at the version seen since
                 return
             if identity is None:
                 self.poke()  # a size is known: the automatic window may change
@@ -726,7 +731,6 @@ class Prefetcher:
                     return
                 identity, first_block = fetched.identity, 1
                 if not self._record_checked(item, identity, fetched.asked_s):
-                    self._revisit(item, 0, None)  # read again, at the version seen since
                     return
                 self.poke()  # a size is known: the automatic window may change
             elif identity is None:
@@ -736,7 +740,6 @@ class Prefetcher:
                 if self._superseded(manifest):
                     return
                 if not self._record_checked(item, identity, asked_s):
-                    self._revisit(item, 0, None)
                     return
                 self.poke()
             for block_index in range(first_block, block_count(identity.size, self.block_bytes)):
@@ -752,7 +755,6 @@ class Prefetcher:
                     self._revisit(item, block_index, identity)
                     break
                 if not self._record_checked(item, fetched.identity, fetched.asked_s):
-                    self._revisit(item, 0, None)
                     break
                 identity = fetched.identity
             else:

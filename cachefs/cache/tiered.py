@@ -154,19 +154,19 @@ class TieredCache:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
         """SSD admission workers; also the nursery for background tier work."""
-        try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                if self.ssd is not None:
-                    async with self._admit_recv:
-                        for _ in range(SSD_THREADS):
-                            nursery.start_soon(self._admission_worker,
-                                               self._admit_recv.clone())
-                task_status.started()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            if self.ssd is not None:
+                async with self._admit_recv:
+                    for _ in range(SSD_THREADS):
+                        nursery.start_soon(self._admission_worker, self._admit_recv.clone())
+            task_status.started()
+            try:
                 await trio.sleep_forever()
-        finally:
-            # closed: a change seen as the mount stops (a read landing late) starts nothing
-            self._nursery = None
+            finally:
+                # the mount is stopping: a change seen now (a read landing late) starts
+                # nothing in the nursery, which closes once its tasks end
+                self._nursery = None
 
     # -- lookups ---------------------------------------------------------------------------
 
