@@ -54,6 +54,8 @@ lookup that reaches one for every LOOKUPS_PER_LISTING of its files (the first, f
 of up to that many), if the source's scan found at most `LISTED_MAX_ENTRIES` files in it
 (`files_in`). Its READDIRPLUS makes the kernel hold an inode for every entry at a fraction of a
 LOOKUP's cost each, and the stores of the directory's other files land with no lookup at all.
+The listing runs in threads of its own (`_listings`), while the lookups go on: over a slow
+source it takes seconds, and the lookups that waited behind it were too late for their files.
 Why not at the first lookup: a listing costs the daemon an lstat and an entry for every file of
 the directory, which an epoch in the order earns back, but a reader off the order does not: a
 validation pass in directory order under a published shuffled order has the read-ahead push a
@@ -98,6 +100,9 @@ DROPS_REMEMBERED = 4096  # inodes whose last drop `dropped_lately` remembers
 
 _STOP = object()
 LOOKUP_THREADS = 4  # lookups in flight at once (each waits for the trio thread's answer)
+# listings for stores at once, in threads of their own (module docstring): the lookups that
+# decide one go on with their files
+LISTING_THREADS = 2
 STORE_THREADS = 3  # stores at once: one waiting on a page a READ holds holds up no other
 # A directory is listed for one file's store only if the source's scan found at most this
 # many files in it, and read this far at most (module docstring): the daemon lists the
@@ -153,9 +158,11 @@ class KernelPages:
         self._finished = threading.Condition()
         self._stopping = False  # the mount is going down: stores still queued are skipped
         # lookups run in threads of their own: each waits on the trio thread's answer, and
-        # stores queued behind it in the one FIFO would wait with it
+        # stores queued behind it in the one FIFO would wait with it; and listings in others
         self._lookup_jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lookup_threads: list[threading.Thread] = []
+        self._listing_jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._listing_threads: list[threading.Thread] = []
         # inode -> when its pages were last dropped (`dropped_lately`; the trio thread's)
         self._dropped_s: RecentMap[int, float] = RecentMap(DROPS_REMEMBERED)
         self.queued = 0  # jobs handed to the thread (trio thread writes)
@@ -178,6 +185,9 @@ class KernelPages:
         if self._lookup_fn is not None:
             self._lookup_threads = [start_thread(self._look_ups, "cachefs-lookup")
                                     for _ in range(LOOKUP_THREADS)]
+            if self._list_fn is not None:
+                self._listing_threads = [start_thread(self._listings, "cachefs-listing")
+                                         for _ in range(LISTING_THREADS)]
 
     def stop(self, timeout_s: float = 5.0) -> bool:
         """End the threads (the mount is going down): the drops queued run, the stores still
@@ -191,6 +201,8 @@ class KernelPages:
         self._stopping = True
         for _ in self._lookup_threads:
             self._lookup_jobs.put(_STOP)
+        for _ in self._listing_threads:
+            self._listing_jobs.put(_STOP)
         if self._thread is not None:
             self._jobs.put(_STOP)
             self._thread.join(max(0.0, deadline_s - time.monotonic()))
@@ -206,12 +218,13 @@ class KernelPages:
                 log.warning("page cache store thread still busy at unmount; leaving it")
                 stopped = False
         self._store_threads = []
-        # the lookups last: they make no kernel call of the session (a lookup through the
-        # mount, its answer handed to a trio run that has ended), and one waiting for an
-        # answer nobody gives any more took all of the time the stores and drops had
-        for thread in self._lookup_threads:
+        # the lookups and listings last: they make no kernel call of the session (a lookup
+        # or a listing through the mount, its answer handed to a trio run that has ended), and
+        # one waiting for an answer nobody gives any more took all of the time the stores and
+        # drops had
+        for thread in self._lookup_threads + self._listing_threads:
             thread.join(max(0.0, deadline_s - time.monotonic()))
-        self._lookup_threads = []
+        self._lookup_threads, self._listing_threads = [], []
         return stopped
 
     def _work(self) -> None:
@@ -320,10 +333,12 @@ class KernelPages:
     def _look_ups(self) -> None:
         assert self._lookup_fn is not None  # these threads run only with one
         while (job := self._lookup_jobs.get()) is not _STOP:
-            relpath, done = job
-            listed = looked_up = False
+            relpath, done, listed = job
+            looked_up = False
             try:
-                listed = self._list_parent(relpath)
+                directory = self._listing_due(relpath)
+                if directory is not None:
+                    self._listing_jobs.put((directory, listed))
                 self._lookup_fn(relpath)
                 looked_up = True
             except OSError as exc:  # gone from the source, or the mount going down
@@ -331,38 +346,59 @@ class KernelPages:
             except Exception:  # noqa: BLE001 - the thread must keep serving the mount
                 log.exception("unexpected error looking %r up for a store", relpath)
             try:
-                done(looked_up, listed)  # whatever happened: the file may be pushed again
+                done(looked_up)  # whatever happened: the file may be pushed again
             except trio.RunFinishedError:
                 pass  # the mount is down: nothing to store into
 
-    def _list_parent(self, relpath: bytes) -> bool:
-        """List `relpath`'s directory through the mount once its lookups for stores reach
-        one per LOOKUPS_PER_LISTING of its files, if it has at most LISTED_MAX_ENTRIES
-        (module docstring); True if this call listed it."""
+    def _listings(self) -> None:
+        """List directories through the mount for stores (`_listing_due`), LISTED_MAX_ENTRIES
+        entries at most, in threads of their own: a listing over a slow source takes
+        seconds (an lstat per file, queued behind the read-ahead's reads: 0.4-2.6 s for
+        1,000 files over the benchmarks' sshfs in a first epoch), and made in the lookup
+        thread that decided it, it held up the lookups queued behind it, four listings at
+        the start of an epoch all of them: a lookup for a store took 136 ms at the median
+        and 361 at p90, where the read-ahead is some 50 ms ahead of the readers, and a file
+        that landed before its reader looked it up was read by READs instead (a third of
+        the first epoch's files in the DataLoader shape)."""
+        assert self._list_fn is not None  # these threads run only with one
+        while (job := self._listing_jobs.get()) is not _STOP:
+            directory, listed = job
+            try:
+                self._list_fn(directory, LISTED_MAX_ENTRIES)
+            except OSError as exc:  # the per-file lookups find the files, or fail
+                log.debug("listing %r for stores failed: %s", directory, exc)
+                continue
+            except Exception:  # noqa: BLE001 - the thread must keep serving the mount
+                log.exception("unexpected error listing %r for stores", directory)
+                continue
+            try:
+                listed()
+            except trio.RunFinishedError:
+                pass  # the mount is down
+
+    def _listing_due(self, relpath: bytes) -> bytes | None:
+        """`relpath`'s directory, if it is to be listed through the mount now: its lookups
+        for stores reach one per LOOKUPS_PER_LISTING of its files, and it has at most
+        LISTED_MAX_ENTRIES (module docstring); marked as listed then."""
         directory = relpath.rpartition(b"/")[0]
         # a listed directory's later lookups stop here, before the scan's count is searched
         # (a set lookup is atomic under the GIL; the lock below checks it again)
         if self._list_fn is None or self._files_in is None or directory in self._listed_dirs:
-            return False
+            return None
         # None: the scan has not finished; asked again at the next lookup there
         files = self._files_in(directory)
         with self._listing_lock:  # the count and the mark, one lookup thread at a time
             if directory in self._listed_dirs:
-                return False
+                return None
             lookups = self._dir_lookups.get(directory, 0) + 1
             if (files is None or files > LISTED_MAX_ENTRIES
                     or lookups * LOOKUPS_PER_LISTING < files):
                 self._dir_lookups[directory] = lookups
-                return False
+                return None
             # marked before the listing: no other lookup thread lists it a second time
             self._listed_dirs.add(directory)
             self._dir_lookups.pop(directory, None)
-        try:
-            self._list_fn(directory, LISTED_MAX_ENTRIES)
-        except OSError as exc:  # the per-file lookup that follows finds the file, or fails
-            log.debug("listing %r for stores failed: %s", directory, exc)
-            return False
-        return True
+        return directory
 
     # -- the trio side ---------------------------------------------------------------------
 
@@ -430,8 +466,7 @@ class KernelPages:
 
         # on the trio thread: one writer of the counts; by `run_sync_soon`, where an exception
         # would end the trio run, and the mount with it
-        def finished(looked_up: bool, listed: bool) -> None:
-            self.listings += listed
+        def finished(looked_up: bool) -> None:
             if looked_up:
                 self.lookups += 1
             else:
@@ -440,8 +475,11 @@ class KernelPages:
                 then()
             except Exception:  # noqa: BLE001 - one file's store is lost, not the mount
                 log.exception("unexpected error after the lookup of %r", relpath)
-        self._lookup_jobs.put((relpath, lambda looked_up, listed: token.run_sync_soon(
-            finished, looked_up, listed)))
+        def listed() -> None:
+            self.listings += 1
+        self._lookup_jobs.put((relpath,
+                               lambda looked_up: token.run_sync_soon(finished, looked_up),
+                               lambda: token.run_sync_soon(listed)))
 
     @property
     def pending(self) -> int:

@@ -152,9 +152,10 @@ def test_files_no_reader_opened_yet_are_looked_up_and_stored_ahead(dataset, moun
     wait_for(lambda: served_whole_or_reclaimed(kernel(mount)) >= N_FILES)
 
 
-def _look_up_all(pages, relpaths: list[bytes]) -> list[bytes]:
+def _look_up_all(pages, relpaths: list[bytes], until=lambda: True) -> list[bytes]:
     """Start `pages`, have it look each of `relpaths` up, and return the paths whose `then`
-    ran (each on the trio thread), once all have; the threads stopped after."""
+    ran (each on the trio thread), once all have and `until()` holds; the threads stopped
+    after."""
     import threading
 
     import trio
@@ -173,6 +174,8 @@ def _look_up_all(pages, relpaths: list[bytes]) -> list[bytes]:
             pages.look_up(relpath, lambda relpath=relpath: then(relpath))
         with trio.fail_after(10):
             await done.wait()
+            while not until():
+                await trio.sleep(0.01)
         return ran
 
     try:
@@ -192,7 +195,9 @@ def test_lookups_list_a_directory_once_the_read_ahead_goes_through_it(monkeypatc
     from cachefs import pagecache
     from cachefs.pagecache import LISTED_MAX_ENTRIES, LOOKUPS_PER_LISTING, KernelPages
 
-    monkeypatch.setattr(pagecache, "LOOKUP_THREADS", 1)  # the jobs in order: counts exact
+    # the jobs in order: counts exact, listings in the order decided
+    monkeypatch.setattr(pagecache, "LOOKUP_THREADS", 1)
+    monkeypatch.setattr(pagecache, "LISTING_THREADS", 1)
     listed, looked_up, lock = [], [], threading.Lock()
     files = {b"a": 3, b"big": 3 * LOOKUPS_PER_LISTING + 1, b"huge": LISTED_MAX_ENTRIES + 1,
              b"unscanned": None, b"": 2, b"broken": 2}
@@ -212,13 +217,44 @@ def test_lookups_list_a_directory_once_the_read_ahead_goes_through_it(monkeypatc
                                                         b"broken/2"])
     pages = KernelPages(lambda inode, offset, data: None, lambda inode: None, lookup_fn,
                         list_fn, files.get)
-    ran = _look_up_all(pages, relpaths)
+    ran = _look_up_all(pages, relpaths, until=lambda: pages.status()["listings"] == 3)
     assert sorted(ran) == sorted(relpaths) and sorted(looked_up) == sorted(relpaths)
     # a at its first lookup, big at its fourth (4 x 32 >= 97), the top directory, and the
     # broken one (whose listing fails); never huge (over the cap) nor unscanned
     assert listed == [(d, LISTED_MAX_ENTRIES) for d in [b"a", b"big", b"", b"broken"]]
     status = pages.status()
     assert status["listings"] == 3 and status["lookups"] == len(relpaths), status
+
+
+def test_a_listing_for_stores_holds_up_no_lookup(monkeypatch):
+    """KernelPages.look_up with fakes: a listing of a directory for stores runs while the
+    lookups go on, including the one that decided it and those queued behind it. Made in
+    the lookup thread, a listing over a slow source (seconds) held its lookups up, and with
+    a few listings at an epoch's start all of them: the files that landed meanwhile were read
+    by READs instead of from stored pages."""
+    import threading
+
+    from cachefs import pagecache
+    from cachefs.pagecache import KernelPages
+
+    monkeypatch.setattr(pagecache, "LOOKUP_THREADS", 1)  # one thread: nothing gets round it
+    listing_may_end = threading.Event()
+
+    def list_fn(directory: bytes, max_entries: int) -> None:
+        assert listing_may_end.wait(10)
+
+    pages = KernelPages(lambda inode, offset, data: None, lambda inode: None,
+                        lambda relpath: None, list_fn, {b"d": 2, b"e": 100}.get)
+    relpaths = [b"d/1", b"e/1", b"e/2", b"d/2"]
+
+    def still_listing() -> bool:  # once every file is looked up
+        assert pages.status()["listings"] == 0
+        listing_may_end.set()
+        return True
+    try:
+        assert sorted(_look_up_all(pages, relpaths, until=still_listing)) == sorted(relpaths)
+    finally:
+        listing_may_end.set()
 
 
 @pytest.mark.parametrize("ranged", [True, False], ids=["range-patch", "no-range-patch"])
