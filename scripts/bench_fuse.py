@@ -37,10 +37,8 @@ Prints a Markdown table; writes every pass to the JSON file.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,7 +51,6 @@ import benchlib  # noqa: E402
 from benchlib import (GIB, KIB, MIB, BenchError, DatasetSpec, Manifest,  # noqa: E402
                       ReaderPool, ReadTask)
 from cachefs.client import page_cache_bytes, stats_delta  # noqa: E402
-from cachefs.mountinfo import mounted_paths  # noqa: E402
 from cachefs.order import permutation  # noqa: E402
 from cachefs.publish import publish  # noqa: E402
 
@@ -61,7 +58,6 @@ log = logging.getLogger("bench_fuse")
 
 CONTENDERS = ("bare", "bare-keep", "cachefs", "cachefs-order")
 SMOKE = {"files": 60, "file_kb": 8, "big_mb": 4, "passes": 1, "readers": [2]}
-MOUNT_WAIT_S = 30.0
 ACCOUNTING_TAIL_S = 0.5  # after a pass, for its last closes' accounting (the CPU figures)
 
 
@@ -86,32 +82,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--markdown", type=Path, help="write the table here")
     return benchlib.parse_args_with_smoke(
         parser, argv, SMOKE, "tiny sizes, one pass: checks that the script works, in seconds")
-
-
-# -- the bare passthrough ------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def passthrough_mount(source: Path, mountpoint: Path, keep_cache: bool):
-    """scripts/passthrough.py in a subprocess; always unmounted on the way out."""
-    mountpoint.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(Path(__file__).with_name("passthrough.py")), str(source),
-           str(mountpoint), *(["--keep-cache"] if keep_cache else [])]
-    process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + MOUNT_WAIT_S
-        while str(mountpoint) not in mounted_paths():
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise BenchError(f"the passthrough did not mount (exit {process.poll()})")
-            time.sleep(0.02)
-        yield process.pid
-    finally:
-        if str(mountpoint) in mounted_paths():
-            subprocess.run(["fusermount3", "-u", str(mountpoint)], capture_output=True)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
 
 
 # -- memory --------------------------------------------------------------------------------------
@@ -165,7 +135,8 @@ def measure(args, cases: Cases, manifest: Manifest, source: Path, ram_bytes: int
                                           ram_bytes=ram_bytes,
                                           extra_args=args.mount_args.split())
     else:
-        mount_cm = passthrough_mount(source, mountpoint, keep_cache=contender == "bare-keep")
+        mount_cm = benchlib.passthrough_mount(source, mountpoint,
+                                              keep_cache=contender == "bare-keep")
     log.info("contender %s", contender)
     passes = 0
     with mount_cm as mount:

@@ -42,8 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import benchlib  # noqa: E402
-from bench_fuse import passthrough_mount  # noqa: E402
-from benchlib import DatasetSpec  # noqa: E402
+from benchlib import DatasetSpec, passthrough_mount  # noqa: E402
 
 log = logging.getLogger("bench_listing")
 

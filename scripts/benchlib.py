@@ -37,6 +37,7 @@ import multiprocessing
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -52,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from cachefs.client import MountError, MountProcess  # noqa: E402
 from cachefs.errors import OrderError  # noqa: E402
 from cachefs.manifest import scan_source  # noqa: E402
+from cachefs.mountinfo import mounted_paths  # noqa: E402
 from cachefs.order import rank_of_file_name  # noqa: E402
 from cachefs.publish import source_file_count  # noqa: E402
 from cachefs.workload import Waits, aligned_buffer, read_whole_file, write_dataset  # noqa: E402
@@ -63,6 +65,9 @@ MIB = 1024 * KIB
 GIB = 1024 * MIB
 DEFAULT_READ_BYTES = 1 * MIB  # one read request of a reader
 MARKER_SUFFIX = ".bench-dataset.json"  # beside the data root, so not in its manifest
+
+
+PASSTHROUGH_MOUNT_WAIT_S = 30.0  # scripts/passthrough.py's mount to appear
 
 
 class BenchError(Exception):
@@ -534,6 +539,30 @@ def cachefs_mount(source: Path, mountpoint: Path, state_dir: Path, *, ram_bytes:
         yield mount
     finally:
         mount.stop()
+
+
+@contextlib.contextmanager
+def passthrough_mount(source: Path, mountpoint: Path, keep_cache: bool):
+    """scripts/passthrough.py in a subprocess; always unmounted on the way out."""
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(Path(__file__).with_name("passthrough.py")), str(source),
+           str(mountpoint), *(["--keep-cache"] if keep_cache else [])]
+    process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + PASSTHROUGH_MOUNT_WAIT_S
+        while str(mountpoint) not in mounted_paths():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise BenchError(f"the passthrough did not mount (exit {process.poll()})")
+            time.sleep(0.02)
+        yield process.pid
+    finally:
+        if str(mountpoint) in mounted_paths():
+            subprocess.run(["fusermount3", "-u", str(mountpoint)], capture_output=True)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
 
 
 def wait_for_manifest(mount: MountProcess, timeout_s: float = 300.0) -> int:

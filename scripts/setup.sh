@@ -17,14 +17,17 @@ pip_install() { python3 -m pip install -q --disable-pip-version-check --root-use
 # pyfuse3 built from its source distribution with the patches in scripts/patches/: read()
 # gets the inode when the kernel sends no handle, which the zero-request data plane needs,
 # invalidate_inode_range() drops a range of a file's pages (the daemon checks for each at
-# start and falls back without it), and the request loop reads a queued request before it
-# waits for the FUSE fd (less of the trio thread's time per request; nothing depends on it).
-if ! python3 -c "import pyfuse3, sys; sys.exit(not (getattr(pyfuse3, 'READ_FH_IS_INODE_WITHOUT_OPEN', 0) and hasattr(pyfuse3, 'invalidate_inode_range') and getattr(pyfuse3, 'READS_BEFORE_WAITING', 0)))" 2>/dev/null; then
+# start and falls back without it), the request loop reads a queued request before it
+# waits for the FUSE fd (less of the trio thread's time per request; nothing depends on it),
+# and the kernel is told it may send lookups of one directory at once (libfuse before 3.17
+# leaves that out of its INIT reply, and they came one at a time; nothing depends on it).
+if ! python3 -c "import pyfuse3, sys; sys.exit(not (getattr(pyfuse3, 'READ_FH_IS_INODE_WITHOUT_OPEN', 0) and hasattr(pyfuse3, 'invalidate_inode_range') and getattr(pyfuse3, 'READS_BEFORE_WAITING', 0) and getattr(pyfuse3, 'PARALLEL_DIROPS', 0)))" 2>/dev/null; then
   work=$(mktemp -d)
   python3 -m pip download -q --disable-pip-version-check --no-deps --no-binary pyfuse3 \
     -d "$work" "pyfuse3==$PYFUSE3_VERSION"
   tar xzf "$work/pyfuse3-$PYFUSE3_VERSION.tar.gz" -C "$work"
-  for fix in read-inode-without-open invalidate-inode-range reads-before-waiting; do
+  for fix in read-inode-without-open invalidate-inode-range reads-before-waiting \
+      parallel-dirops; do
     patch -s -d "$work/pyfuse3-$PYFUSE3_VERSION" -p1 < "scripts/patches/pyfuse3-$fix.patch"
   done
   pip_install "$work/pyfuse3-$PYFUSE3_VERSION"

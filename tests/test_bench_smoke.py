@@ -278,6 +278,18 @@ def test_bench_offorder_smoke(tmp_path):
     assert_no_mount_under(tmp_path)
 
 
+def test_bench_lookups_smoke(tmp_path):
+    """First lookups of one directory's files by several threads: direct, cachefs, bare."""
+    import pyfuse3
+
+    done, result = run_smoke(tmp_path, "bench_lookups.py", "| contender | files/s | / direct |")
+    assert set(result["medians"]) == {"direct", "cachefs", "bare"}
+    assert len(result["rounds"]) == 1 and all(rate > 0 for rate in result["medians"].values())
+    assert result["parallel_dirops"] == bool(getattr(pyfuse3, "PARALLEL_DIROPS", False))
+    assert "40 files of" in done.stdout
+    assert_no_mount_under(tmp_path)
+
+
 def test_bench_fetch_smoke(tmp_path):
     """The source's block reads, the read pool against Python threads and direct reads."""
     done, result = run_smoke(tmp_path, "bench_fetch.py",
