@@ -140,6 +140,9 @@ def test_files_no_reader_opened_yet_are_looked_up_and_stored_ahead(dataset, moun
     publish(mount.mountpoint, 0, current, next=order.permutation(N_FILES, 0, 1))
     status = settled(mount, "stores", N_FILES, timeout_s=30)
     directories = {relpath.rpartition("/")[0] for relpath in relpaths}
+    # the listings run beside the lookups (their own threads): the last may end after the
+    # files' stores
+    status = settled(mount, "listings", len(directories))
     assert status["listings"] == len(directories), status
     assert 0 < status["lookups"] <= N_FILES and status["lookup_failures"] == 0, status
     assert status["stores"] == N_FILES and status["store_failures"] == 0, status
