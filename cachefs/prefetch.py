@@ -408,7 +408,7 @@ class Prefetcher:
                                           self.ranking.priority_of(batch_item, 0, None))):
                 break
             self._batched.add(batch_item)
-            self._start_item(batch_item, target, manifest, self._nursery)
+            self._start_item(batch_item, target, manifest)
             started += 1
         if started:
             target.batches += 1
@@ -498,7 +498,7 @@ class Prefetcher:
                     # the last epoch; without this re-stat off the reader's path, the reader's
                     # open pays a source round trip for every RAM hit (fuse_ops.open).
                     # _fetch_item stats it, finds its blocks resident and pushes them.
-                    self._start_item(item, target, manifest, nursery)
+                    self._start_item(item, target, manifest)
                 elif kernel:
                     self._push(item, identity)  # nothing, if the kernel holds it all
             else:
@@ -509,7 +509,7 @@ class Prefetcher:
                                       self.ranking.priority_of(item, missing_block, None)):
                     self._room_wait = True
                     return  # RAM holds only nearer uses: wait for a consumption
-                self._start_item(item, target, manifest, nursery)
+                self._start_item(item, target, manifest)
             target.scan = index + 1
             if target.inflight_items < target.slots:
                 self._push_head(heads, number, entries)
@@ -588,7 +588,7 @@ class Prefetcher:
         """RAM to find for the first block of an item about to be read."""
         return min(self._size_estimate(item), self.block_bytes)
 
-    def _start_item(self, item: int, target: Target, manifest, nursery: trio.Nursery) -> None:
+    def _start_item(self, item: int, target: Target, manifest) -> None:
         self._inflight_items[item] = target
         target.inflight_items += 1
         try:
@@ -597,9 +597,8 @@ class Prefetcher:
             self._fetch_broke(manifest.path(item))
             self._item_done(item, manifest)
             return
-        if not begun:
-            self.task_fetches += 1
-            nursery.start_soon(self._fetch_item, item, manifest)
+        if not begun and not self._hand_to_task(item, manifest, None):
+            self._item_done(item, manifest)
 
     def _begin_item(self, item: int, manifest) -> bool:
         """`_fetch_item`'s work begun with no task (module docstring, "Reads begun with no
@@ -657,9 +656,10 @@ class Prefetcher:
                 self._item_done(item, manifest)
 
     def _hand_to_task(self, item: int, manifest, for_current: bool | None) -> bool:
-        """The rest of an item begun by `_begin_item` goes to a task of `_fetch_item`; not
-        once `run` has ended (the mount is stopping: a read begun before lands as the source's
-        pool is collected, after the nursery closed), when False: the rest is not read."""
+        """An item not begun by `_begin_item`, or the rest of one it began, goes to a task of
+        `_fetch_item`; not once `run`'s body has ended (the mount is stopping: a read begun
+        before lands as the source's pool is collected, after that), when False: the rest is
+        not read."""
         if self._nursery is None:
             return False
         self.task_fetches += 1

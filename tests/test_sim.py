@@ -516,11 +516,11 @@ def test_empty_files_neither_take_a_block_of_ram_nor_spin_the_walk(monkeypatch):
     starts: dict[int, int] = {}
     real_start = prefetch.Prefetcher._start_item
 
-    def counted(self, item, target, manifest, nursery):
+    def counted(self, item, target, manifest):
         starts[item] = starts.get(item, 0) + 1
         if starts[item] > 1000:
             raise RuntimeError(f"item {item} started {starts[item]} times")
-        return real_start(self, item, target, manifest, nursery)
+        return real_start(self, item, target, manifest)
 
     monkeypatch.setattr(prefetch.Prefetcher, "_start_item", counted)
     sizes = [50_000] * 400

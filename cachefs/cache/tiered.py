@@ -367,9 +367,11 @@ class TieredCache:
                                          or self.ssd.holds_other_version(key, identity))
 
     async def _read_ssd(self, key: BlockKey, identity: SourceIdentity) -> Fetched | None:
-        if not self._ssd_has(key, identity):
+        if self.ssd is None:
             return None
-        held = self.ssd.contains(key, identity)
+        held = self.ssd.contains(key, identity)  # `_ssd_has`, with the answer kept
+        if not held and not self.ssd.holds_other_version(key, identity):
+            return None
         # one held of another version is stale (the file changed, perhaps while unmounted):
         # `read` drops and counts it, which frees its budget for the new version's
         try:
