@@ -49,7 +49,7 @@ import functools
 import logging
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import pyfuse3
@@ -100,6 +100,13 @@ def _guarded(handler):
             raise
         except OSError as exc:
             raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+        except errors.StaleFileError as exc:
+            log.warning("%s: %s", handler.__name__, exc)
+            # the reader hears of the change once the kernel's entry of the name is gone, so
+            # an open after it looks the name up anew (cachefs/kernel_invalidation.py); no
+            # handler that raises this runs while the kernel holds the name's directory
+            await self.entry_drops_landed()
+            raise pyfuse3.FUSEError(exc.errno_value) from None
         except errors.CachefsError as exc:
             log.warning("%s: %s", handler.__name__, exc)
             raise pyfuse3.FUSEError(exc.errno_value) from None
@@ -116,6 +123,10 @@ _STAT_FIELDS = tuple((index, name) for index, name in enumerate(PackedStat.FIELD
                      if name not in ("st_ino", "st_dev"))
 
 
+async def _nothing_in_flight() -> None:
+    return None
+
+
 async def _read_only(self, *args):
     raise pyfuse3.FUSEError(errno.EROFS)
 
@@ -126,13 +137,17 @@ class Operations(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(self, source: Source, reader: Reader, control: Control, inodes: InodeTable,
-                 kernel: KernelPages | None, freshness: Freshness, *, kernel_timeout_s: float):
+                 kernel: KernelPages | None, freshness: Freshness, *, kernel_timeout_s: float,
+                 entry_drops_landed: Callable[[], Awaitable[None]] = _nothing_in_flight):
         super().__init__()
         self.source = source
         self.reader = reader
         self.control = control
         self.kernel = kernel
         self.kernel_timeout_s = kernel_timeout_s
+        # returns once the kernel's entries of names whose inodes were retired are dropped
+        # (KernelInvalidation.entry_drops_landed)
+        self.entry_drops_landed = entry_drops_landed
         self.freshness = freshness
         self.inodes = inodes
         self._files: dict[int, OpenFile] = {}

@@ -6,6 +6,12 @@ then told, so that no open keeps the old version's attributes or pages. It share
 table (cachefs/inodes.py) with the FUSE operations (cachefs/fuse_ops.py), which answer a
 retired inode ESTALE, and queues page drops behind the kernel data plane's stores of the same
 inode (cachefs/pagecache.py, one FIFO), or runs them in worker threads without one.
+
+The kernel's entry of the name goes too, in a worker thread, and the operations answer ESTALE
+only once the entry drops in flight have landed (`entry_drops_landed`): a reader told of the
+change who opens the name again then gets the new version. Without the wait, an open with no
+OPEN (the zero-request mode) that came before the drop landed took the retired inode from the
+kernel's entry again, and its first READ got ESTALE too.
 """
 
 from __future__ import annotations
@@ -24,6 +30,19 @@ from cachefs.source import SourceIdentity
 log = logging.getLogger(__name__)
 
 INVALIDATE_THREADS = 4  # invalidate_inode calls at once, with no kernel data plane
+ENTRY_DROP_THREADS = 2  # invalidate_entry calls at once
+# an ESTALE waits at most this long for the entry drops in flight: a drop waits for the LOOKUPs
+# in the name's directory, which the trio thread answers meanwhile
+ENTRY_DROP_WAIT_S = 1.0
+
+
+def _invalidate_entry(parent_inode: int, name: bytes) -> None:
+    """The kernel drops its entry of `name` in the directory, if it holds one (blocking:
+    call it in a worker thread)."""
+    try:
+        pyfuse3.invalidate_entry(parent_inode, name)
+    except OSError as exc:  # ENOENT: the kernel holds no entry of the name
+        log.debug("invalidate_entry(%d, %r): %s", parent_inode, name, exc)
 
 
 class KernelInvalidation:
@@ -36,18 +55,21 @@ class KernelInvalidation:
     the operations. With the kernel data plane the drop of the pages is queued behind the
     stores already queued for the inode (KernelPages, one FIFO); without, `invalidate_inode`
     runs in a worker thread, never inside a handler (the kernel may hold the inode while it
-    waits for us), in the nursery of `run`. The entry goes through pyfuse3's own notification
-    thread (`invalidate_entry_async`): the kernel takes the directory's lock for it, which a
-    LOOKUP in it holds until we answer.
+    waits for us), in the nursery of `run`. The entry's drop (`invalidate_entry`, blocking)
+    runs in a worker thread too, in the same nursery: the kernel takes the directory's lock
+    for it, which a LOOKUP in it holds until we answer.
     """
 
     def __init__(self, inodes: InodeTable, kernel: KernelPages | None,
-                 invalidate_entry: Callable[[int, bytes], None] | None = None):
+                 invalidate_entry: Callable[[int, bytes], None] = _invalidate_entry):
         self._inodes = inodes
         self._kernel = kernel
-        self._invalidate_entry = invalidate_entry or _invalidate_entry
+        self._invalidate_entry = invalidate_entry
         self._run_sync = threads.pool(INVALIDATE_THREADS)
+        self._run_entry_drop = threads.pool(ENTRY_DROP_THREADS)
         self._nursery: trio.Nursery | None = None
+        self._entry_drops = 0  # in flight
+        self._entry_drops_landed: trio.Event | None = None  # set when none is; None: none is
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
         async with trio.open_nursery() as nursery:
@@ -88,8 +110,11 @@ class KernelInvalidation:
             return
         parent, _, name = relpath.rpartition(b"/")
         parent_inode = inodes.inode_of(parent)
-        if parent_inode is not None:
-            self._invalidate_entry(parent_inode, name)
+        if parent_inode is not None and self._nursery is not None:  # None: the mount stops
+            if self._entry_drops_landed is None:
+                self._entry_drops_landed = trio.Event()
+            self._entry_drops += 1
+            self._nursery.start_soon(self._drop_entry, parent_inode, name)
         for old in stale:
             self._drop_inode_pages(old)
 
@@ -111,13 +136,26 @@ class KernelInvalidation:
         inode = self._inodes.inode_of(relpath)
         return inode is not None and self._drop_inode_pages(inode, keep)
 
+    async def entry_drops_landed(self) -> None:
+        """Return once the kernel's entries of the names whose inodes were retired are
+        dropped, those whose drop is in flight now included (at most ENTRY_DROP_WAIT_S)."""
+        landed = self._entry_drops_landed
+        if landed is not None:
+            with trio.move_on_after(ENTRY_DROP_WAIT_S):
+                await landed.wait()
+
+    async def _drop_entry(self, parent_inode: int, name: bytes) -> None:
+        try:
+            await self._run_entry_drop(self._invalidate_entry, parent_inode, name)
+        finally:
+            self._entry_drops -= 1
+            if self._entry_drops == 0 and self._entry_drops_landed is not None:
+                self._entry_drops_landed.set()
+                self._entry_drops_landed = None
+
     async def _invalidate(self, inode: int) -> None:
         try:
             await self._run_sync(pyfuse3.invalidate_inode, inode)
         except OSError as exc:
             log.debug("invalidate_inode(%d): %s", inode, exc)
 
-
-def _invalidate_entry(parent_inode: int, name: bytes) -> None:
-    """The kernel drops its entry of `name` in the directory, if it holds one."""
-    pyfuse3.invalidate_entry_async(parent_inode, name, ignore_enoent=True)

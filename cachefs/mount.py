@@ -253,7 +253,8 @@ class Mount:
                                        drop_range_pages=read_path.range_cache.drop_pages)
         self.control = Control(self.snapshot, config.order_file, self.warmer.request)
         self.ops = Operations(self.source, self.reader, self.control, self.inodes, self.kernel,
-                              self.freshness, kernel_timeout_s=config.kernel_timeout_s)
+                              self.freshness, kernel_timeout_s=config.kernel_timeout_s,
+                              entry_drops_landed=self.invalidation.entry_drops_landed)
         self.metrics: Exporter | None = None  # the --metrics server, given by `run`
 
     def _starting(self, message: str) -> None:
