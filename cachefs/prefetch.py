@@ -645,8 +645,11 @@ class Prefetcher:
                 self.poke()  # a size is known: the automatic window may change
             if block_count(fetched.identity.size, self.block_bytes) > 1:
                 handed_on = self._hand_to_task(item, manifest, for_current)
-            elif self.tiered.kernel is not None:
-                self._push(item, fetched.identity)  # a reader is about to open it
+            elif self.tiered.kernel is not None and not fetched.read_whole_on_landing:
+                # a reader is about to open it; not one whose READs waited for it and return
+                # it whole: their replies store its pages (in a first epoch, a fifth of the
+                # files, each stored twice)
+                self._push(item, fetched.identity)
         except OSError as exc:
             self._fetch_failed(manifest.path(item), exc)
         except Exception:  # noqa: BLE001 - one file's read-ahead never ends the mount's

@@ -475,7 +475,8 @@ class Reader:
         # the one clock (freshness.py), so that the simulator's virtual clock measures stalls too
         started_s = now_s()
         fetched = await self._tiered.fetch(key, handle.identity, handle.item, handle.manifest,
-                                          demand=True)
+                                          demand=True,
+                                          read_whole=block_index in handle.blocks_read)
         assert fetched is not None  # only a prefetch (demand=False) may come back empty
         if fetched.origin == stats_mod.ORIGIN_MISS:
             handle.stall_s += now_s() - started_s

@@ -162,6 +162,9 @@ def test_a_fetch_begun_with_no_task_lands_in_ram_and_serves_the_reader_waiting_f
         fetched, error = told[0]
         assert error is None and fetched.data == data
         assert fetched.origin == stats_mod.ORIGIN_PREFETCHED
+        # the reader's READ did not say it returns the whole block: the kernel is not
+        # known to get its pages from the reply (prefetch.py pushes them)
+        assert not fetched.read_whole_on_landing
         assert ram.get((b"f", 0)).data == data and ram.reserved_bytes == 0
         assert not tiered.inflight
 

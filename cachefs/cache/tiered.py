@@ -72,15 +72,20 @@ class Fetched:
     # freshness.now_s() before the source was asked: its look at the file (`identity`) came
     # after this; NEVER_S for a copy of a version the caller named (the SSD tier's)
     asked_s: float = NEVER_S
+    # a read ahead that readers' READs waited for, which return the whole block: their
+    # replies give the kernel its pages, and a push of them would store them a second time
+    read_whole_on_landing: bool = False
 
 
 class _Flight:
-    __slots__ = ("done", "result", "error")
+    __slots__ = ("done", "result", "error", "read_whole")
 
     def __init__(self):
         self.done = trio.Event()
         self.result: Fetched | None = None
         self.error: OSError | None = None
+        # a READ that returns the whole block waits for it (`fetch`'s `read_whole`)
+        self.read_whole = False
 
 
 def block_length(identity: SourceIdentity, block_index: int, block_bytes: int) -> int:
@@ -190,16 +195,19 @@ class TieredCache:
         return block
 
     async def fetch(self, key: BlockKey, identity: SourceIdentity | None, item: int,
-                    manifest, *, demand: bool, expected_bytes: int | None = None
-                    ) -> Fetched | None:
+                    manifest, *, demand: bool, expected_bytes: int | None = None,
+                    read_whole: bool = False) -> Fetched | None:
         """The block's bytes, from SSD or source; kept in RAM if its priority earns room.
 
         A prefetch (`demand=False`) that finds no room in RAM does no I/O and returns None.
         Without an `identity` the block comes from the source (the SSD tier can only be trusted
         against a known identity), and RAM is reserved for `expected_bytes`. `item`: the
-        file's index in `manifest` (-1: in none).
+        file's index in `manifest` (-1: in none). `read_whole`: the caller's READs return the
+        whole block, so the kernel will hold it (`Fetched.read_whole_on_landing`).
         """
         while (flight := self.inflight.get(key)) is not None:
+            if read_whole:
+                flight.read_whole = True
             await flight.done.wait()
             if flight.error is not None:
                 raise OSError(flight.error.errno, flight.error.strerror, key[0])
@@ -267,6 +275,8 @@ class TieredCache:
                     self.ram.unreserve(held)
                 flight.result, flight.error = fetched, error
                 self._flight_over(key, flight)
+            if fetched is not None:
+                fetched.read_whole_on_landing = flight.read_whole
             on_done(fetched, error)
 
         try:
