@@ -386,7 +386,14 @@ class Operations(pyfuse3.Operations):
     @_guarded
     async def read(self, fh, offset, size):
         if self.no_open:
-            return await self.reader.read(await self._read_without_open(fh), offset, size)
+            unopened = await self._read_without_open(fh)
+            unopened.reads_in_flight += 1
+            try:
+                return await self.reader.read(unopened, offset, size)
+            finally:
+                unopened.reads_in_flight -= 1
+                if unopened.close_seen and not unopened.reads_in_flight:
+                    self._account_late_close(unopened)
         handle = self._files.get(fh)
         if handle is None:
             raise pyfuse3.FUSEError(errno.EBADF)
@@ -521,21 +528,36 @@ class Operations(pyfuse3.Operations):
                 continue
             if close is not None:
                 closes.append(close)
-        counted_alone = self.reader.closed(closes)
-        for inode, token in counted_alone:
+        self._counted(closes)
+
+    def _counted(self, closes: list) -> None:
+        """`Reader.closed` of a batch of closes; the files it counted from their one block
+        have their next close counted from it (cachefs/inodes.py `close_tokens`)."""
+        for inode, token in self.reader.closed(closes):
             self.inodes.remember_close(inode, token)
+
+    def _account_late_close(self, handle: OpenFile) -> None:
+        """A close reported while READs of the handle waited (`_closed_one`), counted now
+        that the last of them has ended; never raises (the READ it ends is answered)."""
+        try:
+            close = self._closed_handle(handle.inode, handle)
+            if close is not None:
+                self._counted([close])
+        except Exception:  # noqa: BLE001 - the READ's bytes are good; the next close counts
+            log.exception("unexpected error accounting for the close of %r", handle.relpath)
 
     def _closed_one(self, inode: int) -> OpenFile | tuple | None:
         """A close of `inode` as `Reader.closed` takes it: the handle its READs used, else
-        (inode, relpath, item, identity) of a regular file still known; None if neither."""
+        (inode, relpath, item, identity) of a regular file still known; None if neither. A
+        handle a READ still waits in (the kernel's read-ahead sends READs that no reader waits
+        for, and the reader may close the file first) is counted when the last of them ends
+        (`read`): counted now, the READ's bytes, wait and miss went nowhere."""
         handle = self._without_open.pop(inode, None)
         if handle is not None:
-            if self.inodes.inode_of(handle.relpath) == inode:
-                return handle
-            # retired (or forgotten) since its READs: counted, with nothing to settle (as
-            # `release` of a retired inode's handle), and on its own, out of the batch
-            self.reader.release(handle, last=False)
-            return None
+            if handle.reads_in_flight:
+                handle.close_seen = True
+                return None
+            return self._closed_handle(inode, handle)
         try:
             entry = self.inodes.get(inode)
         except KeyError:
@@ -544,6 +566,15 @@ class Operations(pyfuse3.Operations):
             return None  # a retired version's copies went with it: nothing was served
         return (inode, entry.relpath, self._item_of(entry),
                 self.source.identity_of(entry.stat))
+
+    def _closed_handle(self, inode: int, handle: OpenFile) -> OpenFile | None:
+        """The handle of a close, as `Reader.closed` takes it; None if it was counted here."""
+        if self.inodes.inode_of(handle.relpath) == inode:
+            return handle
+        # retired (or forgotten) since its READs: counted, with nothing to settle (as
+        # `release` of a retired inode's handle), and on its own, out of the batch
+        self.reader.release(handle, last=False)
+        return None
 
     @_guarded
     async def release(self, fh):

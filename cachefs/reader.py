@@ -111,6 +111,10 @@ class OpenFile:
     # a READ of this handle found pages gone that only the kernel held (reclaimed: the file
     # counts as the miss it became, and in `kernel_reclaimed`)
     kernel_reclaimed: bool = False
+    # the zero-request mode's handles: READs of it not answered yet, and whether its close
+    # was reported meanwhile (it is released when the last of them ends: fuse_ops `read`)
+    reads_in_flight: int = 0
+    close_seen: bool = False
 
     @property
     def size_bytes(self) -> int:

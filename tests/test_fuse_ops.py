@@ -764,3 +764,35 @@ def test_the_lookup_after_an_open_found_a_change_gives_the_new_version(tmp_path)
         assert await read_file(ops, new) == (src / "a").read_bytes()
 
     trio.run(main, clock=clock)
+
+
+def test_a_close_reported_while_a_read_waits_counts_that_read(tmp_path):
+    """The zero-request mode learns of a close from fanotify, which may report it while a READ
+    of the file still waits in the daemon (the kernel's read-ahead sends READs the reader
+    never waits for). The handle was released at the close, and the READ's bytes, its wait and
+    its miss counted nowhere (the file a RAM hit of no bytes, and not consumed). Now the
+    handle is released when its last READ ends."""
+    src = tmp_path / "src"
+    write_file(src / "a", 100_000, seed=1)
+    stats = Stats()
+    ops = operations(src, stats=stats)
+    ops.decide_mode(no_open=True)
+    ops.source.delay_s = 0.2  # the source answers slowly: the READ waits
+
+    async def main():
+        inode = (await ops.lookup(ROOT_INODE, b"a", None)).st_ino
+        async with trio.open_nursery() as nursery:
+            got: list[bytes] = []
+
+            async def read() -> None:
+                got.append(await ops.read(inode, 0, 131072))
+            nursery.start_soon(read)
+            await trio.sleep(0.05)  # the READ waits for the source
+            ops.closed([inode])  # the close is reported meanwhile
+            assert stats.current.reads == 0  # counted once its READ ends, not before
+        assert got == [(src / "a").read_bytes()]
+        record = stats.current
+        assert (record.reads, record.misses, record.bytes_served) == (1, 1, 100_000)
+        assert record.stall_s > 0.1
+
+    trio.run(main)
