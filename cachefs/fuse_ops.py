@@ -540,7 +540,7 @@ class Operations(pyfuse3.Operations):
         """A close reported while READs of the handle waited (`_closed_one`), counted now
         that the last of them has ended; never raises (the READ it ends is answered)."""
         try:
-            close = self._closed_handle(handle.inode, handle)
+            close = self._closed_handle(handle)
             if close is not None:
                 self._counted([close])
         except Exception:  # noqa: BLE001 - the READ's bytes are good; the next close counts
@@ -557,7 +557,7 @@ class Operations(pyfuse3.Operations):
             if handle.reads_in_flight:
                 handle.close_seen = True
                 return None
-            return self._closed_handle(inode, handle)
+            return self._closed_handle(handle)
         try:
             entry = self.inodes.get(inode)
         except KeyError:
@@ -567,9 +567,9 @@ class Operations(pyfuse3.Operations):
         return (inode, entry.relpath, self._item_of(entry),
                 self.source.identity_of(entry.stat))
 
-    def _closed_handle(self, inode: int, handle: OpenFile) -> OpenFile | None:
+    def _closed_handle(self, handle: OpenFile) -> OpenFile | None:
         """The handle of a close, as `Reader.closed` takes it; None if it was counted here."""
-        if self.inodes.inode_of(handle.relpath) == inode:
+        if self.inodes.inode_of(handle.relpath) == handle.inode:
             return handle
         # retired (or forgotten) since its READs: counted, with nothing to settle (as
         # `release` of a retired inode's handle), and on its own, out of the batch
