@@ -427,8 +427,10 @@ static PyObject *Pool_submit(PoolObject *self, PyObject *args)
     else
         pool->head = job;
     pool->tail = job;
-    pthread_cond_signal(&pool->work);
     pthread_mutex_unlock(&pool->lock);
+    /* after the unlock: a thread woken while the lock is still held blocks on it at once,
+       and the unlock then wakes it a second time (a futex call on the trio thread for each) */
+    pthread_cond_signal(&pool->work);
     Py_RETURN_NONE;
 }
 
