@@ -100,15 +100,13 @@ def _guarded(handler):
             raise
         except OSError as exc:
             raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
-        except errors.StaleFileError as exc:
-            log.warning("%s: %s", handler.__name__, exc)
-            # the reader hears of the change once the kernel's entry of the name is gone, so
-            # an open after it looks the name up anew (cachefs/kernel_invalidation.py); no
-            # handler that raises this runs while the kernel holds the name's directory
-            await self.entry_drops_landed()
-            raise pyfuse3.FUSEError(exc.errno_value) from None
         except errors.CachefsError as exc:
             log.warning("%s: %s", handler.__name__, exc)
+            if isinstance(exc, errors.StaleFileError):
+                # the reader hears of the change once the kernel's entry of the name is gone,
+                # so an open after it looks the name up anew (cachefs/kernel_invalidation.py);
+                # no handler that raises this runs while the kernel holds the name's directory
+                await self.entry_drops_landed()
             raise pyfuse3.FUSEError(exc.errno_value) from None
         except Exception:  # noqa: BLE001 - the mount must survive anything
             log.exception("unexpected error in %s%r", handler.__name__, args[:2])
