@@ -354,7 +354,8 @@ class Mount:
             "prefetch": self.prefetcher.status(),
             "targets": self.targets.status(),
             "kernel": self._kernel_status(),
-            "revalidation": self.revalidator.status(),
+            # every change found, by the sweeps or any other look (TieredCache.source_changed)
+            "revalidation": {**self.revalidator.status(), "changed": self.tiered.changes_found},
             "source": self.source.status(),
             "warm": self.warmer.status(),
         }

@@ -52,7 +52,6 @@ Pure trio and the injected kernel calls: no pyfuse3 here.
 from __future__ import annotations
 
 import collections
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -79,7 +78,6 @@ from cachefs.recent import RecentMap
 from cachefs.source import Source, SourceIdentity
 from cachefs.stats import Stats
 
-log = logging.getLogger(__name__)
 
 # `drop_file_pages(relpath, keep)`: the kernel drops the file's pages, all of them (keep None)
 # or all but the byte extents [lo, hi) in `keep` (sorted) where it can drop a range; True if
@@ -282,7 +280,6 @@ class RangeCache:
             return True
         self._identities[relpath] = (identity, asked_s, asked_s)
         if known is not None and known[0] != identity:
-            log.info("source file changed: %r", relpath)
             # with when it was asked: the kernel's inode of the file may be of a look asked
             # after it (a lookup), which this one must not retire (TieredCache.source_changed)
             self._source_changed(relpath, identity, asked_s)

@@ -111,7 +111,6 @@ class Revalidator:
         self._reported: RecentMap[bytes, SourceIdentity] = RecentMap(REPORTED_FILES)
         self.sweeps = 0
         self.checked = 0
-        self.changed = 0
         self.overdue_files = 0  # files whose pages `drop_overdue_pages` had dropped
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
@@ -247,10 +246,8 @@ class Revalidator:
             if block is None and self._reported.get(relpath) == identity:
                 return  # told already: the kernel is told the new version at its next stat
             self._reported.put(relpath, identity)
-            log.info("source file changed: %r", relpath)
-            self.changed += 1
             self._source_changed(relpath, identity)
 
     def status(self) -> dict:
-        return {"sweeps": self.sweeps, "checked": self.checked, "changed": self.changed,
+        return {"sweeps": self.sweeps, "checked": self.checked,
                 "overdue_files": self.overdue_files}

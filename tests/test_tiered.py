@@ -103,6 +103,24 @@ def test_a_report_of_another_version_leaves_the_source_no_stat_to_answer_from(tm
     trio.run(main)
 
 
+def test_a_change_is_counted_once_a_version_whoever_finds_it(tmp_path):
+    """`revalidation.changed` (man/cachefs-stats.1) counts every change acted on: a sweep, a
+    lookup, the read-ahead's check or a read may each find one, and often several find the
+    same one; it counted the sweeps' alone, and a change the read-ahead found first was
+    never counted. Each new version of a file counts once."""
+    from cachefs.source import Source
+
+    source = Source(tmp_path, threads=1)
+    tiered = TieredCache(RamTier(1 << 20, block_bytes=4096), source, stats_mod.Stats(), 4096,
+                         Ranking())
+    tiered.source_changed(b"a", NEW)  # the read-ahead's check
+    tiered.source_changed(b"a", NEW, asked_s=0.0)  # a read of the same version
+    tiered.source_changed(b"b", NEW)
+    assert tiered.changes_found == 2
+    tiered.source_changed(b"a", OLD)  # rewritten again
+    assert tiered.changes_found == 3
+
+
 def test_a_failing_drop_of_a_stale_ssd_entry_is_a_miss():
     """The SSD tier holds the old version of a block a reader asks for at the new one: the
     read that drops it failing (a device error, a bug) is a miss, counted, and the block

@@ -147,6 +147,7 @@ class TieredCache:
         # path -> the version a change was last reported to (`source_changed`): a block of
         # another one still queued for the SSD tier is not admitted (`_admission_worker`)
         self._changed_to: RecentMap[bytes, SourceIdentity] = RecentMap(CHANGES_REMEMBERED)
+        self.changes_found = 0  # files found changed, once a version (`source_changed`)
         self.kernel_reclaims = 0  # blocks only the kernel held whose pages it dropped
         self._admit_send, self._admit_recv = trio.open_memory_channel(ADMISSION_QUEUE_BLOCKS)
         self._nursery: trio.Nursery | None = None
@@ -412,7 +413,6 @@ class TieredCache:
         """A block the source gave (asked at `asked_s`), for a fetch that expected
         `identity`: a change of the file is acted on, and the block offered to the SSD."""
         if identity is not None and block.identity != identity:
-            log.info("source file changed: %r", key[0])
             self.source_changed(key[0], block.identity, asked_s)
         self._queue_admission(key, block.identity, block.data)
         origin = stats_mod.ORIGIN_MISS if demand else stats_mod.ORIGIN_PREFETCHED
@@ -560,6 +560,11 @@ class TieredCache:
         for key in stale:
             self.ram.drop(key)
         self.source.distrust_stat(relpath, identity)
+        if self._changed_to.get(relpath) != identity:
+            # counted and logged here, once a version, whoever found it (a sweep, a lookup or
+            # open, the read-ahead, a read): several of them often find one change
+            log.info("source file changed: %r", relpath)
+            self.changes_found += 1
         self._changed_to.put(relpath, identity)
         if self.ssd is not None and self._nursery is not None:
             # out of the SSD tier's index at once, here (no I/O): a drop that waited its turn
