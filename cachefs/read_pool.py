@@ -245,7 +245,9 @@ class ReadPool:
             for ident, errno_, data, before, after, elapsed_ns in finished:
                 waiter = waiting.pop(ident, None)
                 read = None
-                if not errno_ and isinstance(waiter, (trio.lowlevel.Task, _Begun)):
+                # _Begun first: the read-ahead's, most of them, and trio's Task class is an
+                # ABC, whose isinstance runs its metaclass's check
+                if not errno_ and isinstance(waiter, (_Begun, trio.lowlevel.Task)):
                     assert data is not None and before is not None and after is not None
                     read = PoolRead(data, _stat_result(before), after, elapsed_ns / 1e9)
                 _wake(waiter, errno_, read)
@@ -256,13 +258,13 @@ def _wake(waiter: trio.lowlevel.Task | Slots | _Begun | None, errno_: int,
     """A read is over: its task gets (errno, the read), or, cancelled, its slot goes back
     (`ReadPool.read`), or, begun with `start`, its slot goes back and its `on_done` is told;
     None: a read of an earlier trio run, long cancelled."""
-    if isinstance(waiter, Slots):
-        waiter.release()
-    elif isinstance(waiter, _Begun):
+    if isinstance(waiter, _Begun):
         waiter.slots.release()
         try:
             waiter.on_done(errno_, read)
         except Exception:  # noqa: BLE001 - one read's handling never ends the collection
             log.exception("unexpected error handling a finished read of the source")
+    elif isinstance(waiter, Slots):
+        waiter.release()
     elif waiter is not None:
         trio.lowlevel.reschedule(waiter, outcome.Value((errno_, read)))
