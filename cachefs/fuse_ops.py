@@ -44,6 +44,7 @@ before it is opened for a listing (`_closes_reported`).
 
 from __future__ import annotations
 
+import collections
 import errno
 import functools
 import logging
@@ -92,8 +93,11 @@ _WRITE_OPS = ("setattr", "mknod", "mkdir", "unlink", "rmdir", "symlink", "rename
 def _guarded(handler):
     """Map every exception of a handler to a FUSEError; log the unexpected ones."""
 
+    name = handler.__name__
+
     @functools.wraps(handler)
     async def wrapper(self, *args):
+        self.requests[name] += 1
         try:
             return await handler(self, *args)
         except pyfuse3.FUSEError:
@@ -148,6 +152,8 @@ class Operations(pyfuse3.Operations):
         self.entry_drops_landed = entry_drops_landed
         self.freshness = freshness
         self.inodes = inodes
+        # requests answered, by handler (`cachefs stats`: fuse_requests); FORGET's not counted
+        self.requests: collections.Counter[str] = collections.Counter()
         self._files: dict[int, OpenFile] = {}
         # open directories: fh -> relpath; their listings, one per directory, in _listings
         self._dirs: dict[int, tuple[bytes, Listing]] = {}  # fh -> directory, its listing

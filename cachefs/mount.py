@@ -356,6 +356,7 @@ class Mount:
             "kernel": self._kernel_status(),
             # every change found, by the sweeps or any other look (TieredCache.source_changed)
             "revalidation": {**self.revalidator.status(), "changed": self.tiered.changes_found},
+            "fuse_requests": dict(self.ops.requests),
             "source": self.source.status(),
             "warm": self.warmer.status(),
         }

@@ -125,6 +125,34 @@ def test_files_pushed_ahead_of_the_reader_are_stored_and_dropped_once_read(datas
 
 
 @PLANES
+def test_stats_count_the_requests_a_pass_costs(dataset, mounter, plane):
+    """`fuse_requests` in `cachefs stats` counts the requests answered, by handler. A second
+    pass over files the kernel holds costs no READ and no LOOKUP; in the zero-request mode no
+    request at all, in the keep-cache mode an OPEN and a RELEASE per file."""
+    src, relpaths = dataset
+    mount = mounter(src, "--ram-cache", N_FILES * FILE_BYTES * 2, "--data-plane", plane)
+    # the kernel's RELEASE comes after the reader's close returns
+    releases = N_FILES if plane == "keep-cache" else 0
+
+    def requests(passes: int) -> dict:
+        def counted() -> dict | None:
+            counts = mount.stats()["fuse_requests"]
+            return counts if counts.get("release", 0) >= passes * releases else None
+        return wait_for(counted)
+
+    read_all(mount, relpaths)  # no order: each file read whole stays in the page cache
+    first = requests(1)
+    assert first["lookup"] >= N_FILES and first["read"] >= N_FILES, first
+    read_all(mount, relpaths)
+    time.sleep(0.3)  # nothing more is on its way
+    second = requests(2)
+    # (GETXATTR: `cachefs stats` asks the daemon through an attribute of the mountpoint)
+    added = {name: count - first.get(name, 0) for name, count in second.items()
+             if count != first.get(name, 0) and name != "getxattr"}
+    assert added == ({"open": N_FILES, "release": N_FILES} if releases else {}), added
+
+
+@PLANES
 def test_files_no_reader_opened_yet_are_looked_up_and_stored_ahead(dataset, mounter, plane):
     """The first epoch: the read-ahead has files the kernel never looked up (no listing, no
     open), so a store would fail; the daemon has the kernel look each up (pagecache.py
