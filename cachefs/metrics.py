@@ -159,6 +159,11 @@ def families(snapshot: dict) -> Iterator[Metric]:
     for kind, count in sorted(source["requests"].items()):
         requests.add_metric([kind], count)
     yield requests
+    fuse = CounterMetricFamily("cachefs_fuse_requests", "Requests of the kernel the daemon "
+                               "answered, by handler.", labels=["op"])
+    for op, count in sorted(snapshot["fuse_requests"].items()):
+        fuse.add_metric([op], count)
+    yield fuse
     yield CounterMetricFamily("cachefs_source_stats_reused", "Lookups answered from a recent "
                               "stat of the source instead of a request.",
                               value=source["stats_reused"])
