@@ -241,11 +241,8 @@ static void *worker(void *arg)
         pool->head = job->next;
         if (!pool->head)
             pool->tail = NULL;
-        int root_fd = pool->root_fd, more = pool->head != NULL;
+        int root_fd = pool->root_fd;
         pthread_mutex_unlock(&pool->lock);
-        /* the next thread is woken here, not by the trio thread (`Pool_submit`) */
-        if (more)
-            pthread_cond_signal(&pool->work);
 
         struct result res;
         read_block(root_fd, job, &res);
@@ -425,22 +422,15 @@ static PyObject *Pool_submit(PoolObject *self, PyObject *args)
     }
     memcpy(job->path, path, (size_t)path_len + 1);
     pthread_mutex_lock(&pool->lock);
-    int was_empty = !pool->head;
     if (pool->tail)
         pool->tail->next = job;
     else
         pool->head = job;
     pool->tail = job;
     pthread_mutex_unlock(&pool->lock);
-    /* Only a job into an empty queue wakes a thread from here; the thread that takes a job
-       and leaves others queued wakes the next (`worker`). The read-ahead submits its files in
-       bursts (prefetch.py, WALK_BATCH_FRACTION), and a wake-up is a futex call: one a burst
-       on the trio thread instead of one a file. An idle thread waits only on an empty queue,
-       so a non-empty one always has a thread woken or about to look at it.
-       After the unlock: a thread woken while the lock is still held blocks on it at once,
-       and the unlock then wakes it a second time. */
-    if (was_empty)
-        pthread_cond_signal(&pool->work);
+    /* after the unlock: a thread woken while the lock is still held blocks on it at once,
+       and the unlock then wakes it a second time (a futex call on the trio thread for each) */
+    pthread_cond_signal(&pool->work);
     Py_RETURN_NONE;
 }
 
