@@ -572,7 +572,11 @@ class Reader:
                 done.append(file)
                 continue
             if self._ranged_file(file.relpath):
-                continue  # its items were counted as they were read (module docstring)
+                # its items were counted as they were read (module docstring); the wait of its
+                # open (a check of the source) was no item's, and is the epoch's all the same
+                if file.stall_s:
+                    self._stats.stalled(file.stall_s)
+                continue
             if file.kernel_whole:
                 # the kernel served what no READ asked for: the whole file, as far as we can
                 # tell (a reader that opens a file and reads nothing is counted as reading it)

@@ -169,6 +169,11 @@ class Stats:
         record.stall_s += stall_s
         record.bytes_served += bytes_served
 
+    def stalled(self, stall_s: float) -> None:
+        """A reader waited `stall_s` for the source where no file read counts the wait: the
+        open of a file of byte-range items, whose items count as they are read."""
+        self.current.stall_s += stall_s
+
     def source_fetched(self, item: int, key, size_bytes: int) -> None:
         record = self.current
         record.backend_bytes += size_bytes

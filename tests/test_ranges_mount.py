@@ -133,6 +133,23 @@ def test_files_read_under_a_byte_range_order_are_consumed_under_the_next_file_or
     wait_for(lambda: consumed(mount) == 2)
 
 
+def test_the_wait_of_an_open_of_a_file_of_items_counts_as_a_stall(npy, mounter):
+    """The items of a file count as they are read, each with its own wait; the wait of the
+    file's open (its check of the source: `--metadata-ttl 0` checks at every open) was no
+    item's, and `cachefs stats` left it out: a reader waited, and no stall said so."""
+    mount = mounter(npy.parent, "--ram-cache", ROWS * ROW_BYTES, "--data-plane", "keep-cache",
+                    "--metadata-ttl", 0, "--source-delay-ms", 300)
+    publish(mount.mountpoint, 0, permutation(ROWS, 0, 0), items=row_items(npy), files=FILES)
+    time.sleep(1.0)  # the read-ahead's first reads of rows (each 0.3 s late) are done
+    started_s = time.monotonic()
+    fd = os.open(mount.mountpoint / "rows.npy", os.O_RDONLY)
+    opened_s = time.monotonic() - started_s
+    os.close(fd)  # nothing read: no item counts, nor its wait
+    assert opened_s >= 0.3
+    wait_for(lambda: epoch_record(mount, 0)["stall_s"] >= 0.3)
+    assert epoch_record(mount, 0)["reads"] == 0
+
+
 @pytest.mark.parametrize("data_plane", ["auto", "daemon"])
 def test_reads_spanning_cached_and_uncached_bytes(npy, mounter, data_plane):
     """preads at random offsets and sizes, over the header, row boundaries, rows in RAM and
