@@ -71,6 +71,9 @@ log = logging.getLogger(__name__)
 # that cannot be served while every FUSE task waits for the mark, a request waits this long
 # and is answered anyway (closes in that directory may go unreported until the mark lands)
 MARK_WAIT_S = 1.0
+# marks made at once, each holding a thread (one left behind, until it lands): marks that never
+# land take these and no thread of the others that may hang (an order file's load)
+MARK_THREADS = 4
 # entries of a listing whose item numbers are searched at once (`_listed_item`): a search of
 # 256 paths costs 0.5 us a path, of 25 (a READDIRPLUS reply) 3.5, of one 8
 LISTED_ITEMS = 256
@@ -175,6 +178,7 @@ class Operations(pyfuse3.Operations):
         # in a worker thread; the directories marked or being marked, by inode
         self._mark_directory: Callable[[bytes], None] | None = None
         self._marked_dirs: dict[int, trio.Event] = {}
+        self._mark_limiter = trio.CapacityLimiter(MARK_THREADS)
 
     # -- attributes ------------------------------------------------------------------------
 
@@ -493,7 +497,8 @@ class Operations(pyfuse3.Operations):
         marked = self._marked_dirs[dir_inode] = trio.Event()
         try:
             with trio.move_on_after(MARK_WAIT_S) as waited:
-                await threads.run_abandoning(self._mark_directory, relpath)
+                await threads.run_abandoning(self._mark_directory, relpath,
+                                             limiter=self._mark_limiter)
             if waited.cancelled_caught:
                 log.warning("marking %r for close events takes over %.0f s; answering without "
                             "it", relpath, MARK_WAIT_S)

@@ -150,10 +150,13 @@ async def run_one(fn: Callable[..., T], *args) -> T:
     return await run_sync(Slots(1), fn, *args)
 
 
-async def run_abandoning(fn: Callable[..., T], *args) -> T:
+async def run_abandoning(fn: Callable[..., T], *args,
+                         limiter: trio.CapacityLimiter | None = None) -> T:
     """`fn(*args)` in a worker thread; a cancellation returns at once and leaves the thread
-    to finish on its own (for a call that may never return, module docstring)."""
-    return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+    to finish on its own (for a call that may never return, module docstring). It holds a
+    token of `limiter` (trio's default: 40, shared) until it does: calls that may hang in
+    numbers take a limiter of their own, so that those left behind starve no other."""
+    return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True, limiter=limiter)
 
 
 def start_thread(target: Callable[[], object], name: str) -> threading.Thread:

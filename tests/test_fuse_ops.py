@@ -796,3 +796,31 @@ def test_a_close_reported_while_a_read_waits_counts_that_read(tmp_path):
         assert record.stall_s > 0.1
 
     trio.run(main)
+
+
+def test_marks_that_never_land_hold_threads_of_their_own(tmp_path, monkeypatch):
+    """A directory's fanotify mark is made in a thread that a request stops waiting for after
+    MARK_WAIT_S, and the thread stays until the mark lands. Those threads held tokens of trio's
+    default limiter, the one an order file's load takes (order_watch.py): marks that never
+    land (a marker stuck) starved it. Now they hold MARK_THREADS of their own; a request in
+    a new directory is still answered, after MARK_WAIT_S, without its mark."""
+    from cachefs import fuse_ops
+
+    monkeypatch.setattr(fuse_ops, "MARK_WAIT_S", 0.05)
+    ops = operations(tmp_path)
+    stuck = threading.Event()
+    ops.decide_mode(no_open=True, mark_directory=lambda relpath: stuck.wait())
+
+    async def main():
+        default = trio.to_thread.current_default_thread_limiter()
+        try:
+            for index in range(fuse_ops.MARK_THREADS + 2):
+                with trio.fail_after(5):
+                    await ops._closes_reported(100 + index, f"d{index}".encode())
+            assert default.borrowed_tokens == 0
+            assert ops._mark_limiter.borrowed_tokens == fuse_ops.MARK_THREADS
+            assert await trio.to_thread.run_sync(lambda: "loaded") == "loaded"
+        finally:
+            stuck.set()
+
+    trio.run(main)
