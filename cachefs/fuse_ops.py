@@ -366,7 +366,7 @@ class Operations(pyfuse3.Operations):
             # already set page_identity to None (the drop of the old pages queued behind them).
             if entry.page_identity != handle.identity and (
                     entry.page_identity is not None or self.kernel.dropped_lately(inode)):
-                await self.kernel.drain()
+                await self.kernel.drain(inode)
             entry.page_identity = handle.identity
         self._live_entry(inode)  # not retired while the source or the kernel was waited for
         fh = self._new_fh()

@@ -12,7 +12,8 @@ man/cachefs-mount.1, "Kernel page cache"), and this module carries those decisio
   `keep`, and `invalidate_inode_range` (scripts/patches/), only the ranges outside them;
 - `look_up(relpath, then)` has the kernel look a file up (an lstat through the mount), then
   runs `then` on the trio thread: a store needs an inode the kernel holds;
-- `drain()` waits until everything queued before it has run;
+- `drain(inode)` waits until everything of the inode queued before it has run (`drain()`:
+  everything);
 - `dropped_lately(inode)`: whether the inode's pages were dropped in the last
   DROPPED_READ_S. The daemon forgets a block before the drop of its pages lands, and a reader
   may be reading them meanwhile with no READ (the zero-request mode): its close, reported
@@ -26,18 +27,18 @@ in order by one thread: a store queued before an invalidation of its inode alway
 it, and one queued after lands after it, so an invalidation (or a `drain` before an open that
 drops the pages) can never be overtaken by a store of older bytes, nor come after one of newer.
 That thread hands stores to `STORE_THREADS` threads and waits for those of an inode before
-invalidating it (for all of them before a drain). A store of an inode with no job in the FIFO
-(most: the read-ahead's, of files not dropped since) skips the FIFO and goes to the store
-threads at once: nothing of its inode is ahead of it to keep order with, and the FIFO's thread
-cost each store a wake-up and a hand-over of the GIL (the DataLoader shape stores three files
-in four). Why not one thread for all: a store into a
-page the reader got to first waits until the trio thread has answered its READ, and every
-store queued behind it waited too. With a memmap reader of byte-range items the stores fell
-31 jobs behind (median; 60 at p90): the reader then met unstored pages of items read ahead
-long before, each a READ, whose page lock held up the stores further (1,700-3,700 such READs
-an epoch of 5,000 items; stores took 242 us on average, 33 us at the median). A drop still
-waits for its inode's stores, and the jobs behind it with it: with one packed file, a store
-stuck on a page holds up the FIFO at the next drop (every 128 items, cachefs/range_cache.py).
+invalidating it (before a drain, for those of its inode, or all). A store of an inode with no
+job in the FIFO (most: the read-ahead's, of files not dropped since) skips the FIFO and goes to
+the store threads at once: nothing of its inode is ahead of it to keep order with, and the
+FIFO's thread cost each store a wake-up and a hand-over of the GIL (the DataLoader shape stores
+three files in four). Why not one thread for all: a store into a page the reader got to first
+waits until the trio thread has answered its READ, and every store queued behind it waited too.
+With a memmap reader of byte-range items the stores fell 31 jobs behind (median; 60 at p90):
+the reader then met unstored pages of items read ahead long before, each a READ, whose page
+lock held up the stores further (1,700-3,700 such READs an epoch of 5,000 items; stores took
+242 us on average, 33 us at the median). A drop still waits for its inode's stores, and the
+jobs behind it with it: with one packed file, a store stuck on a page holds up the FIFO at the
+next drop (every 128 items, cachefs/range_cache.py).
 
 A store for an inode the kernel does not hold (never looked up, or forgotten) fails with
 ENOENT; that costs nothing but the attempt: the reader's READs are then served by the daemon
@@ -229,7 +230,8 @@ class KernelPages:
 
     def _work(self) -> None:
         """The FIFO, in order (module docstring): stores go to the store threads (inline
-        without them: the simulator), an invalidation waits for its inode's, a drain for all."""
+        without them: the simulator), an invalidation waits for its inode's, a drain for its
+        inode's or (None) all."""
         while (job := self._jobs.get()) is not _STOP:
             kind, inode, offset, data = job
             if kind == "store" and self._store_threads:
@@ -246,10 +248,10 @@ class KernelPages:
                     self._wait_for_stores(inode)
                     self._invalidate(inode, data)
                 else:  # a drain marker: `data` wakes the waiting task
-                    self._wait_for_stores(None)
+                    self._wait_for_stores(inode)
                     data()
             except Exception:  # noqa: BLE001 - the thread must keep serving the mount
-                log.exception("page cache job %s(%d) failed", kind, inode)
+                log.exception("page cache job %s(%s) failed", kind, inode)
             finally:
                 with self._finished:
                     self.done += 1
@@ -485,13 +487,20 @@ class KernelPages:
     def pending(self) -> int:
         return self.queued - self.done
 
-    async def drain(self) -> None:
-        """Return once every job queued before this call has run."""
+    async def drain(self, inode: int | None = None) -> None:
+        """Return once every job of `inode` queued before this call has run (None: every
+        job). Those of other inodes are not waited for: a store waits on a page whose READ
+        waits for the source, and a drain for all of them held an OPEN of any other file that
+        drains as long as a source stuck on that one file (fuse_ops.Operations._open)."""
         if self._thread is None or not self.pending:
             return
+        if inode is not None:
+            with self._finished:
+                if inode not in self._in_fifo and inode not in self._storing:
+                    return  # nothing of it queued, nor being stored
         token = trio.lowlevel.current_trio_token()
         ran = trio.Event()
-        self._put(("drain", 0, 0, lambda: token.run_sync_soon(ran.set)))
+        self._put(("drain", inode, 0, lambda: token.run_sync_soon(ran.set)))
         await ran.wait()
 
     def status(self) -> dict:

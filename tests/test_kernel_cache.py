@@ -361,6 +361,50 @@ def test_a_store_waiting_on_a_page_holds_up_no_other_and_invalidations_keep_thei
         3, 3 * 4096, 1), status
 
 
+def test_a_drain_for_one_inode_waits_for_no_store_of_another():
+    """An OPEN in the keep-cache mode that drops the file's pages drains the stores queued
+    before it (fuse_ops.Operations._open). It drained every inode's: a store waiting on a page
+    whose READ waits on a stuck source held the OPENs of every other file that drained. Now
+    it waits for its own inode's jobs alone, in order: those handed to the store threads and
+    those still in the FIFO behind an invalidation."""
+    import threading
+
+    from cachefs.pagecache import KernelPages
+
+    page_answered = threading.Event()  # the READ holding inode 1's page is answered
+    stored: list[int] = []
+
+    def store_fn(inode: int, offset: int, data: bytes) -> None:
+        if inode == 1:
+            assert page_answered.wait(10)
+        stored.append(inode)
+
+    pages = KernelPages(store_fn, lambda inode: None)
+
+    async def main() -> None:
+        pages.start()
+        pages.store(1, 0, b"x" * 4096)  # stuck on its page
+        pages.store(2, 0, b"y" * 4096)
+        with trio.fail_after(5):
+            await pages.drain(2)
+            await pages.drain(3)  # nothing of it queued: no trip through the FIFO
+        assert 2 in stored
+        with trio.move_on_after(0.2) as waited:
+            await pages.drain(1)
+        assert waited.cancelled_caught and 1 not in stored
+        pages.invalidate(1)  # in the FIFO, waiting for inode 1's store
+        pages.store(2, 4096, b"z" * 4096)  # behind it in the FIFO: inode 2 has a job there
+        page_answered.set()
+        with trio.fail_after(5):
+            await pages.drain(2)
+        assert stored.count(2) == 2 and 1 in stored
+
+    try:
+        trio.run(main)
+    finally:
+        pages.stop()
+
+
 def test_a_lookup_for_a_store_that_fails_unexpectedly_leaves_the_lookups_going(caplog):
     """A lookup thread whose lookup raised something other than an OSError ended, silently:
     the file's push waited for an answer forever (`TieredCache._looking_up`), and once every
