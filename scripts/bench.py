@@ -82,6 +82,9 @@ CONTENDER_KINDS = ("direct-1", "direct-n", "direct-threads", "cachefs-plain", "c
 MIN_RAM_BYTES = 64 * KIB
 # the stats key of the daemon's CPU a file by kind of thread (benchlib.DaemonCpu.by_thread_ms)
 BY_THREAD_KEY = "daemon_cpu_by_thread_ms_per_file"
+# ... and of the kernel's requests the daemon answered a file, by kind (`fuse_requests` of
+# `cachefs stats`; GETXATTR left out: the benchmark's own questions for the stats)
+REQUESTS_KEY = "fuse_requests_per_file"
 SMOKE = {"files": 40, "file_kb": 64, "epochs": 3, "readers": 2, "threads": 4,
          "cache_fractions": [0.5], "no_drop_caches": True}
 
@@ -237,6 +240,7 @@ class Run:
                 # counted from before the publication: the read-ahead it starts is the
                 # epoch's (its source reads landed between a publish and a later snapshot)
                 before = mount.totals()
+                requests_before = mount.stats()["fuse_requests"]
                 daemon_cpu = benchlib.DaemonCpu(mount)
                 if ordered:
                     try:
@@ -251,6 +255,11 @@ class Run:
                 # what the daemon costs per file read, read-ahead and serving together
                 delta.update(daemon_cpu.per_file_ms(result.files))
                 delta[BY_THREAD_KEY] = daemon_cpu.by_thread_ms(result.files)
+                requests = mount.stats()["fuse_requests"]
+                delta[REQUESTS_KEY] = {
+                    op: round((count - requests_before.get(op, 0)) / result.files, 3)
+                    for op, count in requests.items()
+                    if op != "getxattr" and count != requests_before.get(op, 0)}
                 hits = delta["hits_ram"] + delta["hits_ssd"]
                 self._record(name, fraction, epoch, result, gap_s=round(gap_s, 3),
                              machine_cpu_ms_per_file=cpu_ms, stats=delta,
@@ -304,28 +313,27 @@ def markdown_report(run: Run) -> str:
          "trio thread CPU ms/file", "storage and rest CPU ms/file", "hit rate", "C/N"], rows)
 
 
-def threads_table(run: Run) -> str:
-    """The daemon's CPU a file by kind of thread (benchlib.DaemonCpu.by_thread_ms), each
-    contender's epochs, medians over the rounds: where the daemon's time goes."""
-    values: dict[tuple[str, int], dict[str, list[float]]] = {}
+def by_kind_table(run: Run, key: str, heading: str) -> str:
+    """A figure a file by kind (the stats' `key`: BY_THREAD_KEY, where the daemon's time
+    goes; REQUESTS_KEY, what the kernel asked it), each contender's epochs, medians over the
+    rounds (a kind a round has not counts 0 in it), after `heading`."""
+    values: dict[tuple[str, int], list[dict[str, float]]] = {}
     for r in run.records:
-        by_thread = (r.get("stats") or {}).get(BY_THREAD_KEY)
-        if by_thread:
-            at = values.setdefault((r["contender"], r["epoch"]), {})
-            for kind, ms in by_thread.items():
-                at.setdefault(kind, []).append(ms)
+        by_kind = (r.get("stats") or {}).get(key)
+        if by_kind is not None:
+            values.setdefault((r["contender"], r["epoch"]), []).append(by_kind)
     if not values:
         return ""
     totals: dict[str, float] = {}
-    for at in values.values():
-        for kind, ms in at.items():
-            totals[kind] = totals.get(kind, 0.0) + sum(ms)
+    for rounds in values.values():
+        for by_kind in rounds:
+            for kind, figure in by_kind.items():
+                totals[kind] = totals.get(kind, 0.0) + figure
     kinds = sorted(totals, key=lambda kind: -totals[kind])
-    rows = [[name, epoch, *(benchlib.median(at[kind]) if kind in at else None for kind in kinds)]
-            for (name, epoch), at in values.items()]
-    return ("The daemon's CPU a file by thread, ms (medians over the rounds; "
-            f"{benchlib.TRIO_THREAD}: the main thread):\n\n"
-            + benchlib.markdown_table(["contender", "epoch", *kinds], rows))
+    rows = [[name, epoch, *(benchlib.median([by_kind.get(kind, 0.0) for by_kind in rounds])
+                            for kind in kinds)]
+            for (name, epoch), rounds in values.items()]
+    return f"{heading}\n\n" + benchlib.markdown_table(["contender", "epoch", *kinds], rows)
 
 
 def storage_cpu_ms(record: dict) -> float | None:
@@ -478,7 +486,12 @@ def main(argv=None) -> int:
         return 1
     header = describe(run, label)
     report = (f"{header}\n\n{markdown_report(run)}\n\n{summary_table(run)}\n\n"
-              f"{rounds_table(run)}\n\n{threads_table(run)}")
+              f"{rounds_table(run)}\n\n"
+              + by_kind_table(run, BY_THREAD_KEY, "The daemon's CPU a file by thread, ms "
+                              f"(medians over the rounds; {benchlib.TRIO_THREAD}: the main "
+                              "thread):")
+              + "\n\n" + by_kind_table(run, REQUESTS_KEY, "The kernel's requests the daemon "
+                                       "answered, a file, by kind (medians over the rounds):"))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.md").write_text(report + "\n")
     benchlib.write_json(args.out / "bench.json", {

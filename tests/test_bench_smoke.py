@@ -123,6 +123,12 @@ def test_bench_smoke(tmp_path):
                 by_thread = stats["daemon_cpu_by_thread_ms_per_file"]
                 assert {"trio", "cachefs-store", "cachefs-read"} <= set(by_thread), by_thread
                 assert min(by_thread.values()) >= 0, by_thread
+                # the kernel's requests a file: the first epoch's files were looked up or
+                # listed, and each read by a READ or from pages stored ahead (no READ)
+                requests = stats["fuse_requests_per_file"]
+                if r["epoch"] == 0:
+                    assert requests.get("lookup", 0) + requests.get("readdir", 0) > 0, requests
+                assert min(requests.values(), default=0) > 0 and "getxattr" not in requests
                 assert (stats["hits_ram"] + stats["hits_ssd"] + stats["prefetched"]
                         + stats["misses"]) == files
                 assert 0.0 <= r["hit_rate"] <= 1.0
@@ -141,6 +147,7 @@ def test_bench_smoke(tmp_path):
     assert "| contender | round | epoch | time s |" in table and "cachefs-order@0.5" in table
     assert "| readers CPU ms/file |" in table and "| storage and rest CPU ms/file |" in table
     assert "The daemon's CPU a file by thread, ms" in table and "| cachefs-store |" in table
+    assert "The kernel's requests the daemon answered, a file, by kind" in table
     png = out / "bench-epochs.png"
     if benchlib.pyplot() is not None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
