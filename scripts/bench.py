@@ -70,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 from benchlib import KIB, BenchError, DatasetSpec, Manifest, ReaderPool, ReadTask  # noqa: E402
 
-from cachefs.client import stats_delta  # noqa: E402
+from cachefs.client import stats_delta, stats_totals  # noqa: E402
 from cachefs.errors import OrderError  # noqa: E402
 from cachefs.order import permutation  # noqa: E402
 from cachefs.publish import publish  # noqa: E402
@@ -239,8 +239,8 @@ class Run:
                 gap_s = self._drop() if epoch else 0.0
                 # counted from before the publication: the read-ahead it starts is the
                 # epoch's (its source reads landed between a publish and a later snapshot)
-                before = mount.totals()
-                requests_before = mount.stats()["fuse_requests"]
+                snapshot = mount.stats()  # one question for both
+                before, requests_before = stats_totals(snapshot), snapshot["fuse_requests"]
                 daemon_cpu = benchlib.DaemonCpu(mount)
                 if ordered:
                     try:
@@ -254,7 +254,8 @@ class Run:
                 delta = stats_delta(before, mount.settled_totals(before, result.files))
                 # what the daemon costs per file read, read-ahead and serving together
                 delta.update(daemon_cpu.per_file_ms(result.files))
-                delta[BY_THREAD_KEY] = daemon_cpu.by_thread_ms(result.files)
+                # None where the daemon's CPU could not be read: no round of zeros
+                delta[BY_THREAD_KEY] = daemon_cpu.by_thread_ms(result.files) or None
                 requests = mount.stats()["fuse_requests"]
                 delta[REQUESTS_KEY] = {
                     op: round((count - requests_before.get(op, 0)) / result.files, 3)
