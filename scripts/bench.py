@@ -171,11 +171,11 @@ class Run:
         return time.perf_counter() - started_s
 
     def _read_pass(self, task: ReadTask):
-        """One timed pass, and the machine's CPU per file during it (ms, all processes)."""
-        busy_s = benchlib.machine_busy_s()
+        """One timed pass, and the machine's CPU per file during it (ms, all processes) with
+        the time stolen from it (`benchlib.machine_ms_per_file`)."""
+        before = benchlib.machine_times()
         result = self.pool.run(task)
-        cpu_ms = (benchlib.machine_busy_s() - busy_s) * 1e3 / max(1, result.files)
-        return result, round(cpu_ms, 3)
+        return result, benchlib.machine_ms_per_file(before, result.files)
 
     def _record(self, contender: str, fraction, epoch: int, result, **extra) -> dict:
         record = {"contender": contender, "cache_fraction": fraction, "epoch": epoch,
@@ -207,12 +207,11 @@ class Run:
             shift = epoch % max(1, len(contenders))
             for name, shape in contenders[shift:] + contenders[:shift]:
                 gap_s = self._drop()
-                result, cpu_ms = self._read_pass(ReadTask(
+                result, machine = self._read_pass(ReadTask(
                     root, self.orders[epoch], delay_s=self.delay_s,
                     read_bytes=self.args.read_kb * KIB, batch_files=self.args.batch_files,
                     **shape))
-                self._record(name, None, epoch, result, gap_s=round(gap_s, 3),
-                             machine_cpu_ms_per_file=cpu_ms)
+                self._record(name, None, epoch, result, gap_s=round(gap_s, 3), **machine)
 
     # -- cachefs -------------------------------------------------------------------------------
 
@@ -248,7 +247,7 @@ class Run:
                                 next=self.orders[epoch + 1])
                     except OrderError as exc:
                         raise BenchError(f"{name}: publish failed: {exc}") from None
-                result, cpu_ms = self._read_pass(ReadTask(
+                result, machine = self._read_pass(ReadTask(
                     os.fsencode(mountpoint), self.orders[epoch], workers=args.readers,
                     read_bytes=args.read_kb * KIB, batch_files=args.batch_files))
                 delta = stats_delta(before, mount.settled_totals(before, result.files))
@@ -262,8 +261,8 @@ class Run:
                     for op, count in requests.items()
                     if op != "getxattr" and count != requests_before.get(op, 0)}
                 hits = delta["hits_ram"] + delta["hits_ssd"]
-                self._record(name, fraction, epoch, result, gap_s=round(gap_s, 3),
-                             machine_cpu_ms_per_file=cpu_ms, stats=delta,
+                self._record(name, fraction, epoch, result, gap_s=round(gap_s, 3), **machine,
+                             stats=delta,
                              hit_rate=hits / delta["reads"] if delta["reads"] else None)
 
     def run_all(self) -> None:
@@ -303,14 +302,15 @@ def markdown_report(run: Run) -> str:
                      stats["backend_bytes"] / 1e6 if stats else None,
                      stats.get("stall_s"), r.get("open_ms_per_file"),
                      r.get("read_ms_per_file"), r.get("machine_cpu_ms_per_file"),
-                     r.get("readers_cpu_ms_per_file"), stats.get("daemon_cpu_ms_per_file"),
+                     r.get("steal_ms_per_file"), r.get("readers_cpu_ms_per_file"),
+                     stats.get("daemon_cpu_ms_per_file"),
                      stats.get("trio_cpu_ms_per_file"), storage_cpu_ms(r),
                      f"{r['hit_rate']:.3f}" if r.get("hit_rate") is not None else None,
                      run.capacity_bound(r["cache_fraction"])])
     return benchlib.markdown_table(
         ["contender", "round", "epoch", "time s", "files/s", "MB/s", "hits_ram", "hits_ssd",
          "prefetched", "misses", "backend MB", "stall s", "open ms/file", "read ms/file",
-         "machine CPU ms/file", "readers CPU ms/file", "daemon CPU ms/file",
+         "machine CPU ms/file", "stolen ms/file", "readers CPU ms/file", "daemon CPU ms/file",
          "trio thread CPU ms/file", "storage and rest CPU ms/file", "hit rate", "C/N"], rows)
 
 
@@ -340,7 +340,8 @@ def by_kind_table(run: Run, key: str, heading: str) -> str:
 def storage_cpu_ms(record: dict) -> float | None:
     """The machine's CPU per file that neither the readers nor the daemon spent: the
     storage's client and server (sshfs, ssh, sshd and the packet delay, over slowfs), the
-    kernel's threads, anything else running."""
+    kernel's threads, anything else running (not the time the hypervisor stole: that is
+    `steal_ms_per_file`)."""
     machine, readers = record.get("machine_cpu_ms_per_file"), record.get("readers_cpu_ms_per_file")
     if machine is None or readers is None:
         return None

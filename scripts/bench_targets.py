@@ -151,22 +151,22 @@ class Run:
         return time.perf_counter() - started_s
 
     def _pass(self, task: ReadTask):
-        busy_s = benchlib.machine_busy_s()
+        before = benchlib.machine_times()
         result = self.pool.run(task)
-        return result, (benchlib.machine_busy_s() - busy_s) * 1e3 / max(1, result.files)
+        return result, benchlib.machine_ms_per_file(before, result.files)
 
-    def _record(self, contender: str, epoch: int, result, cpu_ms: float, **extra) -> None:
+    def _record(self, contender: str, epoch: int, result, machine: dict, **extra) -> None:
         self.records.append({"contender": contender, "epoch": epoch + 1, **result.to_json(),
-                             "machine_cpu_ms_per_file": round(cpu_ms, 3), **extra})
+                             **machine, **extra})
         log.info("%-9s epoch %d: %6.2f s, %6.0f files/s", contender, epoch + 1, result.wall_s,
                  result.files_per_s)
 
     def direct(self, name: str) -> None:
         for epoch in range(self.args.epochs):
             gap_s = self._evict()
-            result, cpu_ms = self._pass(ReadTask(os.fsencode(self.source), self.orders[epoch],
+            result, machine = self._pass(ReadTask(os.fsencode(self.source), self.orders[epoch],
                                                  threads=self.args.threads))
-            self._record(name, epoch, result, cpu_ms, gap_s=round(gap_s, 3))
+            self._record(name, epoch, result, machine, gap_s=round(gap_s, 3))
 
     def cachefs(self) -> None:
         args = self.args
@@ -185,11 +185,11 @@ class Run:
                 publish(mountpoint, epoch, self.orders[epoch], next=self.orders[epoch + 1])
                 before = mount.totals()
                 daemon_cpu = benchlib.DaemonCpu(mount)
-                result, cpu_ms = self._pass(ReadTask(os.fsencode(mountpoint), self.orders[epoch],
+                result, machine = self._pass(ReadTask(os.fsencode(mountpoint), self.orders[epoch],
                                                      workers=1))
                 delta = stats_delta(before, mount.settled_totals(before, result.files))
                 delta.update(daemon_cpu.per_file_ms(result.files))
-                self._record("cachefs", epoch, result, cpu_ms, gap_s=round(gap_s, 3),
+                self._record("cachefs", epoch, result, machine, gap_s=round(gap_s, 3),
                              stats=delta)
             shown = subprocess.run(cachefs_command("stats", "--json", mountpoint),
                                    capture_output=True, text=True, timeout=60)
@@ -223,11 +223,12 @@ def report(run: Run, ratios: list[dict]) -> str:
         stats = r.get("stats") or {}
         rows.append([r["contender"], r["epoch"], r["wall_s"], r["files_per_s"],
                      stats.get("hits_ram"), stats.get("prefetched"), stats.get("misses"),
-                     stats.get("stall_s"), r["machine_cpu_ms_per_file"],
+                     stats.get("stall_s"), r["machine_cpu_ms_per_file"], r["steal_ms_per_file"],
                      stats.get("daemon_cpu_ms_per_file"), stats.get("trio_cpu_ms_per_file")])
     epochs = benchlib.markdown_table(
         ["contender", "epoch", "time s", "files/s", "hits_ram", "prefetched", "misses",
-         "stall s", "machine CPU ms/file", "daemon CPU ms/file", "trio thread CPU ms/file"],
+         "stall s", "machine CPU ms/file", "stolen ms/file", "daemon CPU ms/file",
+         "trio thread CPU ms/file"],
         rows)
     ratio_table = benchlib.markdown_table(
         ["epoch", "direct files/s (before, after)", "cachefs files/s", "cachefs / direct",

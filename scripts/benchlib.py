@@ -502,13 +502,35 @@ class DaemonCpu:
                 for kind, seconds in sorted(by_kind.items(), key=lambda kv: -kv[1])}
 
 
-def machine_busy_s() -> float:
-    """CPU seconds the whole machine has spent not idle since boot (/proc/stat, all cores):
-    the reader, the daemon, the storage's client and server, the kernel."""
+@dataclass(frozen=True)
+class MachineTimes:
+    """CPU seconds the whole machine has spent since boot (/proc/stat, all cores)."""
+
+    busy_s: float  # not idle: the readers, the daemon, the storage's client and server, the kernel
+    # wanted and not given: on a virtual machine, time the hypervisor ran another guest on a
+    # core this one had work for (the stolen column). It is neither idle nor anyone's work here,
+    # and on these machines it comes in bursts (a fifth of a core at times) that slow one epoch
+    # and not the next: reported beside each figure so that a slow round can be told from a
+    # slow contender.
+    steal_s: float
+
+
+def machine_times() -> MachineTimes:
     with open("/proc/stat") as f:
         ticks = [int(value) for value in f.readline().split()[1:9]]
-    idle_ticks = ticks[3] + ticks[4]  # idle, iowait
-    return (sum(ticks) - idle_ticks) / os.sysconf("SC_CLK_TCK")
+    # user nice system idle iowait irq softirq steal
+    idle_ticks, steal_ticks = ticks[3] + ticks[4], ticks[7]
+    per_s = os.sysconf("SC_CLK_TCK")
+    return MachineTimes((sum(ticks) - idle_ticks - steal_ticks) / per_s, steal_ticks / per_s)
+
+
+def machine_ms_per_file(before: MachineTimes, files: int) -> dict[str, float]:
+    """The machine's CPU (`machine_cpu_ms_per_file`) and the time stolen from it
+    (`steal_ms_per_file`) since `before`, per file read."""
+    after = machine_times()
+    files = max(1, files)
+    return {"machine_cpu_ms_per_file": round((after.busy_s - before.busy_s) * 1e3 / files, 3),
+            "steal_ms_per_file": round((after.steal_s - before.steal_s) * 1e3 / files, 3)}
 
 
 @contextlib.contextmanager

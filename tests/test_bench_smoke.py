@@ -113,6 +113,8 @@ def test_bench_smoke(tmp_path):
             assert r["wall_s"] > 0 and r["files_per_s"] > 0 and r["mb_per_s"] > 0
             assert r["open_ms_per_file"] > 0 and r["read_ms_per_file"] > 0
             assert r["readers_cpu_ms_per_file"] >= 0  # the reader processes' own, in ticks
+            # the machine's CPU, and the time the hypervisor took from it apart from it
+            assert r["machine_cpu_ms_per_file"] >= 0 and r["steal_ms_per_file"] >= 0
             if name == "direct-1":  # one reader: its waits are part of its wall time
                 assert (r["open_ms_per_file"] + r["read_ms_per_file"]) * files / 1e3 \
                     <= r["wall_s"]
@@ -146,6 +148,7 @@ def test_bench_smoke(tmp_path):
     table = (out / "bench.md").read_text()
     assert "| contender | round | epoch | time s |" in table and "cachefs-order@0.5" in table
     assert "| readers CPU ms/file |" in table and "| storage and rest CPU ms/file |" in table
+    assert "| machine CPU ms/file | stolen ms/file |" in table
     assert "The daemon's CPU a file by thread, ms" in table and "| cachefs-store |" in table
     assert "The kernel's requests the daemon answered, a file, by kind" in table
     png = out / "bench-epochs.png"
@@ -362,6 +365,7 @@ def test_bench_targets_smoke(tmp_path):
             stats = record["stats"]
             assert stats["reads"] == files
             assert stats["hits_ram"] + stats["prefetched"] + stats["misses"] == files
+        assert record["machine_cpu_ms_per_file"] >= 0 and record["steal_ms_per_file"] >= 0
     assert [r["epoch"] for r in result["ratios"]] == [1, 2]
     assert all(r["ratio"] > 0 for r in result["ratios"])
     # one target per tmpfs, told apart by device, with every file of the order on one of them
