@@ -165,7 +165,7 @@ class Run:
         for epoch in range(self.args.epochs):
             gap_s = self._evict()
             result, machine = self._pass(ReadTask(os.fsencode(self.source), self.orders[epoch],
-                                                 threads=self.args.threads))
+                                                  threads=self.args.threads))
             self._record(name, epoch, result, machine, gap_s=round(gap_s, 3))
 
     def cachefs(self) -> None:
@@ -185,8 +185,8 @@ class Run:
                 publish(mountpoint, epoch, self.orders[epoch], next=self.orders[epoch + 1])
                 before = mount.totals()
                 daemon_cpu = benchlib.DaemonCpu(mount)
-                result, machine = self._pass(ReadTask(os.fsencode(mountpoint), self.orders[epoch],
-                                                     workers=1))
+                result, machine = self._pass(ReadTask(os.fsencode(mountpoint),
+                                                      self.orders[epoch], workers=1))
                 delta = stats_delta(before, mount.settled_totals(before, result.files))
                 delta.update(daemon_cpu.per_file_ms(result.files))
                 self._record("cachefs", epoch, result, machine, gap_s=round(gap_s, 3),
