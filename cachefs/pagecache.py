@@ -489,9 +489,12 @@ class KernelPages:
 
     async def drain(self, inode: int | None = None) -> None:
         """Return once every job of `inode` queued before this call has run (None: every
-        job). Those of other inodes are not waited for: a store waits on a page whose READ
-        waits for the source, and a drain for all of them held an OPEN of any other file that
-        drains as long as a source stuck on that one file (fuse_ops.Operations._open)."""
+        job). With nothing of the inode queued or being stored it returns at once; else its
+        marker takes its turn in the FIFO (behind an invalidation queued before it, which
+        waits for its own inode's stores) and then waits for this inode's stores alone, not
+        every store handed out: a store waits on a page whose READ waits for the source, and
+        a drain for all of them held an OPEN of any other file that drains as long as a
+        source stuck on that one file (fuse_ops.Operations._open)."""
         if self._thread is None or not self.pending:
             return
         if inode is not None:
