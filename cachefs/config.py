@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cachefs.mountinfo import listed_path
+from cachefs.scheduling import parse_cpus
 
 # order files store epochs, ranks and indices as int64 (man/cachefs-order.5): the CLI's bound
 # on --epoch, and cachefs/order.py's on every integer it writes
@@ -155,6 +156,8 @@ class MountConfig:
     metrics_address: tuple[str, int] | None = None
     # tell systemd (Type=notify) when the mount serves and when it stops (cachefs/sdnotify.py)
     notify_systemd: bool = False
+    # the CPUs the daemon's threads run on: "auto", "all" or a list (cachefs/scheduling.py)
+    cpus: str = "auto"
 
     def __post_init__(self):
         if self.fuse_tasks < 1:
@@ -163,3 +166,4 @@ class MountConfig:
             raise ValueError(f"--data-plane must be one of {', '.join(DATA_PLANES)}")
         if self.metadata_ttl_s < 0 or self.kernel_timeout_s < 0 or self.source_delay_s < 0:
             raise ValueError("timeouts and delays must not be negative")
+        parse_cpus(self.cpus)  # ValueError for a list that is none

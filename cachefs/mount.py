@@ -95,6 +95,10 @@ def check_startup(config: MountConfig) -> None:
         from cachefs import metrics  # prometheus_client: only for mounts that serve metrics
 
         metrics.check_address(config.metrics_address)
+    try:
+        scheduling.daemon_cpus(scheduling.parse_cpus(config.cpus), os.sched_getaffinity(0))
+    except ValueError as exc:
+        raise errors.StartupError(str(exc), errors.EXIT_USAGE) from None
 
 
 class SourceManifest:
@@ -338,7 +342,8 @@ class Mount:
             "cachefs_version": __version__,
             "mount": {"source": str(self.config.source), "mountpoint": str(self.config.mountpoint),
                       "pid": os.getpid(), "started_at": self.started_at,
-                      "block_bytes": self.config.cache.block_bytes},
+                      "block_bytes": self.config.cache.block_bytes,
+                      "cpus": sorted(os.sched_getaffinity(0))},
             "order_file": str(self.config.order_file),
             "order": order,
             "last_rejection": watch.get("last_rejection"),
@@ -563,6 +568,8 @@ def run(config: MountConfig) -> int:
     """Mount in the foreground until unmounted or signalled; raises StartupError."""
     check_startup(config)
     scheduling.run_as_batch_work()  # before any thread of the mount starts
+    scheduling.run_on_cpus(scheduling.daemon_cpus(scheduling.parse_cpus(config.cpus),
+                                                  os.sched_getaffinity(0)))
     state_dir.prepare(config)
     state_lock = state_dir.lock(config.state_dir)
     pid_file = config.state_dir / "pid"

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cachefs import scheduling
 from conftest import mounted_paths, run_cachefs, sha256, wait_for, write_file
 
 MIB = 1 << 20
@@ -93,6 +94,46 @@ def test_every_thread_of_the_daemon_runs_as_batch_work(tree, mounter, started_un
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
             policies[task] = os.sched_getscheduler(int(task))
     assert set(policies.values()) == {expected}, policies
+
+
+@pytest.mark.parametrize("cpus", ["auto", "one", "all"])
+def test_every_thread_of_the_daemon_runs_on_the_cpus_asked(tree, mounter, cpus):
+    """`--cpus` (cachefs/scheduling.py): on a machine of few CPUs the default puts every
+    thread of the daemon on the last of them, those there at start and every one started
+    after; a list puts them there, `all` leaves them floating; `cachefs stats` tells which."""
+    allowed = os.sched_getaffinity(0)
+    if cpus == "auto":
+        mount = mounter(tree)
+        expected = {max(allowed)} if len(allowed) <= scheduling.AUTO_ONE_CPU_MAX else allowed
+    elif cpus == "one":
+        expected = {min(allowed)}
+        mount = mounter(tree, "--cpus", str(min(allowed)))
+    else:
+        mount, expected = mounter(tree, "--cpus", "all"), allowed
+    assert source_files(mount.mountpoint) == source_files(tree)
+    tasks = os.listdir(f"/proc/{mount.process.pid}/task")
+    assert len(tasks) > 4  # the threads of the reads are there too
+    cpus_by_task = {}
+    for task in tasks:
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            cpus_by_task[task] = frozenset(os.sched_getaffinity(int(task)))
+    assert set(cpus_by_task.values()) == {frozenset(expected)}, cpus_by_task
+    assert mount.stats()["mount"]["cpus"] == sorted(expected)
+
+
+def test_cpus_the_daemon_may_not_use_are_refused(tree, tmp_path):
+    """A CPU outside those the daemon may use: exit status 2 and the CPUs it may use, with
+    nothing mounted; a list that is none: the same status, saying what a list is."""
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    beyond = max(os.sched_getaffinity(0)) + 1
+    for cpus, says in ((str(beyond), f"CPU {beyond} is not among those the daemon may use"),
+                       ("two", "auto, all, or CPU numbers")):
+        result = run_cachefs("mount", tree, mountpoint, "--state-dir", tmp_path / "state",
+                             "--cpus", cpus)
+        assert result.returncode == 2, result
+        assert says in result.stderr
+        assert not os.path.ismount(mountpoint)
 
 
 def test_metadata_walk_glob_symlinks(tree, mounter):
