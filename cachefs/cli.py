@@ -169,14 +169,13 @@ def cli():
               show_default=True, help="Who serves cached bytes: the kernel's page cache "
                                       "with no request, with OPEN/RELEASE, or the daemon.")
 @click.option("--cpus", default="auto", show_default=True, metavar="auto|all|LIST",
-              help="CPUs the daemon's threads run on: one where the machine has few, all, "
-                   "or a list such as 1 or 2-3.")
+              help="CPUs of the daemon's threads: one if few, all, or a list (1, 2-3).")
 @click.option("--metrics", type=AddressType(),
               help="Serve Prometheus metrics at http://HOST:PORT/metrics.")
 def mount(source, mountpoint, foreground, systemd, debug, fuse_options, order_file, state_dir,
           resume_order, ram_cache, block_size, lookahead, source_threads, miss_batch, ssd_cache,
-          ssd_size, source_delay_ms, metadata_ttl, kernel_timeout, fuse_tasks, data_plane,
-          cpus, metrics):
+          ssd_size, source_delay_ms, metadata_ttl, kernel_timeout, fuse_tasks, data_plane, cpus,
+          metrics):
     """Mount SOURCE read-only at MOUNTPOINT."""
     unknown = [opt for opt in fuse_options if opt not in FUSE_OPTIONS]
     if unknown:
@@ -193,10 +192,9 @@ def mount(source, mountpoint, foreground, systemd, debug, fuse_options, order_fi
             prefetch=PrefetchConfig(lookahead_items=lookahead, source_threads=source_threads,
                                     miss_batch_items=miss_batch),
             allow_other="allow_other" in fuse_options, debug=debug, fuse_tasks=fuse_tasks,
-            kernel_timeout_s=kernel_timeout, metadata_ttl_s=metadata_ttl,
+            kernel_timeout_s=kernel_timeout, metadata_ttl_s=metadata_ttl, cpus=cpus,
             source_delay_s=source_delay_ms / 1000.0, data_plane=data_plane,
-            resume_order=resume_order, metrics_address=metrics,
-            notify_systemd=systemd, cpus=cpus)
+            resume_order=resume_order, metrics_address=metrics, notify_systemd=systemd)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if foreground or systemd:
