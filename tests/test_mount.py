@@ -86,14 +86,7 @@ def test_every_thread_of_the_daemon_runs_as_batch_work(tree, mounter, started_un
         mount, expected = mounter(tree), os.SCHED_BATCH
     else:
         mount, expected = mounter(tree, prefix=started_under.split()), os.SCHED_IDLE
-    assert source_files(mount.mountpoint) == source_files(tree)
-    tasks = os.listdir(f"/proc/{mount.process.pid}/task")
-    assert len(tasks) > 4  # the threads of the reads are there too
-    policies = {}
-    for task in tasks:
-        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            policies[task] = os.sched_getscheduler(int(task))
-    assert set(policies.values()) == {expected}, policies
+    assert _of_every_thread(mount, tree, os.sched_getscheduler) == {expected}
 
 
 @pytest.mark.parametrize("cpus", ["auto", "one", "all"])
@@ -110,15 +103,22 @@ def test_every_thread_of_the_daemon_runs_on_the_cpus_asked(tree, mounter, cpus):
         mount = mounter(tree, "--cpus", str(min(allowed)))
     else:
         mount, expected = mounter(tree, "--cpus", "all"), allowed
+    assert _of_every_thread(mount, tree, lambda tid: frozenset(os.sched_getaffinity(tid))
+                            ) == {frozenset(expected)}
+    assert mount.stats()["mount"]["cpus"] == sorted(expected)
+
+
+def _of_every_thread(mount, tree: Path, look) -> set:
+    """`look(tid)` of every thread of the daemon, once it has read every file (the read
+    pool's threads, the page cache's workers and trio's thread cache are there then)."""
     assert source_files(mount.mountpoint) == source_files(tree)
     tasks = os.listdir(f"/proc/{mount.process.pid}/task")
     assert len(tasks) > 4  # the threads of the reads are there too
-    cpus_by_task = {}
+    seen = set()
     for task in tasks:
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            cpus_by_task[task] = frozenset(os.sched_getaffinity(int(task)))
-    assert set(cpus_by_task.values()) == {frozenset(expected)}, cpus_by_task
-    assert mount.stats()["mount"]["cpus"] == sorted(expected)
+            seen.add(look(int(task)))
+    return seen
 
 
 def test_cpus_the_daemon_may_not_use_are_refused(tree, tmp_path):
