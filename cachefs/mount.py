@@ -96,7 +96,7 @@ def check_startup(config: MountConfig) -> None:
 
         metrics.check_address(config.metrics_address)
     try:
-        scheduling.daemon_cpus(scheduling.parse_cpus(config.cpus), os.sched_getaffinity(0))
+        scheduling.cpus_asked(config.cpus)
     except ValueError as exc:
         raise errors.StartupError(str(exc), errors.EXIT_USAGE) from None
 
@@ -568,8 +568,7 @@ def run(config: MountConfig) -> int:
     """Mount in the foreground until unmounted or signalled; raises StartupError."""
     check_startup(config)
     scheduling.run_as_batch_work()  # before any thread of the mount starts
-    scheduling.run_on_cpus(scheduling.daemon_cpus(scheduling.parse_cpus(config.cpus),
-                                                  os.sched_getaffinity(0)))
+    scheduling.run_on_cpus(scheduling.cpus_asked(config.cpus))
     state_dir.prepare(config)
     state_lock = state_dir.lock(config.state_dir)
     pid_file = config.state_dir / "pid"

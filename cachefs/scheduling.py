@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +62,26 @@ def run_as_batch_work() -> None:
     try:
         if os.sched_getscheduler(0) != os.SCHED_OTHER:
             return  # started under a policy of the caller's choice (chrt): it stays
-        for task in os.listdir("/proc/self/task"):
-            try:
-                os.sched_setscheduler(int(task), os.SCHED_BATCH, os.sched_param(0))
-            except ProcessLookupError:
-                continue  # a thread that ended meanwhile
+        _each_thread(lambda tid: os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0)))
     except OSError as exc:  # a seccomp filter, a container without the right
         log.warning("the daemon's threads run under their scheduling policy as it was: %s",
                     exc)
+
+
+def _each_thread(apply: Callable[[int], object]) -> None:
+    """`apply(tid)` to every thread of the daemon there is now (a thread started after
+    inherits what its creator has); a thread that ends meanwhile is skipped."""
+    for task in os.listdir("/proc/self/task"):
+        try:
+            apply(int(task))
+        except ProcessLookupError:
+            continue
+
+
+def cpus_asked(text: str) -> set[int] | None:
+    """`daemon_cpus` of `--cpus` `text` on the CPUs this process may use: checked at the
+    start (ValueError), then applied (`run_on_cpus`)."""
+    return daemon_cpus(parse_cpus(text), os.sched_getaffinity(0))
 
 
 def parse_cpus(text: str) -> frozenset[int] | str:
@@ -115,11 +127,7 @@ def run_on_cpus(cpus: set[int] | None) -> None:
     if cpus is None:
         return
     try:
-        for task in os.listdir("/proc/self/task"):
-            try:
-                os.sched_setaffinity(int(task), cpus)
-            except ProcessLookupError:
-                continue  # a thread that ended meanwhile
+        _each_thread(lambda tid: os.sched_setaffinity(tid, cpus))
     except OSError as exc:  # a seccomp filter, a cpuset changed meanwhile
         log.warning("the daemon's threads run on the CPUs they had: %s", exc)
         return
