@@ -394,21 +394,24 @@ class Operations(pyfuse3.Operations):
     @_guarded
     async def read(self, fh, offset, size):
         if self.no_open:
-            unopened = await self._read_without_open(fh)
-            unopened.reads_in_flight += 1
-            try:
-                return await self.reader.read(unopened, offset, size)
-            finally:
-                unopened.reads_in_flight -= 1
-                if unopened.close_seen and not unopened.reads_in_flight:
-                    self._account_late_close(unopened)
+            # from its arrival, before the file is checked at the source (reader.waiting)
+            with self.reader.waiting(self._live_entry(fh).relpath, offset, size):
+                unopened = await self._read_without_open(fh)
+                unopened.reads_in_flight += 1
+                try:
+                    return await self.reader.read(unopened, offset, size)
+                finally:
+                    unopened.reads_in_flight -= 1
+                    if unopened.close_seen and not unopened.reads_in_flight:
+                        self._account_late_close(unopened)
         handle = self._files.get(fh)
         if handle is None:
             raise pyfuse3.FUSEError(errno.EBADF)
         # a change found since the open: ESTALE, as in the zero-request mode, not bytes of the
         # old version a fetch in flight at the change put in RAM after its drop
         self._live_entry(handle.inode)
-        return await self.reader.read(handle, offset, size)
+        with self.reader.waiting(handle.relpath, offset, size):
+            return await self.reader.read(handle, offset, size)
 
     def open_files(self) -> list[bytes]:
         """The files open now, with an OPEN (the keep-cache mode) or without one (the

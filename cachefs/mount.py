@@ -254,7 +254,7 @@ class Mount:
                                        open_files=lambda: self.ops.open_files(),
                                        serves_without_open=lambda: self.ops.no_open,
                                        range_files=read_path.range_cache.paged_files,
-                                       drop_range_pages=read_path.range_cache.drop_pages)
+                                       drop_range_pages=read_path.range_cache.drop_overdue_pages)
         self.control = Control(self.snapshot, config.order_file, self.warmer.request)
         self.ops = Operations(self.source, self.reader, self.control, self.inodes, self.kernel,
                               self.freshness, kernel_timeout_s=config.kernel_timeout_s,

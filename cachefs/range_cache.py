@@ -46,6 +46,15 @@ of 100 KB over slowfs: 6,500-7,100 READs an epoch where 5,000 are the sentinels'
 window's extents kept and the window at three times the source threads, cachefs/prefetch.py,
 5,300-5,650, and 10,100 stores). Without the patch the whole file goes, as at an epoch's start.
 
+A file whose version was not seen at the source within the TTL loses its pages to the overdue
+pass (cachefs/revalidate.py, "Overdue", `drop_overdue_pages`), but for those of READs waiting
+for their answer (`reading`, from the READ's arrival: fuse_ops.read): each such READ checked
+the file first, and its answer fills them. Dropped, they went the moment it landed (the drop
+waits on their lock), before the reader had them, and the reader asked again; where every
+READ took longer than the pass's interval (a source slower than the TTL) that went on for
+good: with the daemon on one CPU, a read of a `.npy` never ended. Where the kernel cannot drop
+a range, a file with a READ waiting is left to the next pass.
+
 Pure trio and the injected kernel calls: no pyfuse3 here.
 """
 
@@ -574,6 +583,27 @@ class RangeCache:
         keep = (self._pushed_extents(relpath)
                 if keep_pushed and failures == self._store_failures_at_drop else None)
         self._store_failures_at_drop = failures
+        self._drop(relpath, keep, keeps_pushed=keep is not None)
+
+    def drop_overdue_pages(self, relpath: bytes) -> bool:
+        """The kernel drops the file's pages, its version not seen at the source within the
+        TTL, but those of READs waiting for their answer (module docstring); True if they
+        went, False if left to the next pass."""
+        reading = sorted((page * PAGE_BYTES, (page + 1) * PAGE_BYTES)
+                         for path, page in self._reading if path == relpath)
+        if not reading:
+            self.drop_pages(relpath)
+        elif self.kernel is not None and self.kernel.drops_ranges:
+            self._pushed_now()
+            self._drop(relpath, reading, keeps_pushed=False)
+        else:
+            return False
+        return True
+
+    def _drop(self, relpath: bytes, keep: list[tuple[int, int]] | None, *,
+              keeps_pushed: bool) -> None:
+        """`drop_file_pages`; unless the pages kept are the pushed items' (`keeps_pushed`),
+        the window's items are walked, and pushed, again."""
         kept = self._drop_file_pages(relpath, keep)
         if keep is None:
             self._paged_files.discard(relpath)  # until a push or a READ brings pages back
@@ -581,7 +611,7 @@ class RangeCache:
         if not self._consumed_files:
             self._consumed_items = self._consumed_bytes = 0
         self.drops += 1
-        if kept:
+        if kept and keeps_pushed:
             return
         planner = self.ranking.planner
         planner.scan = planner.cursor  # the window's items are walked, and pushed, again

@@ -28,9 +28,10 @@ counted early (the bytes served are right whatever is counted).
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from cachefs import errors
 from cachefs import stats as stats_mod
@@ -100,11 +101,7 @@ class RangeReader:
         if self._touched_plan[0] is not items or self._touched_plan[1] != plan[1]:
             self._touched, self._touched_plan = {}, plan
         hits = items.overlapping(file_index, offset, end).tolist()
-        self._cache.reading(relpath, offset, end, add=True)
-        try:
-            found = await self._item_bytes(relpath, identity, items, hits, offset, end)
-        finally:
-            self._cache.reading(relpath, offset, end, add=False)
+        found = await self._item_bytes(relpath, identity, items, hits, offset, end)
         if self._ranking.items is not items:
             # another table came in force while this READ waited: its item numbers, and
             # the keys made of them, are not this READ's; the source serves it whole
@@ -135,6 +132,22 @@ class RangeReader:
             parts = [gap_bytes[part] if isinstance(part, int) else part for part in parts]
         self._consume_sentinels(relpath, items, hits, offset, end)
         return b"".join(parts)
+
+    @contextlib.contextmanager
+    def waiting(self, relpath: bytes, offset: int, size: int) -> Iterator[None]:
+        """A READ of bytes [offset, offset + size) of the file waits for its answer
+        in this block, from its arrival (before a check of the file at the source, fuse_ops
+        `_read_without_open`) to its answer: no store goes into its pages, nor does the
+        overdue pass drop them (RangeCache.reading, RangeCache.drop_overdue_pages). Nothing
+        for a file that holds no items."""
+        if self.file_of(relpath) < 0:
+            yield
+            return
+        self._cache.reading(relpath, offset, offset + size, add=True)
+        try:
+            yield
+        finally:
+            self._cache.reading(relpath, offset, offset + size, add=False)
 
     async def _item_bytes(self, relpath: bytes, identity: SourceIdentity, items: Items,
                           hits: list[int], offset: int, end: int

@@ -53,6 +53,7 @@ the others by cachefs/read_path.py.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -289,8 +290,7 @@ class Reader:
         file's last known identity; its READs check it against the source's as they read."""
         return OpenFile(inode, relpath, identity, item, self._ranking.manifest,
                         epoch_record=self._stats.current,
-                        order_serial=self._planner.order_serial,
-                        consume_at_release=True)
+                        order_serial=self._planner.order_serial, consume_at_release=True)
 
     def still_alone(self, tokens: list) -> list:
         """Of `tokens` (an `AloneFile` or None, by close), each whose close still counts from
@@ -374,6 +374,11 @@ class Reader:
             self._kept_whole(handle, blocks)
             return handle
         return handle if self._kernel_dropped_lately(handle) else None
+
+    def waiting(self, relpath: bytes, offset: int, size: int) -> contextlib.AbstractContextManager:
+        """Held while a READ of [offset, offset + size) waits (RangeReader.waiting)."""
+        return (contextlib.nullcontext() if self._ranges is None
+                else self._ranges.waiting(relpath, offset, size))
 
     def _ranged_file(self, relpath: bytes) -> bool:
         """Its samples are byte-range items of the order in force (module docstring)."""
@@ -479,8 +484,7 @@ class Reader:
         # the one clock (freshness.py), so that the simulator's virtual clock measures stalls too
         started_s = now_s()
         fetched = await self._tiered.fetch(key, handle.identity, handle.item, handle.manifest,
-                                          demand=True,
-                                          read_whole=block_index in handle.blocks_read)
+                                          demand=True, read_whole=block_index in handle.blocks_read)
         assert fetched is not None  # only a prefetch (demand=False) may come back empty
         if fetched.origin == stats_mod.ORIGIN_MISS:
             handle.stall_s += now_s() - started_s

@@ -83,7 +83,7 @@ class Revalidator:
                  open_files: Callable[[], Iterable[bytes]] = tuple,
                  serves_without_open: Callable[[], bool] = lambda: False,
                  range_files: Callable[[], Iterable[bytes]] = tuple,
-                 drop_range_pages: Callable[[bytes], None] = lambda relpath: None):
+                 drop_range_pages: Callable[[bytes], bool] = lambda relpath: True):
         """`record_identity(relpath, identity, item, asked_s)`: a fresh identity, for the
         read-ahead (Prefetcher.record_identity; `item`: the file's, if known, else None;
         `asked_s`: when the source was asked; False: not recorded, an older look than one
@@ -93,8 +93,9 @@ class Revalidator:
         (module docstring; fuse_ops.Operations.read_without_open); `serves_without_open()`:
         the zero-request mode is on, where overdue pages are dropped (module docstring);
         `range_files()`: the files of byte-range items whose pages the kernel may hold, which
-        RAM does not count, and `drop_range_pages(relpath)` has the kernel drop them all
-        (RangeCache.paged_files, RangeCache.drop_pages)."""
+        RAM does not count, and `drop_range_pages(relpath)` has the kernel drop them, but
+        those of READs waiting for their answer, False if it left them to the next pass
+        (RangeCache.paged_files, RangeCache.drop_overdue_pages)."""
         self.source = source
         self.ram = ram
         self.inodes = inodes
@@ -157,8 +158,8 @@ class Revalidator:
         # count (cachefs/range_cache.py), all read with no request but for each sentinel
         for relpath in self._range_files():
             entry = entry_of(relpath)
-            if entry is not None and entry.checked_s < oldest_trusted_s:
-                self._drop_range_pages(relpath)
+            if (entry is not None and entry.checked_s < oldest_trusted_s
+                    and self._drop_range_pages(relpath)):
                 overdue[relpath] = 0
         if overdue:
             log.info("%d files not seen at the source within --metadata-ttl (the re-checks "

@@ -402,7 +402,8 @@ class Sim:
         offset = size if handle.kernel_whole else 0
         while offset < size:
             request = min(config.request_bytes, size - offset)
-            data = await self.reader.read(handle, offset, request)
+            with self.reader.waiting(handle.relpath, offset, request):  # as fuse_ops.read
+                data = await self.reader.read(handle, offset, request)
             self._check(item, offset, data, request)
             offset += request
             self.ram.observe()

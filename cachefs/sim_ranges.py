@@ -110,7 +110,8 @@ async def read_range_item(sim, item: int, position: int, result) -> None:
         # the kernel puts the page in its cache (locked) before it sends the READ: a drop of
         # the file's pages meanwhile waits for the READ, and takes the page too
         pages.read_into(inode, page)
-        data = await sim.reader.read(handle, lo, PAGE_BYTES)
+        with sim.reader.waiting(handle.relpath, lo, PAGE_BYTES):  # as fuse_ops.read
+            data = await sim.reader.read(handle, lo, PAGE_BYTES)
         if data != range_content(file_index, lo, min(lo + PAGE_BYTES, handle.identity.size)):
             sim.data_errors += 1
             log.error("item %d page %d: wrong bytes", item, page)

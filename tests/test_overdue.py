@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import threading
 import time
 
 import numpy as np
@@ -21,6 +22,7 @@ import trio
 import trio.testing
 
 from cachefs import stats as stats_mod
+from cachefs.client import abort_fuse_connection
 from cachefs.cache.ram import RamBlock, RamTier
 from cachefs.freshness import NEVER_S, Freshness
 from cachefs.inodes import InodeTable
@@ -97,7 +99,11 @@ def test_a_changed_file_of_byte_range_items_is_not_served_from_pages_left(tmp_pa
                                                                           mounter):
     """The same under an order of byte-range items (rows of a .npy): the kernel's pages of
     such a file are the range cache's, which the RAM tier does not count (cachefs/
-    range_cache.py), and the pass left them (the old version read again, with no request)."""
+    range_cache.py), and the pass left them (the old version read again, with no request).
+    The daemon runs on one CPU (--cpus): there every pass's drop, queued while a READ of the
+    file waited for the source (each READ checks the file, slower than the TTL), took that
+    READ's page the moment its answer landed, before the reader had it, and the read never
+    ended; the pass now keeps the pages of READs waiting (RangeCache.drop_overdue_pages)."""
     src = tmp_path / "src"
     src.mkdir()
     rng = np.random.default_rng(4)
@@ -107,25 +113,49 @@ def test_a_changed_file_of_byte_range_items_is_not_served_from_pages_left(tmp_pa
     items = ItemArrays(np.zeros(2, np.int64), header_bytes + np.arange(2) * 4096,
                        np.full(2, 4096, np.int64))
     mount = mounter(src, "--ram-cache", 1 << 20, "--metadata-ttl", 0.5,
-                    "--data-plane", "no-open", "--source-delay-ms", 800)
+                    "--data-plane", "no-open", "--source-delay-ms", 800,
+                    "--cpus", max(os.sched_getaffinity(0)))
     publish(mount.mountpoint, 0, permutation(2, 0, 0), items=items, files=["rows.npy"])
     path = mount.mountpoint / "rows.npy"
-    assert path.read_bytes() == (src / "rows.npy").read_bytes()
+    assert _read_within(path) == (src / "rows.npy").read_bytes()
     buffer = io.BytesIO()
     np.save(buffer, new)
     expected = buffer.getvalue()
     _rewrite(tmp_path, src / "rows.npy", expected)
     time.sleep(0.5)  # the re-checks asked since land 0.8 s after
     try:
-        got = path.read_bytes()
+        got = _read_within(path)
     except OSError as exc:
         # opened as the version the kernel held, and the READ found the change: ESTALE, as
         # from NFS (man/cachefs-mount.1); an open after that gets the new version
         assert exc.errno == errno.ESTALE, exc
-        got = path.read_bytes()
+        got = _read_within(path)
     assert got == expected
     revalidation = mount.stats()["revalidation"]
     assert revalidation["overdue_files"] >= 1, revalidation
+
+
+def _read_within(path, timeout_s: float = 60.0) -> bytes:
+    """`path.read_bytes()`, or the test fails if it has not returned in `timeout_s`: the
+    read is stuck in the kernel, and the mount's connection is aborted to free it."""
+    outcome: dict = {}
+
+    def read() -> None:
+        try:
+            outcome["data"] = path.read_bytes()
+        except OSError as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        abort_fuse_connection(str(path.parent))
+        thread.join(10)
+        pytest.fail(f"a read of {path.name} through the mount did not end in {timeout_s} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["data"]
 
 
 def _held_in_kernel(tmp_path, names: list[str]):
@@ -162,7 +192,11 @@ def test_range_files_with_pages_in_the_kernel_are_swept_and_dropped_when_overdue
     inodes.remember(b"rows", os.lstat(tmp_path / "rows"), lookup=True, stat_time_s=0.0)
     dropped: list[bytes] = []
     revalidator._range_files = lambda: [b"rows"]
-    revalidator._drop_range_pages = dropped.append
+
+    def drop_range_pages(relpath: bytes) -> bool:
+        dropped.append(relpath)
+        return True
+    revalidator._drop_range_pages = drop_range_pages
 
     async def main():
         await trio.sleep(6)  # past half the TTL: due

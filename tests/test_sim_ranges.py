@@ -446,3 +446,39 @@ def test_a_file_whose_pages_went_during_a_read_is_paged_again_by_its_answer():
         return dropped, cache.paged_files() == [relpath]
 
     assert run_script(config, script) == (False, True)
+
+
+def test_the_overdue_pass_keeps_the_pages_of_a_read_waiting_for_its_answer():
+    """The overdue pass (cachefs/revalidate.py) drops the pages of a file not seen at the
+    source within the TTL, but those of a READ waiting for its answer (from its arrival,
+    `Reader.waiting`): dropped too, they went the moment the answer landed, before the reader
+    had them, and with every READ slower than the pass's interval the reader asked again for
+    good (tests/test_overdue.py, the daemon on one CPU). Where the kernel cannot drop a range,
+    the file is left to the next pass; with no READ waiting, every page goes."""
+    config = SimConfig(items=N, item_bytes=ITEM_BYTES, ram_bytes=RAM_BYTES, epochs=1,
+                       latency_s=0.002, ranges_per_file=N)
+
+    async def script(sim):
+        sim.prefetcher.set_order(sim.order(1))
+        cache = sim.prefetcher.ranges.cache
+        relpath = sim.paths[0]
+        drops = []
+
+        def drop_file_pages(path: bytes, keep) -> bool:
+            drops.append((path, keep))
+            return keep is not None
+
+        cache._drop_file_pages = drop_file_pages
+        with sim.reader.waiting(relpath, 5 * PAGE_BYTES + 100, PAGE_BYTES):
+            dropped = [cache.drop_overdue_pages(relpath)]
+            range_fn, sim.kernel._invalidate_range_fn = sim.kernel._invalidate_range_fn, None
+            dropped.append(cache.drop_overdue_pages(relpath))  # a kernel that drops no range
+            sim.kernel._invalidate_range_fn = range_fn
+        dropped.append(cache.drop_overdue_pages(relpath))
+        return dropped, drops, relpath in cache.paged_files()
+
+    dropped, drops, paged = run_script(config, script)
+    kept = [(5 * PAGE_BYTES, 6 * PAGE_BYTES), (6 * PAGE_BYTES, 7 * PAGE_BYTES)]
+    assert dropped == [True, False, True]
+    assert drops == [(drops[0][0], kept), (drops[0][0], None)]
+    assert not paged  # every page went
