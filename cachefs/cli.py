@@ -168,8 +168,8 @@ def cli():
 @click.option("--data-plane", type=click.Choice(DATA_PLANES), default="auto",
               show_default=True, help="Who serves cached bytes: the kernel's page cache "
                                       "with no request, with OPEN/RELEASE, or the daemon.")
-@click.option("--cpus", default="all", show_default=True, metavar="auto|all|LIST",
-              help="CPUs of the daemon's threads: all, one if few, or a list (1, 2-3).")
+@click.option("--cpus", default="auto", show_default=True, metavar="auto|all|LIST",
+              help="CPUs of the daemon's threads: one if few, all, or a list (1, 2-3).")
 @click.option("--metrics", type=AddressType(),
               help="Serve Prometheus metrics at http://HOST:PORT/metrics.")
 def mount(source, mountpoint, foreground, systemd, debug, fuse_options, order_file, state_dir,

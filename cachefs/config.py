@@ -157,7 +157,7 @@ class MountConfig:
     # tell systemd (Type=notify) when the mount serves and when it stops (cachefs/sdnotify.py)
     notify_systemd: bool = False
     # the CPUs the daemon's threads run on: "auto", "all" or a list (cachefs/scheduling.py)
-    cpus: str = "all"
+    cpus: str = "auto"
 
     def __post_init__(self):
         if self.fuse_tasks < 1:

@@ -19,9 +19,8 @@ The policy is set once, at the start of the mount, before its threads start: a n
 inherits its creator's policy (POSIX threads and Python's alike), so every thread of the
 daemon has it.
 
-The CPUs they run on (`--cpus`, `daemon_cpus`). By default the daemon's threads float over
-every CPU it may use (`all`). With `auto`, on a machine of few cores, every thread of the
-daemon runs on one CPU, the last of those it may use: its trio thread is one core's work at
+The CPUs they run on (`--cpus`, `daemon_cpus`). On a machine of few cores, every thread of
+the daemon runs on one CPU, the last of those it may use: its trio thread is one core's work at
 most (Python's GIL), and its other threads mostly wait for the source or the kernel. Left to
 float, the daemon's threads (the trio thread, 64 read-pool threads, the page stores) woke on
 whichever core was free, beside the storage client's and the readers', and each woke with cold
@@ -34,11 +33,9 @@ made no difference beyond the rounds' spread. On a machine of more cores than
 own could be taken by the trainer's threads (not measured: these machines have two). The
 affinity is set like the policy, on every thread there is at the start (a thread inherits its
 creator's), and a list given with `--cpus` is checked against the CPUs the daemon may use (a
-cpuset, taskset(1)), which `auto` picks from. Why `auto` is not the default: with it, a
-test of a file of byte-range items rewritten under a reader (tests/test_overdue.py,
-`test_a_changed_file_of_byte_range_items_is_not_served_from_pages_left`) hung in two runs of
-three: the reader's READ never answered, the page cache's thread waiting on a page lock in an
-invalidation of the same file. A wait that one CPU makes likely, and not yet understood.
+cpuset, taskset(1)), which `auto` picks from. One CPU turned a race of the
+overdue pass with a READ into a read that never ended (cachefs/range_cache.py, fixed): a
+test runs the daemon on one CPU for it (tests/test_overdue.py).
 """
 
 from __future__ import annotations

@@ -89,20 +89,20 @@ def test_every_thread_of_the_daemon_runs_as_batch_work(tree, mounter, started_un
     assert _of_every_thread(mount, tree, os.sched_getscheduler) == {expected}
 
 
-@pytest.mark.parametrize("cpus", ["the default", "auto", "one"])
+@pytest.mark.parametrize("cpus", ["auto", "one", "all"])
 def test_every_thread_of_the_daemon_runs_on_the_cpus_asked(tree, mounter, cpus):
-    """`--cpus` (cachefs/scheduling.py): by default every thread of the daemon floats over
-    the CPUs it may use; `auto` puts them on the last of them on a machine of few, a list
-    there, those at start and every one started after; `cachefs stats` tells which."""
+    """`--cpus` (cachefs/scheduling.py): on a machine of few CPUs the default puts every
+    thread of the daemon on the last of them, those there at start and every one started
+    after; a list puts them there, `all` leaves them floating; `cachefs stats` tells which."""
     allowed = os.sched_getaffinity(0)
-    if cpus == "the default":
-        mount, expected = mounter(tree), allowed
-    elif cpus == "auto":
-        mount = mounter(tree, "--cpus", "auto")
+    if cpus == "auto":
+        mount = mounter(tree)
         expected = {max(allowed)} if len(allowed) <= scheduling.AUTO_ONE_CPU_MAX else allowed
-    else:
+    elif cpus == "one":
         expected = {min(allowed)}
         mount = mounter(tree, "--cpus", str(min(allowed)))
+    else:
+        mount, expected = mounter(tree, "--cpus", "all"), allowed
     assert _of_every_thread(mount, tree, lambda tid: frozenset(os.sched_getaffinity(tid))
                             ) == {frozenset(expected)}
     assert mount.stats()["mount"]["cpus"] == sorted(expected)
