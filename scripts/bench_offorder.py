@@ -6,8 +6,18 @@ first 50 directories, 50,000 files) in directory order, as a validation pass or 
 sampler would (`find DIRS -type f | xargs cat`). The read-ahead then works on positions all
 over the epoch while the reader waits on its own requests. Side by side in one run: the same
 reader directly on the source, through a mount with no order, and through a mount with the
-order published; medians of `--passes` rounds, a fresh mount each, the two mounts taking turns
-to go first; and the ratio of the two mounts' times round by round, with its median.
+order published; medians of `--passes` rounds, fresh mounts each; and the ratio of the two
+mounts' times round by round, with its median.
+
+The two mounts are up at once and the reader takes turns between them, a directory (1,000
+files, a third of a second) at a time, the mount that goes first alternating. Mounted one
+after the other, each for its whole read, the ratio of a round spread from 0.66x to 1.29x on
+these VMs (their speed drifts over seconds with their neighbours'), where the difference to
+measure is a few per cent; taking turns, rounds agree within a few per cent. Neither mount is
+credited with the other's work: after each directory the reader waits for that mount's daemon
+to go quiet (the closes of its files are reported to it after the reader's close returned),
+and that wait counts in the mount's time, as the read-ahead's filling of its window after
+the order's publication counts in the order's.
 
 It also reports what the daemon's bookkeeping costs per cached block (case 9): its resident
 memory (VmRSS) after the read, less its RSS before it (once the source was scanned, and the
@@ -23,6 +33,7 @@ Usage: python scripts/bench_offorder.py [--files 200000] [--read-dirs 50] [--pas
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -36,6 +47,13 @@ from cachefs.order import permutation  # noqa: E402
 from cachefs.publish import publish, source_file_count  # noqa: E402
 
 FILES_PER_DIR = 1000
+# the two mounts, and the names of their mountpoints and state directories
+MOUNTS = {"no order": "no-order", "order": "order"}
+# a daemon is quiet once its threads ran under QUIET_CPU_S over QUIET_WINDOW_S (an idle one
+# runs a pass over its overdue files every quarter second, well under a millisecond)
+QUIET_WINDOW_S = 0.01
+QUIET_CPU_S = 0.0005
+QUIET_TIMEOUT_S = 30.0
 SMOKE = {"files": 2000, "read_dirs": 1, "passes": 1}
 
 
@@ -78,26 +96,71 @@ def rss_bytes(pid: int) -> int:
     raise benchlib.BenchError(f"no VmRSS for process {pid}")
 
 
-def through_mount(args, source: Path, dirs: list[str], ordered: bool
-                  ) -> tuple[float, dict, dict]:
-    """Seconds of the read, the daemon's memory (`rss_*` bytes, RAM tier blocks) and its CPU
+def daemon_ran_s(pid: int) -> float:
+    """CPU seconds all the daemon's threads have run (the scheduler's nanoseconds)."""
+    return sum(seconds for _, seconds in benchlib.threads_cpu_s(pid).values())
+
+
+def until_quiet_s(pid: int) -> float:
+    """Seconds until the daemon goes quiet (under QUIET_CPU_S of CPU over QUIET_WINDOW_S),
+    the quiet window itself not counted: what it still does for a reader that is done (closes
+    are reported to it in batches, after the reader's close returned; the read-ahead's
+    completions)."""
+    started_s = time.perf_counter()
+    deadline_s = started_s + QUIET_TIMEOUT_S
+    ran_s = daemon_ran_s(pid)
+    while True:
+        window_start_s = time.perf_counter()
+        time.sleep(QUIET_WINDOW_S)
+        now_ran_s = daemon_ran_s(pid)
+        if now_ran_s - ran_s < QUIET_CPU_S or window_start_s > deadline_s:
+            return window_start_s - started_s
+        ran_s = now_ran_s
+
+
+def through_mounts(args, source: Path, dirs: list[str], round_index: int
+                   ) -> dict[str, tuple[float, dict, dict]]:
+    """Both mounts up at once, the reader taking turns between them directory by directory
+    (ABBA: the mount that goes first alternates), so that a machine whose speed drifts over
+    seconds (these VMs' neighbours) weighs on both alike. Each mount is charged the time its
+    daemon takes to go quiet after each of its directories (`until_quiet_s`), so that none of
+    its work lands in the other's time, and the order's mount the time its read-ahead takes
+    to fill the window after the order's publication.
+
+    Per mount: the seconds, the daemon's memory (`rss_*` bytes, RAM tier blocks) and its CPU
     per file read (`daemon_cpu_ms_per_file`, `trio_cpu_ms_per_file`: the reader reads one file
     at a time, so what the trio thread spends per file is on its path)."""
-    mountpoint, state = args.workdir / "mnt", args.workdir / "state"
-    with benchlib.cachefs_mount(source, mountpoint, state, ram_bytes=1 << 30) as mount:
-        files = source_file_count(mountpoint, 300)
-        pid = benchlib.daemon_pid(mount)
-        memory = {"rss_scanned": rss_bytes(pid)}
-        cpu = benchlib.DaemonCpu(mount)
-        if ordered:  # returns once the daemon took it (and made its arrays)
-            publish(mountpoint, 0, permutation(files, 0, 0), next=permutation(files, 0, 1))
-        memory["rss_before"] = rss_bytes(pid)
-        seconds = read_dirs(mountpoint, dirs)
-        cpu_ms = cpu.per_file_ms(len(dirs) * FILES_PER_DIR)
-        time.sleep(1.0)  # the read-ahead's last completions
-        ram = mount.stats()["ram"]
-        memory.update(rss_read=rss_bytes(pid), blocks=ram["blocks"], ram_bytes=ram["bytes"])
-        return seconds, memory, cpu_ms
+    with contextlib.ExitStack() as stack:
+        mounts = {name: stack.enter_context(benchlib.cachefs_mount(
+            source, args.workdir / f"mnt-{slug}", args.workdir / f"state-{slug}",
+            ram_bytes=1 << 30)) for name, slug in MOUNTS.items()}
+        pids, memory, cpu, seconds = {}, {}, {}, {}
+        for name, mount in mounts.items():
+            files = source_file_count(mount.mountpoint, 300)
+            pids[name] = benchlib.daemon_pid(mount)
+            memory[name] = {"rss_scanned": rss_bytes(pids[name])}
+            cpu[name] = benchlib.DaemonCpu(mount)
+            seconds[name] = 0.0
+        # returns once the daemon took it (and made its arrays); its read-ahead then fills
+        # the window, charged to the order's mount
+        publish(mounts["order"].mountpoint, 0, permutation(files, 0, 0),
+                next=permutation(files, 0, 1))
+        seconds["order"] += until_quiet_s(pids["order"])
+        for name in mounts:
+            memory[name]["rss_before"] = rss_bytes(pids[name])
+        for index, directory in enumerate(dirs):
+            turn = list(mounts) if (index + round_index) % 2 == 0 else list(mounts)[::-1]
+            for name in turn:
+                seconds[name] += read_dirs(mounts[name].mountpoint, [directory])
+                seconds[name] += until_quiet_s(pids[name])
+        figures = {}
+        for name, mount in mounts.items():
+            cpu_ms = cpu[name].per_file_ms(len(dirs) * FILES_PER_DIR)
+            ram = mount.stats()["ram"]
+            memory[name].update(rss_read=rss_bytes(pids[name]), blocks=ram["blocks"],
+                                ram_bytes=ram["bytes"])
+            figures[name] = (seconds[name], memory[name], cpu_ms)
+        return figures
 
 
 def main(argv=None) -> int:
@@ -112,12 +175,8 @@ def main(argv=None) -> int:
         for round_index in range(args.passes):
             read_dirs(source, dirs)  # the source in the page cache, as for the mounts
             figures["direct"].append(read_dirs(source, dirs))
-            # each mount goes first in every other round: a machine that drifts over a round
-            # favours neither
-            names = list(memory) if round_index % 2 == 0 else list(memory)[::-1]
-            for name in names:
-                seconds, used, cpu_ms = through_mount(args, source, dirs,
-                                                      ordered=name == "order")
+            for name, (seconds, used, cpu_ms) in through_mounts(args, source, dirs,
+                                                                 round_index).items():
                 figures[name].append(seconds)
                 memory[name].append(used)
                 cpu[name].append(cpu_ms)
@@ -133,8 +192,8 @@ def main(argv=None) -> int:
              *(f"{cpu_medians[name][key]:.3f}" if name in cpu_medians else "-"
                for key in benchlib.DAEMON_CPU_KEYS)]
             for name, seconds in medians.items()]
-    # the two mounts of a round ran minutes apart on the same machine: their ratio, round by
-    # round, is steadier than the ratio of the medians
+    # the two mounts of a round read side by side: their ratio, round by round, is steadier
+    # than the ratio of the medians
     round_ratios = [order / no_order for order, no_order
                     in zip(figures["order"], figures["no order"], strict=True)]
     print(f"{args.read_dirs * FILES_PER_DIR} of {args.files} one-byte files read in directory "
