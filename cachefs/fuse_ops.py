@@ -394,9 +394,10 @@ class Operations(pyfuse3.Operations):
     @_guarded
     async def read(self, fh, offset, size):
         if self.no_open:
+            entry = self._live_entry(fh)
             # from its arrival, before the file is checked at the source (reader.waiting)
-            with self.reader.waiting(self._live_entry(fh).relpath, offset, size):
-                unopened = await self._read_without_open(fh)
+            with self.reader.waiting(entry.relpath, offset, size):
+                unopened = await self._read_without_open(fh, entry)
                 unopened.reads_in_flight += 1
                 try:
                     return await self.reader.read(unopened, offset, size)
@@ -421,14 +422,14 @@ class Operations(pyfuse3.Operations):
         return [handle.relpath
                 for handle in (*self._files.values(), *self._without_open.values())]
 
-    async def _read_without_open(self, inode: int) -> OpenFile:
-        """The handle of a READ that came with no OPEN: `fh` is the inode (patched pyfuse3).
+    async def _read_without_open(self, inode: int, entry) -> OpenFile:
+        """The handle of a READ that came with no OPEN: `fh` is the inode (patched pyfuse3);
+        `entry`: its `_live_entry`, just looked up by the READ.
         The first READ of a file whose version was last seen at the source over a TTL ago
         (InodeEntry.checked_s) checks the source, as an open would (`_open`;
         Reader.checked_handle_without_open), and so does a later READ of the file held open
         once its version was last seen that long ago."""
         handle = self._without_open.get(inode)
-        entry = self._live_entry(inode)
         if handle is not None:
             if not self.freshness.trusted(entry.checked_s):
                 await self._check_held_open(inode, handle)
