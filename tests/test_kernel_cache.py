@@ -143,13 +143,21 @@ def test_stats_count_the_requests_a_pass_costs(dataset, mounter, plane):
     read_all(mount, relpaths)  # no order: each file read whole stays in the page cache
     first = requests(1)
     assert first["lookup"] >= N_FILES and first["read"] >= N_FILES, first
+    reclaimed_before = kernel(mount)["reclaimed_blocks"]
     read_all(mount, relpaths)
     time.sleep(0.3)  # nothing more is on its way
     second = requests(2)
     # (GETXATTR: `cachefs stats` asks the daemon through an attribute of the mountpoint)
     added = {name: count - first.get(name, 0) for name, count in second.items()
              if count != first.get(name, 0) and name != "getxattr"}
-    assert added == ({"open": N_FILES, "release": N_FILES} if releases else {}), added
+    expected = {"open": N_FILES, "release": N_FILES} if releases else {}
+    # but for a file whose pages the kernel reclaimed (these VMs reclaim page cache
+    # proactively: `served_whole_or_reclaimed`): its one block is asked for again by one READ,
+    # and counted as reclaimed
+    reclaimed = kernel(mount)["reclaimed_blocks"] - reclaimed_before
+    if reclaimed:
+        expected["read"] = reclaimed
+    assert added == expected, (added, reclaimed)
 
 
 @PLANES
