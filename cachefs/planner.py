@@ -307,12 +307,13 @@ class Planner:
         """The item's next use once the read of it under way is consumed (what `consume`
         will make `next_use`): a later position in this order (rank padding repeats items),
         else its position in the next order, else NEVER."""
-        if item < 0 or item >= len(self.pos_cur) or self.pos_cur[item] < 0:
+        # (`.item`: a Python int, not a numpy scalar; once per file closed)
+        if item < 0 or item >= len(self.pos_cur) or self.pos_cur.item(item) < 0:
             return self.next_use(item)
         later = self._later_positions.get(item)
         if later:
             return float(later[0])
-        position = self.pos_next[item]
+        position = self.pos_next.item(item)
         return float(len(self.current) + position) if position >= 0 else NEVER
 
     def next_uses(self, items: np.ndarray | None = None) -> np.ndarray:

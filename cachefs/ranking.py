@@ -405,15 +405,16 @@ class Ranking:
         use = self._use_of(first.item)
         if use is None:
             return True  # no known future: ranked last among such blocks (LRU)
-        if self._ranked(first.item, 0, first.identity, use) is None:
-            return False
         if self._s_per_item is None or self.kernel_losses or item < 0:
             return False
         # the distance in files from the plan, not from the rank: a next-epoch file's rank
-        # is its distance divided by its read cost (`set_read_costs`)
-        if item != first.item:  # numbered by another manifest than the block
-            use = self.planner.next_use(item)
-        return use != NEVER and (use - self.planner.cursor) * self._s_per_item <= KERNEL_KEEP_S
+        # is its distance divided by its read cost (`set_read_costs`). Asked before the
+        # rank: most files a reader is done with are read again far later (a reader off
+        # the order's: all but a few), and ranking each of them was a tenth of its close
+        distance = use if item == first.item else self.planner.next_use(item)
+        if distance == NEVER or (distance - self.planner.cursor) * self._s_per_item > KERNEL_KEEP_S:
+            return False
+        return self._ranked(first.item, 0, first.identity, use) is not None
 
     def note_kernel_loss(self) -> None:
         """The kernel lost pages of a file of the manifest that only it held: it forgot the

@@ -22,7 +22,10 @@ Nor while the budget has room: a reserve that fits evicts nothing, so no rank is
 reader off the order reserves for every file it reads, and settling the re-rank of the file
 before it was 3-5% of the daemon's instructions a file in the simulator). Blocks with a known
 future are in an eviction heap, which is lazy: every change pushes a new (priority, lru_seq)
-tuple, and a popped tuple that no longer matches its block is skipped. Blocks with no known
+tuple, and a popped tuple that no longer matches its block is skipped. The pushes themselves
+wait until the heap is next read (`_heaped`, before an eviction): a block read for a reader
+and consumed at its close, on a mount with room, was pushed for nothing, a sift through a
+heap of every block held (a reader off the order lands one per file). Blocks with no known
 future are in an ordered dict, least recently used first, so that using one (`touch`, once per
 file read on a mount with no order) is a move, not a push. Those go first, as their priority says.
 `rebuild` redoes both when every priority changes at once.
@@ -129,6 +132,9 @@ def page_bytes(nbytes: int) -> int:
 # What a block's bookkeeping costs at most (module docstring), with a margin over the
 # ~1 KB measured on CPython 3.11 by tests/test_planner.py::test_block_overhead_covers_bookkeeping
 BLOCK_OVERHEAD_BYTES = 1536
+# pushes put off into the eviction heap are made by one heapify when they are more than this
+# fraction of it: a heapify costs about 2 comparisons a tuple, a push about log2 of the heap
+HEAPIFY_FRACTION = 8
 
 
 class RamTier:
@@ -142,6 +148,7 @@ class RamTier:
         self.reserved_bytes = 0
         self.blocks: dict[BlockKey, RamBlock] = {}
         self._heap: list[tuple[float, int, BlockKey]] = []  # blocks with a known future
+        self._unheaped: list[tuple[float, int, BlockKey]] = []  # pushes not made yet
         self._lru: OrderedDict[BlockKey, None] = OrderedDict()  # the others, oldest use first
         self._seq = itertools.count()
         self.evictions = 0
@@ -230,7 +237,7 @@ class RamTier:
         if self._lru:
             key = next(iter(self._lru))
             return key, self.blocks[key]
-        heap = self._heap
+        heap = self._heaped()
         while heap:
             neg_priority, seq, key = heap[0]
             block = self.blocks.get(key)
@@ -290,7 +297,7 @@ class RamTier:
         # drop pages): a `_push` here would compact `self._heap` and lose `heap`'s tuples
         self._deferred_ranks = None  # every priority is given anew
         heap: list[tuple[float, int, BlockKey]] = []
-        self._heap = heap
+        self._heap, self._unheaped = heap, []
         lru, self._lru = self._lru, OrderedDict()
         seq = self._seq
         # the blocks with no known future first, least recently used first: their order stays
@@ -318,12 +325,28 @@ class RamTier:
             return
         self._lru.pop(key, None)
         block.lru_seq = next(self._seq)
-        heapq.heappush(self._heap, (-block.priority, block.lru_seq, key))
-        if len(self._heap) > 2 * len(self.blocks) + 1024:
+        self._unheaped.append((-block.priority, block.lru_seq, key))  # (`_heaped`)
+        if len(self._heap) + len(self._unheaped) > 2 * len(self.blocks) + 1024:
             # mostly stale tuples: rebuild from the live blocks
             self._heap = [(-b.priority, b.lru_seq, k) for k, b in self.blocks.items()
                           if not math.isinf(b.priority)]
+            self._unheaped = []
             heapq.heapify(self._heap)
+
+    def _heaped(self) -> list[tuple[float, int, BlockKey]]:
+        """The eviction heap, with the pushes put off made (module docstring): one by one
+        if they are few beside it, else by one heapify of both."""
+        pending = self._unheaped
+        if pending:
+            self._unheaped = []
+            heap = self._heap
+            if len(pending) * HEAPIFY_FRACTION > len(heap):
+                heap.extend(pending)
+                heapq.heapify(heap)
+            else:
+                for entry in pending:
+                    heapq.heappush(heap, entry)
+        return self._heap
 
     # -- kernel copies ----------------------------------------------------------------------
 
