@@ -41,6 +41,17 @@ near.) Whether the readers go through the order somewhere, together (`follows`: 
 positions lie within that distance of each other, say a job resumed mid-epoch), decides
 whether a miss reads a batch of the next items (cachefs/prefetch.py `demand_miss`).
 
+While they do not, a read of an item that is not near is not the order's (`read_outside`):
+its position is noted among the recent ones, and nothing else; the item is not consumed,
+and the reader serves the file as it would with no order (cachefs/reader.py). A pass off the
+order then leaves the plan as the order's readers left it: the read-ahead still reads its
+files at their positions for the trainer (consumed, they were skipped, and a trainer running
+beside a validation pass missed on each), and it costs the pass what a pass with no order
+costs, where the consumption, the re-rank and the early rank of each of its files took a
+tenth more of the daemon's work per file (scripts/bench_offorder.py). The near ones are the
+order's: readers that follow it read there, beside such a pass or not. A verdict is as old as
+the last consumption, or as the last OUTSIDE_NOTES reads outside, which are noted together.
+
 The read-ahead walks the window target by target (cachefs/targets.py): each storage target has
 a list of the virtual positions of its items, and `entries` yields those of a list that still
 have an item to read ahead (`due_items`), nearest first.
@@ -95,6 +106,9 @@ ARRAY_MIN_ITEMS = 16
 # `entries` walks this many entries one by one before it takes a chunk at a time, and the
 # cursor moves this many positions one by one before a stretch at a time
 SCALAR_ENTRIES = 16
+# reads outside the order (`read_outside`) noted among the recent positions together, at
+# the latest: a reader off the order reads a few files between two batches of closes
+OUTSIDE_NOTES = 8
 
 
 class Planner:
@@ -118,10 +132,11 @@ class Planner:
         self._recent_near: deque[bool] = deque(maxlen=RECENT_CONSUMPTIONS)
         self._near_count = 0
         self._near_max = 0
-        # `follows`, found when first asked after a consumption (None: not yet): it is asked
-        # at every demand miss, at every file of a reader off the order, whose closes come
-        # about eight to a batch
-        self._follows: bool | None = None
+        # whether the readers follow the order, and where near ends, judged as positions are
+        # noted (`_judge`): both are asked at every READ of a reader off the order
+        self.follows = True
+        self._near_end = 0
+        self._outside: list[int] = []  # positions read outside the order, not noted yet
         # the read-ahead of an order of byte ranges (cachefs/range_prefetch.py), which walks
         # one list, `window`, has handled every window position below this
         self.scan = 0
@@ -165,7 +180,6 @@ class Planner:
                       and np.array_equal(order.current, self.current))
         joined = not same_epoch and self._rank_joined(order)
         self.order = order
-        self._follows = None  # its ranks weigh in `_near_items`
         manifest_len = order.item_count  # byte-range items, or the manifest's files
         self.reranked_items = None
         if joined:
@@ -177,6 +191,7 @@ class Planner:
             self.order_serial += 1
             self._start(order.epoch, order.current, order.next, manifest_len)
             return True
+        self._judge()  # its ranks weigh in `_near_items`
         # Only the next epoch changed (a trainer publishing each epoch, after the plan moved
         # on to it by itself): an item's next use changed only if it is used next epoch
         # first, having been consumed in this one or not being in it
@@ -340,19 +355,33 @@ class Planner:
         return (max(self.cursor, self._near_max)
                 if 2 * self._near_count >= len(self._recent_near) else self.cursor)
 
-    @property
-    def follows(self) -> bool:
-        """Whether the readers go through the order together (module docstring): the recent
-        consumptions lie near each other (or there are too few to tell). Judged again after
-        each consumption only: the window's size, which `_near_items` weighs too, changes
-        with the files' sizes as they become known, and a verdict a batch of closes old
-        does as well."""
-        follows = self._follows
-        if follows is None:
-            recent = self._recent
-            follows = self._follows = (len(recent) < RECENT_CONSUMPTIONS
-                                       or max(recent) - min(recent) < self._near_items())
-        return follows
+    def _judge(self, near_items: int | None = None) -> None:
+        """`follows`, whether the readers go through the order together (module docstring):
+        the recent positions lie near each other (or there are too few to tell); and where
+        near ends past the cursor. Judged as positions are noted only: the window's size,
+        which `_near_items` weighs too, changes with the files' sizes as they become known,
+        and a verdict a batch of closes old does as well."""
+        recent = self._recent
+        if near_items is None:
+            near_items = self._near_items()
+        self.follows = (len(recent) < RECENT_CONSUMPTIONS
+                        or max(recent) - min(recent) < near_items)
+        self._near_end = self.cursor + near_items
+
+    def read_outside(self, item: int) -> bool:
+        """Whether a read of `item` starting now is not the order's (module docstring): the
+        readers do not follow the order, and the item's position is not near. Its position
+        is then noted among the recent ones (with the next consumption, or OUTSIDE_NOTES
+        together), and the item is not to be consumed."""
+        if self.follows or not 0 <= item < len(self.pos_cur):
+            return False
+        position = self.pos_cur.item(item)
+        if position < self._near_end:  # near, or in no order / consumed (-1)
+            return False
+        self._outside.append(position)
+        if len(self._outside) >= OUTSIDE_NOTES:
+            self._note_positions([])
+        return True
 
     def _near_items(self) -> int:
         """How far past the cursor readers that follow the order read (module docstring)."""
@@ -361,11 +390,16 @@ class Planner:
                    (len(self.current) - self.cursor) // 8)
 
     def _note_positions(self, positions: list[int]) -> None:
-        """Consumptions at `positions`, reported together: where the readers are (module
-        docstring). Near is judged against the cursor after them: the cursor only moves on,
-        so one near stays near."""
+        """Consumptions at `positions`, reported together, after the reads outside the order
+        not noted yet (`read_outside`): where the readers are (module docstring). Near is
+        judged against the cursor after them: the cursor only moves on, so one near stays
+        near."""
+        if self._outside:
+            positions = self._outside + positions
+            self._outside = []
         # below the cursor counts as near: consumed before it moved, by readers at the cursor
-        threshold = self.cursor + self._near_items()
+        near_items = self._near_items()
+        threshold = self.cursor + near_items
         recent, recent_near = self._recent, self._recent_near
         near_count, near_max = self._near_count, self._near_max
         # counted as the deques turn over, not summed again: a reader off the order consumes
@@ -380,13 +414,14 @@ class Planner:
                 near_count += 1
                 near_max = max(near_max, position + 1)
         self._near_count, self._near_max = near_count, near_max
-        self._follows = None
+        self._judge(near_items)
 
     def _forget_positions(self) -> None:
         self._recent.clear()
-        self._follows = None
+        self._outside = []
         self._recent_near.clear()
         self._near_count = self._near_max = 0
+        self._judge()
 
     def span_end(self) -> int:
         """The virtual position below which anything may be read ahead: the window's span at

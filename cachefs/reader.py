@@ -14,6 +14,11 @@ the read-ahead, or reads outside its window) tells the prefetcher first, which s
 the next files of that file's storage target (prefetch.py `demand_miss`); at release, its miss
 and stall are counted in its target too (cachefs/targets.py).
 
+A read that is not the order's (`Planner.read_outside`: the readers do not follow the order,
+and the file's position is not near; a validation pass in directory order) is served and
+counted as any other, its blocks ranked by the plan, but the file is not consumed: no miss
+batch, no early rank once read whole, no consumption at the close (`OpenFile.outside`).
+
 A file read sequentially (block n right after block n-1) gets its next blocks read ahead even
 without an order, so large files (shards, HDF5, .npy) stream at source bandwidth; those of the
 next blocks already in RAM are stored into the kernel's page cache ahead of the reader.
@@ -116,6 +121,7 @@ class OpenFile:
     # was reported meanwhile (it is released when the last of them ends: fuse_ops `read`)
     reads_in_flight: int = 0
     close_seen: bool = False
+    outside: bool = False  # not the order's read (Planner.read_outside): never consumed
 
     @property
     def size_bytes(self) -> int:
@@ -134,16 +140,14 @@ class KernelRead:
     origin: int  # where their blocks came from (`_served`)
     relpath: bytes = b""  # the one file's, for the log
     # (epoch record, files, bytes): how many of the files counted in which epoch, the one in
-    # force when each was consumed (as `OpenFile.epoch_record`; the order's end may fall
-    # inside a run)
+    # force at its consumption (`OpenFile.epoch_record`; the order's end may split a run)
     counted: list = field(default_factory=list)
 
 
 @dataclass(eq=False, slots=True)
 class AloneFile:
-    """A file of one block, which only the kernel holds and a reader was served: its next
-    close is counted from the block alone, while the block is resident (module docstring;
-    `Reader.still_alone`)."""
+    """A file of one block only the kernel holds, which a reader was served: its next close
+    counts from the block alone while it is resident (module docstring; `Reader.still_alone`)."""
     key: BlockKey
     block: RamBlock
 
@@ -172,8 +176,7 @@ class Reader:
 
     @property
     def item_numbering(self) -> int:
-        """Changes whenever item numbers change meaning (Ranking.numbering): what an item
-        number found by `item_of` is valid under."""
+        """What an item number found by `item_of` is valid under (Ranking.numbering)."""
         return self._ranking.numbering
 
     def item_of(self, relpath: bytes) -> int:
@@ -211,7 +214,8 @@ class Reader:
         # the handle takes the epoch and order of the open, not those after a wait
         handle = OpenFile(inode, relpath, None, item,  # type: ignore[arg-type]
                           self._ranking.manifest, epoch_record=self._stats.current,
-                          order_serial=self._planner.order_serial)
+                          order_serial=self._planner.order_serial,
+                          outside=self._planner.read_outside(item))
         await self._settle_identity(handle, recent)
         if pages_of is not None and pages_of == handle.identity:
             blocks = self._tiered.kernel_holds_all(handle.relpath, handle.identity)
@@ -237,7 +241,8 @@ class Reader:
             handle.identity = known
             return
         # not read ahead (or its identity is stale): the batch of its target starts now
-        self._prefetcher.demand_miss(handle.item, handle.manifest)
+        if not handle.outside:
+            self._prefetcher.demand_miss(handle.item, handle.manifest)
         handle.identity = await self.fresh_identity(handle, join_flight=not disagree)
 
     async def fresh_identity(self, handle: OpenFile, *, join_flight: bool = False
@@ -290,7 +295,8 @@ class Reader:
         file's last known identity; its READs check it against the source's as they read."""
         return OpenFile(inode, relpath, identity, item, self._ranking.manifest,
                         epoch_record=self._stats.current,
-                        order_serial=self._planner.order_serial, consume_at_release=True)
+                        order_serial=self._planner.order_serial, consume_at_release=True,
+                        outside=self._planner.read_outside(item))
 
     def still_alone(self, tokens: list) -> list:
         """Of `tokens` (an `AloneFile` or None, by close), each whose close still counts from
@@ -320,7 +326,8 @@ class Reader:
                 if run is None:
                     run = KernelRead([], [], stats_mod.ORIGIN_RAM)
                     released.append(run)
-                run.items.append(close.block.item)
+                item = close.block.item  # (counted as in no manifest if read outside)
+                run.items.append(-1 if self._planner.read_outside(item) else item)
                 run.sizes_bytes.append(close.block.nbytes)
                 ram.touch(close.key, close.block)
                 continue
@@ -367,8 +374,9 @@ class Reader:
                 if block.data is not None:
                     break  # the daemon holds a copy too: a handle settles the two
             else:
-                return KernelRead([item], [identity.size], self._served_whole(blocks),
-                                  relpath)
+                outside = self._planner.read_outside(item)  # counted, not consumed
+                return KernelRead([-1 if outside else item], [identity.size],
+                                  self._served_whole(blocks), relpath)
         handle = self.handle_without_open(inode, relpath, item, identity)
         if blocks is not None:
             self._kept_whole(handle, blocks)
@@ -385,9 +393,8 @@ class Reader:
         return self._ranges is not None and self._ranges.file_of(relpath) >= 0
 
     def _kernel_dropped_lately(self, handle: OpenFile) -> bool:
-        """The kernel's pages of the file were dropped a moment ago, and a reader closed it
-        with no READ: it read them before they went (module docstring), counted as a file
-        the kernel served whole (`_kept_whole`), from RAM."""
+        """The kernel's pages of the file were dropped a moment ago, and a reader closed it with
+        no READ: it read them before they went (module docstring), served whole from RAM."""
         kernel = self._tiered.kernel
         if kernel is None or not kernel.dropped_lately(handle.inode):
             return False
@@ -396,9 +403,8 @@ class Reader:
         return True
 
     def _served(self, key, block) -> int:
-        """A block of the tier reaches a reader (through a READ, or the kernel's pages): where
-        it came from, for the class the reader's file counts in (its costliest block's), once
-        per load (stats.py)."""
+        """A block of the tier reaches a reader (a READ, or the kernel's pages): where it came
+        from, for the class its file counts in (its costliest block's), once per load (stats)."""
         block.served, origin = True, stats_mod.ORIGIN_RAM if block.served else block.origin
         self._tiered.ram.touch(key, block)
         return origin
@@ -429,7 +435,7 @@ class Reader:
             parts.append(data if (lo, hi) == (0, len(data)) else data[lo:hi])
         result = parts[0] if len(parts) == 1 else b"".join(parts)
         handle.bytes_served += len(result)
-        if end >= identity.size and self._read_through(handle):
+        if end >= identity.size and not handle.outside and self._read_through(handle):
             # every block read whole, not only the end: a reader that reads the end first
             # (a zip-format torch.load, an np.load of an npz, a Parquet footer) had its file
             # consumed and its blocks dropped at that first READ, and every READ after it
@@ -477,7 +483,7 @@ class Reader:
             return block.data
         if self._tiered.kernel_reclaimed(key, handle.identity):
             handle.kernel_reclaimed = True
-        if block_index == 0:
+        if block_index == 0 and not handle.outside:
             # the reader has caught up with the read-ahead of this file's target, or is
             # outside its window: a batch of that target's next files starts with this one
             self._prefetcher.demand_miss(handle.item, handle.manifest)
@@ -531,7 +537,7 @@ class Reader:
                 pending.append((file, 0))
             elif not file.consumed:
                 file.consumed = True
-                if file.order_serial == serial:
+                if file.order_serial == serial and not file.outside:
                     pending.append((file, 0))
         # the last file of an order ends its epoch, and the files after it count in the next
         while pending:

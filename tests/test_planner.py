@@ -322,12 +322,37 @@ def test_readers_back_on_the_order_after_a_pass_off_it_follow_it_again():
 
 def test_a_reader_resumed_mid_epoch_follows_the_order_far_from_the_cursor():
     """Reads in order from the middle of the epoch: no stretch from the cursor, but the miss
-    batches that find the reader its next files stay on."""
+    batches that find the reader its next files stay on, and its reads are the order's."""
     planner = spread_planner()
     for item in range(20_000, 20_040):
         planner.consume(item)
     assert planner.cursor == 0 and planner.window_end() == 8
-    assert planner.follows
+    assert planner.follows and not planner.read_outside(20_040)
+
+
+def test_reads_of_a_reader_off_the_order_far_from_the_cursor_are_outside_it():
+    """A validation pass: once its consumptions show the readers off the order, a read far
+    from the cursor is not the order's (noted where the readers are, not consumed: the
+    read-ahead still reads the file at its position), one near it is; readers back on the
+    order read nothing outside it."""
+    planner = spread_planner()  # 40,000 files: near is an eighth of them past the cursor
+    far = np.random.default_rng(0).permutation(np.arange(10_000, 40_000)).tolist()
+    for item in far[:31]:
+        planner.consume(item)
+        assert not planner.read_outside(far[-1])  # too few to tell
+    planner.consume(far[31])
+    assert not planner.follows
+    consumed = planner.consumed_count
+    for item in far[32:100]:
+        assert planner.read_outside(item)
+        assert planner.due_item(item) == item  # the order's position is still to be read
+    assert planner.consumed_count == consumed
+    assert not planner.read_outside(100)  # near the cursor, where the order's readers read
+    assert not planner.follows  # the reads outside were noted: still off the order
+    for item in range(32):
+        planner.consume(item)
+    assert planner.cursor == 32
+    assert planner.follows and not planner.read_outside(far[-1])
 
 
 # -- epochs ------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from cachefs.cache.ssd_format import disk_bytes
 from cachefs.config import KIB
 from cachefs.order import Order, permutation
 from cachefs.sim import SimConfig, run_script, simulate
+from cachefs.sim_fakes import payload
 
 ITEM_BYTES = 110_000
 N = 1000
@@ -413,6 +414,42 @@ def test_a_file_read_off_the_order_leaves_no_block_ranked_near_after_it():
                 and planner.pos_cur[held.item] < 0 and planner.pos_next[held.item] < 0]
 
     assert run_script(config, script) == []
+
+
+def test_a_pass_off_the_order_leaves_the_plan_to_the_order_s_readers():
+    """A reader off the order (directory order, under a shuffled order of 6,000 files): every
+    file is served and counted, the first 32 (too few to tell) and those near the cursor are
+    consumed, and those far from it are not: their positions stay the read-ahead's, for the
+    trainer that reads them there."""
+    files, read = 6000, 300
+    config = SimConfig(items=files, item_bytes=1000, ram_bytes=64 << 20, latency_s=0.0005,
+                       epochs=1, check_identity_at_open=False)
+    current = np.random.default_rng(1).permutation(files)
+
+    async def script(sim):
+        sim.prefetcher.set_order(Order(epoch=1, current=current, next=None,
+                                       manifest=sim.manifest, rank=None, world_size=None,
+                                       total_length=files, file=None))
+        await trio.sleep(0.05)
+        for item in range(read):
+            relpath = sim.paths[item]
+            handle = await sim.reader.open(item + 2, relpath, item, sim.source.identity(relpath))
+            assert await sim.reader.read(handle, 0, 1000) == payload(relpath, 0, 1000)
+            sim.reader.release(handle)
+        return sim.planner, sim.stats.current.reads
+
+    planner, reads = run_script(config, script)
+    assert reads == read
+    position_of = np.argsort(current)
+    near_end = planner.cursor + 2048  # READERS_SPREAD_ITEMS: more than an eighth of 6,000
+    consumed = [bool(planner.consumed[position_of[item]]) for item in range(read)]
+    assert all(consumed[:32])
+    later = range(32, read)
+    assert all(consumed[item] for item in later if position_of[item] < near_end)
+    outside = [item for item in later if position_of[item] >= near_end]
+    assert len(outside) > read // 2
+    assert not any(consumed[item] for item in outside)
+    assert all(planner.due_item(int(position_of[item])) == item for item in outside)
 
 
 def test_a_lookahead_beyond_ram_does_not_spin_the_read_ahead():
