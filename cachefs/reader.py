@@ -16,8 +16,11 @@ and stall are counted in its target too (cachefs/targets.py).
 
 A read that is not the order's (`Planner.read_outside`: the readers do not follow the order,
 and the file's position is not near; a validation pass in directory order) is served and
-counted as any other, its blocks ranked by the plan, but the file is not consumed: no miss
-batch, no early rank once read whole, no consumption at the close (`OpenFile.outside`).
+counted as with no order (`OpenFile.outside`): its blocks land ranked as blocks of no known
+future (TieredCache.fetch), the kernel keeps its pages alone at the close, its storage target
+counts nothing, and the file is not consumed (no miss batch, no early rank once read whole).
+The plan's work per file was a tenth of the daemon's for such a reader
+(scripts/bench_offorder.py), and the files are not its readers' until they reach them.
 
 A file read sequentially (block n right after block n-1) gets its next blocks read ahead even
 without an order, so large files (shards, HDF5, .npy) stream at source bandwidth; those of the
@@ -374,9 +377,8 @@ class Reader:
                 if block.data is not None:
                     break  # the daemon holds a copy too: a handle settles the two
             else:
-                outside = self._planner.read_outside(item)  # counted, not consumed
-                return KernelRead([-1 if outside else item], [identity.size],
-                                  self._served_whole(blocks), relpath)
+                return KernelRead([-1 if self._planner.read_outside(item) else item],
+                                  [identity.size], self._served_whole(blocks), relpath)
         handle = self.handle_without_open(inode, relpath, item, identity)
         if blocks is not None:
             self._kept_whole(handle, blocks)
@@ -490,7 +492,8 @@ class Reader:
         # the one clock (freshness.py), so that the simulator's virtual clock measures stalls too
         started_s = now_s()
         fetched = await self._tiered.fetch(key, handle.identity, handle.item, handle.manifest,
-                                          demand=True, read_whole=block_index in handle.blocks_read)
+                                          demand=True, outside=handle.outside,
+                                          read_whole=block_index in handle.blocks_read)
         assert fetched is not None  # only a prefetch (demand=False) may come back empty
         if fetched.origin == stats_mod.ORIGIN_MISS:
             handle.stall_s += now_s() - started_s
@@ -613,8 +616,8 @@ class Reader:
                 self._stats.file_read(file.origin, file.stall_s, file.bytes_served,
                                       record=file.epoch_record,
                                       kernel_reclaimed=file.kernel_reclaimed)
-                self._prefetcher.files_read([file.item], file.manifest, file.origin,
-                                            file.stall_s)
+                self._prefetcher.files_read([-1 if file.outside else file.item], file.manifest,
+                                            file.origin, file.stall_s)
                 if last:
                     self._settle_pages(file)
             except Exception:  # noqa: BLE001 - one file's accounting must not end the others'
@@ -626,7 +629,7 @@ class Reader:
         # room is needed, RamTier.defer_ranks), and settling that here re-ranked all of RAM
         # after every epoch switch, in a pass the kernel serves from its pages
         first = self._tiered.ram.get((handle.relpath, 0))
-        if self._ranking.kernel_may_keep(handle.item, first):
+        if handle.outside or self._ranking.kernel_may_keep(handle.item, first):
             self._tiered.hand_to_kernel(handle.relpath, handle.identity, handle.blocks_read)
         elif handle.read_called or handle.kernel_whole:
             self._tiered.keep_pages(handle.relpath, handle.identity, handle.blocks_read)

@@ -8,6 +8,8 @@ largest RAM use at any step).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import trio
@@ -419,11 +421,13 @@ def test_a_file_read_off_the_order_leaves_no_block_ranked_near_after_it():
 def test_a_pass_off_the_order_leaves_the_plan_to_the_order_s_readers():
     """A reader off the order (directory order, under a shuffled order of 6,000 files): every
     file is served and counted, the first 32 (too few to tell) and those near the cursor are
-    consumed, and those far from it are not: their positions stay the read-ahead's, for the
-    trainer that reads them there."""
+    consumed, and those far from it are served as with no order and not consumed: their
+    positions stay the read-ahead's, for the trainer that reads them there."""
     files, read = 6000, 300
+    # no miss batches: each block is the one the pass fetched (the first misses' batches are
+    # the order's, read ahead and ranked by the plan)
     config = SimConfig(items=files, item_bytes=1000, ram_bytes=64 << 20, latency_s=0.0005,
-                       epochs=1, check_identity_at_open=False)
+                       epochs=1, check_identity_at_open=False, miss_batch_items=1)
     current = np.random.default_rng(1).permutation(files)
 
     async def script(sim):
@@ -436,9 +440,10 @@ def test_a_pass_off_the_order_leaves_the_plan_to_the_order_s_readers():
             handle = await sim.reader.open(item + 2, relpath, item, sim.source.identity(relpath))
             assert await sim.reader.read(handle, 0, 1000) == payload(relpath, 0, 1000)
             sim.reader.release(handle)
-        return sim.planner, sim.stats.current.reads
+        blocks = [sim.ram.blocks.get((sim.paths[item], 0)) for item in range(read)]
+        return sim.planner, sim.stats.current.reads, blocks
 
-    planner, reads = run_script(config, script)
+    planner, reads, blocks = run_script(config, script)
     assert reads == read
     position_of = np.argsort(current)
     near_end = planner.cursor + 2048  # READERS_SPREAD_ITEMS: more than an eighth of 6,000
@@ -450,6 +455,9 @@ def test_a_pass_off_the_order_leaves_the_plan_to_the_order_s_readers():
     assert len(outside) > read // 2
     assert not any(consumed[item] for item in outside)
     assert all(planner.due_item(int(position_of[item])) == item for item in outside)
+    # served as with no order: ranked last (LRU), numbered as the order's readers find them
+    assert all(blocks[item].item == item and blocks[item].priority == math.inf
+               for item in outside)
 
 
 def test_a_lookahead_beyond_ram_does_not_spin_the_read_ahead():

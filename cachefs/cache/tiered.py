@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -197,14 +198,17 @@ class TieredCache:
 
     async def fetch(self, key: BlockKey, identity: SourceIdentity | None, item: int,
                     manifest, *, demand: bool, expected_bytes: int | None = None,
-                    read_whole: bool = False) -> Fetched | None:
+                    read_whole: bool = False, outside: bool = False) -> Fetched | None:
         """The block's bytes, from SSD or source; kept in RAM if its priority earns room.
 
         A prefetch (`demand=False`) that finds no room in RAM does no I/O and returns None.
         Without an `identity` the block comes from the source (the SSD tier can only be trusted
         against a known identity), and RAM is reserved for `expected_bytes`. `item`: the
         file's index in `manifest` (-1: in none). `read_whole`: the caller's READs return the
-        whole block, so the kernel will hold it (`Fetched.read_whole_on_landing`).
+        whole block, so the kernel will hold it (`Fetched.read_whole_on_landing`). `outside`:
+        a read not the order's (cachefs/reader.py), served as with no order: its block ranks
+        as one of no known future (LRU, displacing no block of the order) until RAM is next
+        ranked by the plan, numbered by its item all the same, and no target counts its read.
         """
         while (flight := self.inflight.get(key)) is not None:
             if read_whole:
@@ -228,7 +232,7 @@ class TieredCache:
         self.inflight[key] = flight
         try:
             flight.result = await self._load(key, identity, item, manifest, demand,
-                                             expected_bytes)
+                                             expected_bytes, outside)
             return flight.result
         except OSError as exc:
             flight.error = exc
@@ -315,27 +319,30 @@ class TieredCache:
         return await self.source.check_readable(relpath), False, asked_s
 
     async def _load(self, key: BlockKey, identity: SourceIdentity | None, item: int, manifest,
-                    demand: bool, expected_bytes: int | None) -> Fetched | None:
+                    demand: bool, expected_bytes: int | None, outside: bool = False
+                    ) -> Fetched | None:
         relpath, block_index = key
         item, manifest = self.item_now(relpath, item, manifest)
         reserved, known = self._reserve(key, identity, item, demand=demand,
-                                        expected_bytes=expected_bytes)
+                                        expected_bytes=expected_bytes, outside=outside)
         if not demand and not reserved:
             return None
         try:
             fetched = await self._read_ssd(key, identity) if identity else None
             if fetched is None:
                 item, manifest = self.item_now(relpath, item, manifest)  # after the await
-                fetched = await self._read_source(key, identity, demand, item, known or 0)
+                fetched = await self._read_source(key, identity, demand,
+                                                  -1 if outside else item, known or 0)
         except BaseException:
             if reserved:
                 self.ram.unreserve(reserved)
             raise
-        self._keep(key, fetched, item, manifest, reserved)
+        self._keep(key, fetched, item, manifest, reserved, outside)
         return fetched
 
     def _reserve(self, key: BlockKey, identity: SourceIdentity | None, item: int, *,
-                 demand: bool, expected_bytes: int | None) -> tuple[int, int | None]:
+                 demand: bool, expected_bytes: int | None, outside: bool = False
+                 ) -> tuple[int, int | None]:
         """RAM for a block before it is read, if its rank earns it (`fetch`): the bytes
         reserved (0: none), and the block's length if known."""
         # an estimate of 0 (an empty file's last size) is 0, not "unknown": a whole block
@@ -349,12 +356,12 @@ class TieredCache:
             # a reader waits for it either way: its rank decides only an eviction now, and
             # whether it stays once read (asked then, `_keep`): one rank a block, not two
             return charge, known
-        priority = self.priority_of(item, key[1], identity)
+        priority = math.inf if outside else self.priority_of(item, key[1], identity)
         return (charge if priority is not None and self.ram.reserve(charge, priority)
                 else 0), known
 
-    def _keep(self, key: BlockKey, fetched: Fetched, item: int, manifest, reserved: int
-              ) -> None:
+    def _keep(self, key: BlockKey, fetched: Fetched, item: int, manifest, reserved: int,
+              outside: bool = False) -> None:
         """A block read has landed: counted if the source gave it, and kept in RAM if its
         rank earns the `reserved` room (else that goes back)."""
         try:
@@ -363,7 +370,7 @@ class TieredCache:
             if fetched.from_source:
                 self.stats.source_fetched(item, key, len(fetched.data))
             block = RamBlock(fetched.data, fetched.identity, item, fetched.origin)
-            priority = self.priority_of(item, key[1], fetched.identity)
+            priority = math.inf if outside else self.priority_of(item, key[1], fetched.identity)
             if reserved and priority is not None:
                 block.priority = priority
                 self.ram.insert(key, block, reserved)
