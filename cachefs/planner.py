@@ -41,16 +41,20 @@ near.) Whether the readers go through the order somewhere, together (`follows`: 
 positions lie within that distance of each other, say a job resumed mid-epoch), decides
 whether a miss reads a batch of the next items (cachefs/prefetch.py `demand_miss`).
 
-While they do not, a read of an item that is not near is not the order's (`read_outside`):
+While they do not, a read of an item far past the cursor is not the order's (`read_outside`):
 its position is noted among the recent ones, and nothing else; the item is not consumed,
-and the reader serves the file as it would with no order (cachefs/reader.py). A pass off the
+and the reader serves the file as it would with no order (cachefs/reader.py). Far is
+further than readers of the order ever read, with a margin (`_outside_items`): a reader of
+the order taken for one outside it would leave its file unconsumed, and the cursor held
+there for the rest of the epoch. A pass off the
 order then leaves the plan as the order's readers left it: the read-ahead still reads its
 files at their positions for the trainer (consumed, they were skipped, and a trainer running
 beside a validation pass missed on each), and it costs the pass what a pass with no order
 costs, where the consumption, the re-rank and the early rank of each of its files took a
-tenth more of the daemon's work per file (scripts/bench_offorder.py). The near ones are the
-order's: readers that follow it read there, beside such a pass or not. A verdict is as old as
-the last consumption, or as the last OUTSIDE_NOTES reads outside, which are noted together.
+tenth more of the daemon's work per file (scripts/bench_offorder.py). The nearer ones are
+the order's (readers that follow it read there, beside such a pass or not), an eighth or so
+of such a pass. A verdict is as old as the last consumption, or as the last OUTSIDE_NOTES
+reads outside, which are noted together.
 
 The read-ahead walks the window target by target (cachefs/targets.py): each storage target has
 a list of the virtual positions of its items, and `entries` yields those of a list that still
@@ -109,6 +113,10 @@ SCALAR_ENTRIES = 16
 # reads outside the order (`read_outside`) noted among the recent positions together, at
 # the latest: a reader off the order reads a few files between two batches of closes
 OUTSIDE_NOTES = 8
+# a read is outside the order only this far past the cursor per rank at least
+# (`_outside_items`): twice the readers' spread at full, two batches in flight per worker
+# (a DataLoader's default prefetch), and twice that again
+OUTSIDE_SPREAD_ITEMS = 4 * READERS_SPREAD_ITEMS
 
 
 class Planner:
@@ -132,10 +140,10 @@ class Planner:
         self._recent_near: deque[bool] = deque(maxlen=RECENT_CONSUMPTIONS)
         self._near_count = 0
         self._near_max = 0
-        # whether the readers follow the order, and where near ends, judged as positions are
-        # noted (`_judge`): both are asked at every READ of a reader off the order
+        # whether the readers follow the order, and where outside it starts, judged as
+        # positions are noted (`_judge`): both are asked at every READ of a reader off it
         self.follows = True
-        self._near_end = 0
+        self._outside_from = 0
         self._outside: list[int] = []  # positions read outside the order, not noted yet
         # the read-ahead of an order of byte ranges (cachefs/range_prefetch.py), which walks
         # one list, `window`, has handled every window position below this
@@ -358,7 +366,7 @@ class Planner:
     def _judge(self, near_items: int | None = None) -> None:
         """`follows`, whether the readers go through the order together (module docstring):
         the recent positions lie near each other (or there are too few to tell); and where
-        near ends past the cursor. Judged as positions are noted only: the window's size,
+        reads outside it start. Judged as positions are noted only: the window's size,
         which `_near_items` weighs too, changes with the files' sizes as they become known,
         and a verdict a batch of closes old does as well."""
         recent = self._recent
@@ -366,17 +374,17 @@ class Planner:
             near_items = self._near_items()
         self.follows = (len(recent) < RECENT_CONSUMPTIONS
                         or max(recent) - min(recent) < near_items)
-        self._near_end = self.cursor + near_items
+        self._outside_from = self.cursor + self._outside_items()
 
     def read_outside(self, item: int) -> bool:
         """Whether a read of `item` starting now is not the order's (module docstring): the
-        readers do not follow the order, and the item's position is not near. Its position
+        readers do not follow the order, and the item's position is far. Its position
         is then noted among the recent ones (with the next consumption, or OUTSIDE_NOTES
         together), and the item is not to be consumed."""
         if self.follows or not 0 <= item < len(self.pos_cur):
             return False
         position = self.pos_cur.item(item)
-        if position < self._near_end:  # near, or in no order / consumed (-1)
+        if position < self._outside_from:  # not far, or in no order / consumed (-1)
             return False
         self._outside.append(position)
         if len(self._outside) >= OUTSIDE_NOTES:
@@ -385,9 +393,19 @@ class Planner:
 
     def _near_items(self) -> int:
         """How far past the cursor readers that follow the order read (module docstring)."""
-        ranks = len(self.order.ranks) if self.order is not None and self.order.ranks else 1
-        return max(READERS_SPREAD_ITEMS * ranks, self.lookahead_items,
+        return max(READERS_SPREAD_ITEMS * self._ranks(), self.lookahead_items,
                    (len(self.current) - self.cursor) // 8)
+
+    def _outside_items(self) -> int:
+        """How far past the cursor a read outside the order is (module docstring): further
+        than `_near_items`, by OUTSIDE_SPREAD_ITEMS per rank or an eighth of the whole epoch
+        at least (late in an epoch, an eighth of its rest is short of a DataLoader's spread)."""
+        return max(OUTSIDE_SPREAD_ITEMS * self._ranks(), self.lookahead_items,
+                   len(self.current) // 8)
+
+    def _ranks(self) -> int:
+        """The ranks whose readers share the mount (merged into the order), at least one."""
+        return len(self.order.ranks) if self.order is not None and self.order.ranks else 1
 
     def _note_positions(self, positions: list[int]) -> None:
         """Consumptions at `positions`, reported together, after the reads outside the order

@@ -330,12 +330,26 @@ def test_a_reader_resumed_mid_epoch_follows_the_order_far_from_the_cursor():
     assert planner.follows and not planner.read_outside(20_040)
 
 
+def test_readers_of_the_order_spread_wide_late_in_an_epoch_are_not_taken_outside_it():
+    """Late in an epoch, beside a pass off the order: a DataLoader worker reading 4,096 files
+    past the cursor (8 workers with two batches of 256 in flight each) is the order's reader:
+    taken outside, its file would stay unconsumed, and hold the cursor there for the rest of
+    the epoch."""
+    planner = spread_planner(files=100_000)
+    planner.consume_many(list(range(90_000)))
+    rng = np.random.default_rng(0)
+    for item in rng.permutation(np.arange(90_100, 100_000))[:32].tolist():
+        planner.consume(item)
+    assert not planner.follows and planner.cursor == 90_000
+    assert not planner.read_outside(90_000 + 4096)
+
+
 def test_reads_of_a_reader_off_the_order_far_from_the_cursor_are_outside_it():
     """A validation pass: once its consumptions show the readers off the order, a read far
     from the cursor is not the order's (noted where the readers are, not consumed: the
     read-ahead still reads the file at its position), one near it is; readers back on the
     order read nothing outside it."""
-    planner = spread_planner()  # 40,000 files: near is an eighth of them past the cursor
+    planner = spread_planner()  # 40,000 files: outside is 8,192 past the cursor and further
     far = np.random.default_rng(0).permutation(np.arange(10_000, 40_000)).tolist()
     for item in far[:31]:
         planner.consume(item)

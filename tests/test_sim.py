@@ -419,11 +419,11 @@ def test_a_file_read_off_the_order_leaves_no_block_ranked_near_after_it():
 
 
 def test_a_pass_off_the_order_leaves_the_plan_to_the_order_s_readers():
-    """A reader off the order (directory order, under a shuffled order of 6,000 files): every
-    file is served and counted, the first 32 (too few to tell) and those near the cursor are
-    consumed, and those far from it are served as with no order and not consumed: their
-    positions stay the read-ahead's, for the trainer that reads them there."""
-    files, read = 6000, 300
+    """A reader off the order (directory order, under a shuffled order of 20,000 files): every
+    file is served and counted, the first 32 (too few to tell) and those nearer the cursor
+    than 8,192 positions are consumed, and those further are served as with no order and not
+    consumed: their positions stay the read-ahead's, for the trainer that reads them there."""
+    files, read = 20_000, 300
     # no miss batches: each block is the one the pass fetched (the first misses' batches are
     # the order's, read ahead and ranked by the plan)
     config = SimConfig(items=files, item_bytes=1000, ram_bytes=64 << 20, latency_s=0.0005,
@@ -446,7 +446,7 @@ def test_a_pass_off_the_order_leaves_the_plan_to_the_order_s_readers():
     planner, reads, blocks = run_script(config, script)
     assert reads == read
     position_of = np.argsort(current)
-    near_end = planner.cursor + 2048  # READERS_SPREAD_ITEMS: more than an eighth of 6,000
+    near_end = planner.cursor + 8192  # OUTSIDE_SPREAD_ITEMS: more than an eighth of 20,000
     consumed = [bool(planner.consumed[position_of[item]]) for item in range(read)]
     assert all(consumed[:32])
     later = range(32, read)
