@@ -44,9 +44,11 @@ whether a miss reads a batch of the next items (cachefs/prefetch.py `demand_miss
 While they do not, a read of an item far past the cursor is not the order's (`read_outside`):
 its position is noted among the recent ones, and nothing else; the item is not consumed,
 and the reader serves the file as it would with no order (cachefs/reader.py). Far is
-further than readers of the order ever read, with a margin (`_outside_items`): a reader of
-the order taken for one outside it would leave its file unconsumed, and the cursor held
-there for the rest of the epoch. A pass off the
+further than readers of the order read, with a margin (`_outside_items`): a reader of the
+order taken for one outside it leaves its file unconsumed. That can happen (a DataLoader
+spread wider than the margin is judged off the order too), so a position read outside is
+consumed when the cursor reaches it (`_advance_cursor`): the readers of the order have read
+everything before it, and were not going to stop there for good. A pass off the
 order then leaves the plan as the order's readers left it: the read-ahead still reads its
 files at their positions for the trainer (consumed, they were skipped, and a trainer running
 beside a validation pass missed on each), and it costs the pass what a pass with no order
@@ -141,10 +143,14 @@ class Planner:
         self._near_count = 0
         self._near_max = 0
         # whether the readers follow the order, and where outside it starts, judged as
-        # positions are noted (`_judge`): both are asked at every READ of a reader off it
+        # positions are noted (`_judge`): both are asked for every file a reader opens
         self.follows = True
         self._outside_from = 0
         self._outside: list[int] = []  # positions read outside the order, not noted yet
+        # by position of the current order: read outside it (module docstring), and the
+        # items consumed since as the cursor reached them, for the prefetcher to re-rank
+        self._read_outside = np.zeros(0, bool)
+        self.caught_up: list[int] = []
         # the read-ahead of an order of byte ranges (cachefs/range_prefetch.py), which walks
         # one list, `window`, has handled every window position below this
         self.scan = 0
@@ -270,6 +276,8 @@ class Planner:
         self.current = current
         self.next = next_
         self.consumed = np.zeros(len(current), bool)
+        self._read_outside = np.zeros(len(current), bool)
+        self.caught_up = []  # numbered by the plan before, perhaps under another manifest
         self.consumed_count = 0
         self.cursor = self.scan = 0
         self._forget_positions()
@@ -387,6 +395,7 @@ class Planner:
         if position < self._outside_from:  # not far, or in no order / consumed (-1)
             return False
         self._outside.append(position)
+        self._read_outside[position] = True
         if len(self._outside) >= OUTSIDE_NOTES:
             self._note_positions([])
         return True
@@ -561,7 +570,8 @@ class Planner:
         self.consumed_count += len(found)
         self._advance_cursor()
         self._note_positions(consumed_positions.tolist())
-        return taken, completed
+        # (positions read outside the order, consumed as the cursor reached them, may end it)
+        return taken, completed or self.consumed_count == len(self.current)
 
     def _consume_each(self, items: list[int]) -> tuple[int, bool]:
         """`consume_many`, one item at a time; where the readers are is noted once."""
@@ -582,16 +592,37 @@ class Planner:
         """Move the cursor past the consumed positions at it: the first SCALAR_ENTRIES one by
         one (readers that follow the order move it a few at a time, and a stretch's numpy
         work was 14 us of the trio thread a move in a DataLoader's first epoch), then a
-        stretch at a time."""
+        stretch at a time; a position read outside the order where it stops is consumed
+        there (module docstring), and it moves on."""
         n, consumed = len(self.current), self.consumed
-        for _ in range(SCALAR_ENTRIES):
-            if self.cursor >= n or not consumed.item(self.cursor):
+        while True:
+            for _ in range(SCALAR_ENTRIES):
+                if self.cursor >= n or not consumed.item(self.cursor):
+                    break
+                self.cursor += 1
+            else:
+                while self.cursor < n and consumed[self.cursor]:
+                    ahead = consumed[self.cursor:self.cursor + ENTRY_CHUNK]
+                    gaps = np.flatnonzero(~ahead)
+                    self.cursor += int(gaps[0]) if len(gaps) else len(ahead)
+            if self.cursor >= n or not self._read_outside.item(self.cursor):
                 return
-            self.cursor += 1
-        while self.cursor < n and self.consumed[self.cursor]:
-            ahead = self.consumed[self.cursor:self.cursor + ENTRY_CHUNK]
-            gaps = np.flatnonzero(~ahead)
-            self.cursor += int(gaps[0]) if len(gaps) else len(ahead)
+            self._catch_up(self.cursor)
+
+    def _catch_up(self, position: int) -> None:
+        """Consume the item at `position`, read outside the order, as the cursor reaches it
+        (`_advance_cursor`, which then moves on); listed in `caught_up`."""
+        self._read_outside[position] = False
+        item = self.current.item(position)
+        self.consumed[position] = True
+        self.consumed_count += 1
+        later = self._later_positions.get(item)
+        if self.pos_cur.item(item) == position:
+            self.uses[item] = self.use_after_read(item)
+            self.pos_cur[item] = later.pop(0) if later else -1
+        elif later:  # a later position of an item the order repeats (rank padding)
+            later.remove(position)
+        self.caught_up.append(item)
 
     def consume(self, item: int) -> bool:
         """A reader finished `item`. Returns True if that completed the current order."""

@@ -326,6 +326,9 @@ class Prefetcher:
             pairs = [(item, size) for item, size in zip(read, read_sizes, strict=True)
                      if item >= 0]
             read, read_sizes = [item for item, _ in pairs], [size for _, size in pairs]
+        if planner.caught_up:  # read outside the order, consumed as the cursor reached them
+            read, read_sizes = read + planner.caught_up, read_sizes + [-1] * len(planner.caught_up)
+            planner.caught_up = []
         self._batched.difference_update(read)
         self._read_whole.difference_update(read)
         if self.ranges is not None and self.ranking.ranged:

@@ -15,7 +15,7 @@ the next files of that file's storage target (prefetch.py `demand_miss`); at rel
 and stall are counted in its target too (cachefs/targets.py).
 
 A read that is not the order's (`Planner.read_outside`: the readers do not follow the order,
-and the file's position is not near; a validation pass in directory order) is served and
+and the file's position is far past the cursor; a validation pass in directory order) is served and
 counted as with no order (`OpenFile.outside`): its blocks land ranked as blocks of no known
 future (TieredCache.fetch), the kernel keeps its pages alone at the close, its storage target
 counts nothing, and the file is not consumed (no miss batch, no early rank once read whole).

@@ -344,6 +344,25 @@ def test_readers_of_the_order_spread_wide_late_in_an_epoch_are_not_taken_outside
     assert not planner.read_outside(90_000 + 4096)
 
 
+def test_a_position_read_outside_the_order_is_consumed_when_the_cursor_reaches_it():
+    """A reader of the order taken for one off it (a DataLoader spread wider than the margin):
+    its far reads are outside the order, and stay unconsumed only until the cursor reaches
+    them; the cursor moves on, and the epoch ends."""
+    planner = spread_planner(files=40_000)
+    rng = np.random.default_rng(0)
+    for item in rng.permutation(np.arange(20_000, 40_000))[:32].tolist():
+        planner.consume(item)
+    taken_outside = [12_000, 12_001, 30_000]
+    assert all(planner.read_outside(item) for item in taken_outside)
+    planner.consume_many(list(range(12_000)))
+    assert planner.cursor == 12_002 and planner.caught_up == [12_000, 12_001]
+    remaining = [item for item in range(12_002, 40_000)
+                 if item != 30_000 and not planner.consumed[item]]
+    taken, completed = planner.consume_many(remaining)
+    assert (taken, completed) == (len(remaining), True)
+    assert planner.caught_up[-1] == 30_000 and planner.consumed_count == 40_000
+
+
 def test_reads_of_a_reader_off_the_order_far_from_the_cursor_are_outside_it():
     """A validation pass: once its consumptions show the readers off the order, a read far
     from the cursor is not the order's (noted where the readers are, not consumed: the
