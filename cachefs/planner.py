@@ -51,9 +51,10 @@ consumed when the cursor reaches it (`_advance_cursor`): the readers of the orde
 everything before it, and were not going to stop there for good. A pass off the
 order then leaves the plan as the order's readers left it: the read-ahead still reads its
 files at their positions for the trainer (consumed, they were skipped, and a trainer running
-beside a validation pass missed on each), and it costs the pass what a pass with no order
-costs, where the consumption, the re-rank and the early rank of each of its files took a
-tenth more of the daemon's work per file (scripts/bench_offorder.py). The nearer ones are
+beside a validation pass missed on each), and it costs the pass about what a pass with no
+order costs (1.03-1.04x on 2026-12-02, README), where the consumption, the re-rank and the
+early rank of each of its files took a tenth more of the daemon's work per file
+(scripts/bench_offorder.py). The nearer ones are
 the order's (readers that follow it read there, beside such a pass or not), an eighth or so
 of such a pass. A verdict is as old as the last consumption, or as the last OUTSIDE_NOTES
 reads outside, which are noted together.
@@ -611,18 +612,19 @@ class Planner:
 
     def _catch_up(self, position: int) -> None:
         """Consume the item at `position`, read outside the order, as the cursor reaches it
-        (`_advance_cursor`, which then moves on); listed in `caught_up`."""
-        self._read_outside[position] = False
+        (`_advance_cursor`, which then moves on); listed in `caught_up`. The cursor is the
+        lowest unconsumed position, so it is the item's first unconsumed one."""
         item = self.current.item(position)
+        self._mark_consumed(item, position)
+        self.caught_up.append(item)
+
+    def _mark_consumed(self, item: int, position: int) -> None:
+        """`item` consumed at `position`, its first unconsumed one (`pos_cur`)."""
         self.consumed[position] = True
         self.consumed_count += 1
+        self.uses[item] = self.use_after_read(item)
         later = self._later_positions.get(item)
-        if self.pos_cur.item(item) == position:
-            self.uses[item] = self.use_after_read(item)
-            self.pos_cur[item] = later.pop(0) if later else -1
-        elif later:  # a later position of an item the order repeats (rank padding)
-            later.remove(position)
-        self.caught_up.append(item)
+        self.pos_cur[item] = later.pop(0) if later else -1
 
     def consume(self, item: int) -> bool:
         """A reader finished `item`. Returns True if that completed the current order."""
@@ -638,11 +640,7 @@ class Planner:
         position = pos_cur.item(item)
         if position < 0:
             return -1
-        self.consumed[position] = True
-        self.consumed_count += 1
-        self.uses[item] = self.use_after_read(item)
-        later = self._later_positions.get(item)
-        pos_cur[item] = later.pop(0) if later else -1
+        self._mark_consumed(item, position)
         if position == self.cursor:  # else the cursor stays, at an unconsumed position
             self._advance_cursor()
         return position
