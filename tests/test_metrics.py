@@ -114,10 +114,15 @@ def test_metrics_agree_with_stats_json_and_stop_with_the_daemon(dataset, tmp_pat
         assert samples["cachefs_epoch"] == snapshot["order"]["epoch"] >= 1
         assert samples["cachefs_readahead_inflight_files"] == snapshot["prefetch"]["inflight"]
         assert samples["cachefs_order_rejections_total"] == 0
-        # (the scrape came before the last `stats --json`, whose own GETXATTR it missed)
+        # (the scrape came before the last `stats --json`, whose own requests it missed); no
+        # READ at all is right too: the read-ahead may have handed every file's pages to the
+        # kernel before the reader came (the zero-request mode), and an op never asked for has
+        # a sample in neither
+        requests = snapshot["fuse_requests"]
+        assert requests["lookup"] > 0
         for op in ("lookup", "read"):
-            assert (samples[f'cachefs_fuse_requests_total{{op="{op}"}}']
-                    == snapshot["fuse_requests"][op] > 0)
+            assert (samples.get(f'cachefs_fuse_requests_total{{op="{op}"}}')
+                    == requests.get(op))
         assert documented_names(port) == []  # man/cachefs-mount.1 lists every metric
 
         (mount.state_dir / "order.npz").write_bytes(b"not an order file")
