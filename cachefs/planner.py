@@ -55,9 +55,9 @@ beside a validation pass missed on each), and it costs the pass about what a pas
 order costs (1.03-1.04x on 2026-12-02, README), where the consumption, the re-rank and the
 early rank of each of its files took a tenth more of the daemon's work per file
 (scripts/bench_offorder.py). The nearer ones are
-the order's (readers that follow it read there, beside such a pass or not), an eighth or so
-of such a pass. A verdict is as old as the last consumption, or as the last OUTSIDE_NOTES
-reads outside, which are noted together.
+the order's (readers that follow it read there, beside such a pass or not): 8,192 positions per
+rank, 4 % of a pass over an epoch of 200,000 files. A verdict is as old as the last
+consumption, or as the last OUTSIDE_NOTES reads outside, which are noted together.
 
 The read-ahead walks the window target by target (cachefs/targets.py): each storage target has
 a list of the virtual positions of its items, and `entries` yields those of a list that still
@@ -99,6 +99,12 @@ log = logging.getLogger(__name__)
 
 NEVER = math.inf
 RECENT_CONSUMPTIONS = 32  # positions consumed last, which say where the readers are
+# positions enough to tell whether the readers follow the order (`follows`): a DataLoader's
+# workers start an epoch a batch apart, within the near distance, and a reader off a shuffled
+# order reads 8 positions within an eighth of the epoch of each other four times in a million
+# (8 x 8^-7); at 32, each of such a reader's first 32 misses read a batch of the order's next
+# files (224 files of no use to it) and was consumed
+JUDGED_POSITIONS = 8
 # readers that follow the order read this near the cursor at least, per rank: 8 DataLoader
 # workers' batches of 256 (also the read-ahead window's span at most, cachefs/prefetch.py)
 READERS_SPREAD_ITEMS = 2048
@@ -381,7 +387,7 @@ class Planner:
         recent = self._recent
         if near_items is None:
             near_items = self._near_items()
-        self.follows = (len(recent) < RECENT_CONSUMPTIONS
+        self.follows = (len(recent) < JUDGED_POSITIONS
                         or max(recent) - min(recent) < near_items)
         self._outside_from = self.cursor + self._outside_items()
 
@@ -407,11 +413,12 @@ class Planner:
                    (len(self.current) - self.cursor) // 8)
 
     def _outside_items(self) -> int:
-        """How far past the cursor a read outside the order is (module docstring): further
-        than `_near_items`, by OUTSIDE_SPREAD_ITEMS per rank or an eighth of the whole epoch
-        at least (late in an epoch, an eighth of its rest is short of a DataLoader's spread)."""
-        return max(OUTSIDE_SPREAD_ITEMS * self._ranks(), self.lookahead_items,
-                   len(self.current) // 8)
+        """How far past the cursor a read outside the order is (module docstring):
+        OUTSIDE_SPREAD_ITEMS per rank, or the lookahead if longer. Not the near distance
+        (an eighth of the rest of the epoch, if longer): early in an epoch a pass off the
+        order then had an eighth of its files consumed as the order's, a third of what it
+        cost over no order; a reader of the order further on is caught up at the cursor."""
+        return max(OUTSIDE_SPREAD_ITEMS * self._ranks(), self.lookahead_items)
 
     def _ranks(self) -> int:
         """The ranks whose readers share the mount (merged into the order), at least one."""

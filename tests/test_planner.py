@@ -19,7 +19,7 @@ from cachefs.cache.ram import BLOCK_OVERHEAD_BYTES, RamBlock, RamTier
 from cachefs.inodes import InodeTable
 from cachefs.manifest import Manifest
 from cachefs.order import Order
-from cachefs.planner import NEVER, SCALAR_ENTRIES, Planner
+from cachefs.planner import JUDGED_POSITIONS, NEVER, SCALAR_ENTRIES, Planner
 from cachefs.source import SourceIdentity
 
 MANIFEST = Manifest.from_paths([f"f{i}" for i in range(8)])
@@ -313,7 +313,7 @@ def test_readers_back_on_the_order_after_a_pass_off_it_follow_it_again():
     for index, item in enumerate(rng.permutation(np.arange(100, 40_000))[:40]):
         planner.consume(int(item))
         # asked at every miss, as a reader's demand misses ask; too few to tell at first
-        assert planner.follows == (index < 31)
+        assert planner.follows == (index < JUDGED_POSITIONS - 1)
     for item in range(32):
         planner.consume(item)
         assert planner.follows == (item == 31)  # the spread spans both passes until then
@@ -370,13 +370,13 @@ def test_reads_of_a_reader_off_the_order_far_from_the_cursor_are_outside_it():
     order read nothing outside it."""
     planner = spread_planner()  # 40,000 files: outside is 8,192 past the cursor and further
     far = np.random.default_rng(0).permutation(np.arange(10_000, 40_000)).tolist()
-    for item in far[:31]:
+    for item in far[:JUDGED_POSITIONS - 1]:
         planner.consume(item)
         assert not planner.read_outside(far[-1])  # too few to tell
-    planner.consume(far[31])
+    planner.consume(far[JUDGED_POSITIONS - 1])
     assert not planner.follows
     consumed = planner.consumed_count
-    for item in far[32:100]:
+    for item in far[JUDGED_POSITIONS:100]:
         assert planner.read_outside(item)
         assert planner.due_item(item) == item  # the order's position is still to be read
     assert planner.consumed_count == consumed

@@ -19,6 +19,7 @@ from cachefs.cache.ram import BLOCK_OVERHEAD_BYTES, page_bytes
 from cachefs.cache.ssd_format import disk_bytes
 from cachefs.config import KIB
 from cachefs.order import Order, permutation
+from cachefs.planner import JUDGED_POSITIONS, OUTSIDE_SPREAD_ITEMS
 from cachefs.sim import SimConfig, run_script, simulate
 from cachefs.sim_fakes import payload
 
@@ -420,7 +421,7 @@ def test_a_file_read_off_the_order_leaves_no_block_ranked_near_after_it():
 
 def test_a_pass_off_the_order_leaves_the_plan_to_the_order_s_readers():
     """A reader off the order (directory order, under a shuffled order of 20,000 files): every
-    file is served and counted, the first 32 (too few to tell) and those nearer the cursor
+    file is served and counted, the first 8 (too few to tell) and those nearer the cursor
     than 8,192 positions are consumed, and those further are served as with no order and not
     consumed: their positions stay the read-ahead's, for the trainer that reads them there."""
     files, read = 20_000, 300
@@ -446,10 +447,10 @@ def test_a_pass_off_the_order_leaves_the_plan_to_the_order_s_readers():
     planner, reads, blocks = run_script(config, script)
     assert reads == read
     position_of = np.argsort(current)
-    near_end = planner.cursor + 8192  # OUTSIDE_SPREAD_ITEMS: more than an eighth of 20,000
+    near_end = planner.cursor + OUTSIDE_SPREAD_ITEMS
     consumed = [bool(planner.consumed[position_of[item]]) for item in range(read)]
-    assert all(consumed[:32])
-    later = range(32, read)
+    assert all(consumed[:JUDGED_POSITIONS])
+    later = range(JUDGED_POSITIONS, read)
     assert all(consumed[item] for item in later if position_of[item] < near_end)
     outside = [item for item in later if position_of[item] >= near_end]
     assert len(outside) > read // 2
