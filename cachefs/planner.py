@@ -39,7 +39,11 @@ reader off the order consumes all over the rest of the epoch, an eighth of it ne
 epoch shorter than about twice that distance holds no reader off the order: everything is
 near.) Whether the readers go through the order somewhere, together (`follows`: the recent
 positions lie within that distance of each other, say a job resumed mid-epoch), decides
-whether a miss reads a batch of the next items (cachefs/prefetch.py `demand_miss`).
+whether a miss reads a batch of the next items (cachefs/prefetch.py `demand_miss`). It is
+judged once JUDGED_POSITIONS are known: a DataLoader's workers start an epoch a batch apart,
+within the near distance, and a reader off a shuffled order reads 8 positions within an eighth
+of the epoch of each other four times in a million (8 x 8^-7); judged at 32, each of such a
+reader's first 32 misses read a batch of the order's next files (224 files of no use to it).
 
 While they do not, a read of an item far past the cursor is not the order's (`read_outside`):
 its position is noted among the recent ones, and nothing else; the item is not consumed,
@@ -99,12 +103,7 @@ log = logging.getLogger(__name__)
 
 NEVER = math.inf
 RECENT_CONSUMPTIONS = 32  # positions consumed last, which say where the readers are
-# positions enough to tell whether the readers follow the order (`follows`): a DataLoader's
-# workers start an epoch a batch apart, within the near distance, and a reader off a shuffled
-# order reads 8 positions within an eighth of the epoch of each other four times in a million
-# (8 x 8^-7); at 32, each of such a reader's first 32 misses read a batch of the order's next
-# files (224 files of no use to it) and was consumed
-JUDGED_POSITIONS = 8
+JUDGED_POSITIONS = 8  # positions enough to tell whether the readers follow it (module docstring)
 # readers that follow the order read this near the cursor at least, per rank: 8 DataLoader
 # workers' batches of 256 (also the read-ahead window's span at most, cachefs/prefetch.py)
 READERS_SPREAD_ITEMS = 2048
