@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import errno
+import functools
 import os
 import subprocess
 import sys
@@ -187,8 +188,15 @@ def test_files_no_reader_opened_yet_are_looked_up_and_stored_ahead(dataset, moun
         assert (mount.mountpoint / relpath).read_bytes() == (src / relpath).read_bytes()
     record = epoch_record(mount, 0, reads=N_FILES)
     assert record["prefetched"] == N_FILES and record["misses"] == record["kernel_reclaimed"]
-    # every file served whole by the kernel, but for those whose pages it reclaimed at once
-    wait_for(lambda: served_whole_or_reclaimed(kernel(mount)) >= N_FILES)
+    # every file served whole by the kernel, but for those whose pages it reclaimed at once:
+    # read again from the source, or from RAM with a READ if the daemon still held its copy
+    # (it keeps a pushed file until the file is read; counted then as neither)
+    def all_served() -> dict | None:
+        status = kernel(mount)
+        reads = mount.stats()["fuse_requests"].get("read", 0)
+        return status if served_whole_or_reclaimed(status) + reads >= N_FILES else None
+
+    assert wait_for(all_served)["whole_file_opens"] >= N_FILES // 2
 
 
 def _look_up_all(pages, relpaths: list[bytes], until=lambda: True) -> list[bytes]:
@@ -608,9 +616,10 @@ def test_a_reader_with_a_file_open_across_its_change_reads_one_version(tmp_path,
     finally:
         os.close(fd)
     # past the contract (a version is trusted for --metadata-ttl after its check, which was
-    # before the change): the kernel's drop of the old pages, queued when the change was
-    # found, may land a moment after the counter moved
-    time.sleep(max(0.0, changed_s + 1.0 - time.monotonic()))
+    # before the change, and a quarter of a second more in the zero-request mode), with a
+    # quarter of a second to spare: the kernel's drop of the old pages, queued when the
+    # change was found, may land a moment after the counter moved
+    time.sleep(max(0.0, changed_s + 1.0 + 0.25 + 0.25 - time.monotonic()))
     assert path.read_bytes() == new
     assert os.stat(path).st_size == len(new)
     assert mount.stats()["revalidation"]["changed"] >= 1
@@ -663,18 +672,23 @@ def test_closes_counted_from_the_arrays_are_exact_and_a_changed_file_is_looked_a
     mount = mounter(src, "--ram-cache", N_FILES * FILE_BYTES * 3, "--metadata-ttl", 1,
                     "--data-plane", "no-open")
     for epoch in range(4):
+        overdue_before = mount.stats()["revalidation"]["overdue_files"]
         record = read_epoch(mount, relpaths, epoch)
         assert record["reads"] == N_FILES
         if epoch >= 2:  # a file whose pages the kernel reclaimed was read again: a miss
-            assert record["hits_ram"] + record["kernel_reclaimed"] >= N_FILES - 2, record
+            # (and one whose pages went as overdue: the re-checks held up a TTL, a stall of
+            # the daemon on a busy machine; cachefs/revalidate.py)
+            overdue = mount.stats()["revalidation"]["overdue_files"] - overdue_before
+            assert (record["hits_ram"] + record["kernel_reclaimed"] + overdue
+                    >= N_FILES - 2), record
     status = wait_for(lambda: (kernel(mount) if kernel(mount)["closes_counted_alone"]
                                >= N_FILES else None))
     assert status["closes_counted_alone"] <= status["whole_file_opens"]
     changed = relpaths[:4]
     write_file(src / changed[0], FILE_BYTES, seed=901)  # same size, new bytes
     write_file(src / changed[1], FILE_BYTES // 2, seed=902)  # shorter
-    time.sleep(1.6)  # past --metadata-ttl: a sweep has seen the changes
-    assert mount.stats()["revalidation"]["changed"] >= 2
+    # within --metadata-ttl (and a quarter of a second) a sweep sees the changes
+    wait_for(lambda: mount.stats()["revalidation"]["changed"] >= 2)
     record = read_epoch(mount, relpaths, 4)  # every file checked against the source
     assert record["reads"] == N_FILES
     assert record["hits_ram"] <= N_FILES - 2, record
@@ -692,18 +706,20 @@ def test_without_an_order_closes_counted_from_their_blocks_keep_the_lru_order(da
     passes = [hot, hot]
     for start in range(0, len(cold), 8):
         passes += [hot, cold[start:start + 8]]
-    for relpaths_read in passes:
-        read_all(mount, relpaths_read)
-        time.sleep(0.05)  # two closes of a file queued at once are one event (fanotify.py)
-    reads = sum(map(len, passes))
 
-    def totals() -> dict | None:
+    def totals(reads: int) -> dict | None:
         records = mount.stats()["epochs"]
         summed = {key: sum(record[key] for record in records)
                   for key in ("reads", "hits_ram", "misses", "prefetched", "kernel_reclaimed")}
         return summed if summed["reads"] >= reads else None
 
-    counted = wait_for(totals)
+    reads = 0
+    for relpaths_read in passes:
+        read_all(mount, relpaths_read)
+        reads += len(relpaths_read)
+        # two closes of a file queued at once are one event (fanotify.py): the next pass
+        # starts once this one's are counted (a pause of 50 ms was not always enough)
+        counted = wait_for(functools.partial(totals, reads))
     assert counted["reads"] == reads
     # from the source: each file once (and a file whose pages the kernel reclaimed)
     from_source = counted["misses"] + counted["prefetched"]
@@ -814,6 +830,9 @@ def test_auto_runs_the_zero_request_mode_as_root_with_the_patched_pyfuse3(datase
     src, relpaths = dataset
     mount = mounter(src, "--ram-cache", N_FILES * FILE_BYTES * 2)
     read_all(mount, relpaths)
+    # two closes of a file queued at once are one event (fanotify.py): the first pass's
+    # counted before the second's come
+    settled(mount, "close_events", N_FILES)
     read_all(mount, relpaths)  # from the kernel's pages, with no request
     status = settled(mount, "close_events", 2 * N_FILES)  # reported just after each close
     assert status["mode"] == "no-open"

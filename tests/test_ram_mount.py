@@ -60,8 +60,10 @@ def test_epochs_with_concurrent_readers(dataset, mounter):
             # lookup each) can outrun a window of a few files here: about half are read ahead
             assert record["hits_ram"] == 0 and record["prefetched"] > N_FILES // 4, record
         else:
-            # the retained head of the epoch; the window takes a few slots of the budget
-            assert record["hits_ram"] >= 0.6 * ram_bytes / FILE_BYTES, record
+            # the retained head of the epoch; the window takes a few slots of the budget (and
+            # the kernel may reclaim head files it held alone: kernel_reclaimed)
+            assert (record["hits_ram"] + record["kernel_reclaimed"]
+                    >= 0.6 * ram_bytes / FILE_BYTES), record
     # An epoch reads from the source the files it did not hit in RAM, and may read some of the
     # next epoch's before the switch (the window reaches into the next order): those wait in
     # RAM beside the next epoch's retained head, so there are at most as many as the budget

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 
 from cachefs import order
 from cachefs.publish import publish
@@ -29,14 +28,17 @@ def test_plain_lines_off_a_terminal_carry_the_rates(dataset, mounter):
         cachefs_cmd("stats", mount.mountpoint, "--watch", "--interval", INTERVAL_S,
                     "--count", intervals), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)
-    time.sleep(INTERVAL_S)
+    # printed once the watch took its first snapshot: the reads start after it (a sleep was
+    # shorter than the watch's start-up on a busy machine, and reads before it fell in no
+    # interval)
+    header = watching.stdout.readline()
     read_bytes = 0
     for index in current:
         read_bytes += len((mount.mountpoint / relpaths[index]).read_bytes())
     epoch_record(mount, 0, reads=N_FILES)  # every close counted, well inside the watch
     out, err = watching.communicate(timeout=30)
     assert watching.returncode == 0 and err == ""
-    header, *lines = out.splitlines()
+    lines = out.splitlines()
     assert header.split()[:3] == ["time", "files/s", "read"]
     assert len(lines) == intervals
     rows = [dict(zip([name for name, _, _ in COLUMNS], line.split(), strict=True))
@@ -73,12 +75,14 @@ def test_ctrl_c_ends_a_watch_with_status_0(dataset, mounter):
         cachefs_cmd("stats", mount.mountpoint, "--watch", "--interval", 0.2),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=default_sigint)  # a suite run as a background job ignores SIGINT
-    time.sleep(1.5)
+    # the header and two intervals' lines, and then Ctrl-C (a sleep could end before the
+    # watch had started, on a busy machine)
+    shown = [watching.stdout.readline() for _ in range(3)]
     watching.send_signal(signal.SIGINT)
     out, err = watching.communicate(timeout=10)
     assert watching.returncode == 0 and err == ""
-    assert out.splitlines()[0].split()[:2] == ["time", "files/s"]
-    assert len(out.splitlines()) >= 3
+    assert shown[0].split()[:2] == ["time", "files/s"]
+    assert all(line.endswith("\n") for line in shown), shown
 
 
 def test_watch_options_go_together(tmp_path):
