@@ -420,7 +420,13 @@ class Mount:
                     else:
                         self.ops.decide_mode(no_open=False)
                     with main_scope:
-                        await pyfuse3.main(min_tasks=1, max_tasks=self.config.fuse_tasks)
+                        try:
+                            await pyfuse3.main(min_tasks=1, max_tasks=self.config.fuse_tasks)
+                        except Exception as exc:  # noqa: BLE001 - all but one re-raised
+                            if not _connection_ended(exc):
+                                raise
+                            log.info("the kernel ended the FUSE connection while a request "
+                                     "was read: the mount is gone")
                     nursery.cancel_scope.cancel()
             finally:
                 if self.notifier is not None:
@@ -529,6 +535,17 @@ async def _terminate_on_signal(signals, main_scope: trio.CancelScope) -> None:
                     "their readers get an error as the mount goes", TERMINATE_GRACE_S)
         main_scope.cancel()
         return
+
+
+def _connection_ended(exc: BaseException) -> bool:
+    """Whether pyfuse3's request loop ended on ECONNABORTED alone (as itself, or as all of an
+    exception group of its nursery): the kernel tore the connection down while a request was
+    being read, an unmount racing a FORGET or a RELEASE, or an abort through fusectl. libfuse
+    ends its loop quietly on ENODEV, the usual end of an unmount, but raises this one."""
+    if isinstance(exc, ConnectionAbortedError):
+        return True
+    inner = getattr(exc, "exceptions", ())  # an ExceptionGroup (3.11, or its backport)
+    return bool(inner) and all(_connection_ended(one) for one in inner)
 
 
 def _detach_leaving_session(mountpoint: Path) -> None:

@@ -9,8 +9,8 @@ reader directly on the source, through a mount with no order, and through a moun
 order published; medians of `--passes` rounds, fresh mounts each; and the ratio of the two
 mounts' times round by round, with its median.
 
-The two mounts are up at once and the reader takes turns between them, a directory (1,000
-files, a third of a second) at a time, the mount that goes first alternating. Mounted one
+The mounts are up at once and the reader takes turns between them, a directory (1,000 files,
+a third of a second) at a time, the mount that goes first rotating. Mounted one
 after the other, each for its whole read, the ratio of a round spread from 0.66x to 1.29x on
 these VMs (their speed drifts over seconds with their neighbours'), where the difference to
 measure is a few per cent; taking turns, rounds agree within a few per cent. Neither mount is
@@ -18,6 +18,11 @@ credited with the other's work: after each directory the reader waits for that m
 to go quiet (the closes of its files are reported to it after the reader's close returned),
 and that wait counts in the mount's time, as the read-ahead's filling of its window after
 the order's publication counts in the order's.
+
+A third mount with no order, the same as the first, takes its turns beside them: its ratio to
+the first, round by round, is the noise floor of the order's (two identical mounts differed by
+4-9 % a round on these VMs, more than the order's cost to measure), and the median of the
+order's rounds means something only where it stands clear of that.
 
 It also reports what the daemon's bookkeeping costs per cached block (case 9): its resident
 memory (VmRSS) after the read, less its RSS before it (once the source was scanned, and the
@@ -48,7 +53,9 @@ from cachefs.publish import publish, source_file_count  # noqa: E402
 
 FILES_PER_DIR = 1000
 # the two mounts, and the names of their mountpoints and state directories
-MOUNTS = {"no order": "no-order", "order": "order"}
+MOUNTS = {"no order": "no-order", "order": "order", "no order again": "no-order-again"}
+# the mount whose time the others' are compared with, round by round
+BASE = "no order"
 # a daemon is quiet once its threads ran under QUIET_CPU_S over QUIET_WINDOW_S (an idle one
 # runs a pass over its overdue files every quarter second, well under a millisecond)
 QUIET_WINDOW_S = 0.01
@@ -120,12 +127,12 @@ def until_quiet_s(pid: int) -> float:
 
 def through_mounts(args, source: Path, dirs: list[str], round_index: int
                    ) -> dict[str, tuple[float, dict, dict]]:
-    """Both mounts up at once, the reader taking turns between them directory by directory
-    (ABBA: the mount that goes first alternates), so that a machine whose speed drifts over
-    seconds (these VMs' neighbours) weighs on both alike. Each mount is charged the time its
-    daemon takes to go quiet after each of its directories (`until_quiet_s`), so that none of
-    its work lands in the other's time, and the order's mount the time its read-ahead takes
-    to fill the window after the order's publication.
+    """The mounts up at once, the reader taking turns between them directory by directory
+    (each in each place of the turn as often: the mount that goes first rotates), so that a
+    machine whose speed drifts over seconds (these VMs' neighbours) weighs on all alike. Each
+    mount is charged the time its daemon takes to go quiet after each of its directories
+    (`until_quiet_s`), so that none of its work lands in another's time, and the order's
+    mount the time its read-ahead takes to fill the window after the order's publication.
 
     Per mount: the seconds, the daemon's memory (`rss_*` bytes, RAM tier blocks) and its CPU
     per file read (`daemon_cpu_ms_per_file`, `trio_cpu_ms_per_file`: the reader reads one file
@@ -149,7 +156,8 @@ def through_mounts(args, source: Path, dirs: list[str], round_index: int
         for name in mounts:
             memory[name]["rss_before"] = rss_bytes(pids[name])
         for index, directory in enumerate(dirs):
-            turn = list(mounts) if (index + round_index) % 2 == 0 else list(mounts)[::-1]
+            first = (index + round_index) % len(mounts)
+            turn = list(mounts)[first:] + list(mounts)[:first]
             for name in turn:
                 seconds[name] += read_dirs(mounts[name].mountpoint, [directory])
                 seconds[name] += until_quiet_s(pids[name])
@@ -168,9 +176,9 @@ def main(argv=None) -> int:
     source = args.workdir / "data"
     make_files(source, args.files)
     dirs = [f"d{index:04d}" for index in range(args.read_dirs)]
-    figures = {"direct": [], "no order": [], "order": []}
-    memory = {"no order": [], "order": []}
-    cpu: dict[str, list[dict]] = {"no order": [], "order": []}
+    figures: dict[str, list[float]] = {"direct": [], **{name: [] for name in MOUNTS}}
+    memory: dict[str, list[dict]] = {name: [] for name in MOUNTS}
+    cpu: dict[str, list[dict]] = {name: [] for name in MOUNTS}
     try:
         for round_index in range(args.passes):
             read_dirs(source, dirs)  # the source in the page cache, as for the mounts
@@ -188,14 +196,15 @@ def main(argv=None) -> int:
                                                 if key in round_ms])
                           for key in benchlib.DAEMON_CPU_KEYS}
                    for name, rounds in cpu.items() if all(rounds)}
-    rows = [[name, f"{seconds:.2f}", f"{seconds / medians['no order']:.2f}",
+    rows = [[name, f"{seconds:.2f}", f"{seconds / medians[BASE]:.2f}",
              *(f"{cpu_medians[name][key]:.3f}" if name in cpu_medians else "-"
                for key in benchlib.DAEMON_CPU_KEYS)]
             for name, seconds in medians.items()]
-    # the two mounts of a round read side by side: their ratio, round by round, is steadier
-    # than the ratio of the medians
-    round_ratios = [order / no_order for order, no_order
-                    in zip(figures["order"], figures["no order"], strict=True)]
+    # the mounts of a round read side by side: their ratio, round by round, is steadier than
+    # the ratio of the medians
+    round_ratios, again_ratios = ([mine / base for mine, base
+                                   in zip(figures[name], figures[BASE], strict=True)]
+                                  for name in ("order", "no order again"))
     print(f"{args.read_dirs * FILES_PER_DIR} of {args.files} one-byte files read in directory "
           f"order, medians of {args.passes}\n")
     print(benchlib.markdown_table(["reader", "seconds", "/ no order", "daemon CPU ms/file",
@@ -203,6 +212,9 @@ def main(argv=None) -> int:
     print(f"\norder / no order, round by round: "
           f"{', '.join(f'{ratio:.2f}x' for ratio in round_ratios)} "
           f"(median {benchlib.median(round_ratios):.2f}x)")
+    print(f"no order again / no order, round by round (the noise floor): "
+          f"{', '.join(f'{ratio:.2f}x' for ratio in again_ratios)} "
+          f"(median {benchlib.median(again_ratios):.2f}x)")
     rows = []
     for name, rounds in memory.items():
         per_block = benchlib.median([(used["rss_read"] - used["rss_before"])
@@ -220,6 +232,7 @@ def main(argv=None) -> int:
         benchlib.write_json(args.json, {"benchmark": "bench_offorder", "args": vars(args),
                                         "seconds": figures, "medians": medians,
                                         "round_ratios": round_ratios,
+                                        "again_ratios": again_ratios,
                                         "memory": memory, "cpu": cpu})
     return 0
 

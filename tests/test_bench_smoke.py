@@ -276,13 +276,15 @@ def test_readers_split_an_order_as_dataloader_workers_do():
 
 def test_bench_offorder_smoke(tmp_path):
     done, result = run_smoke(tmp_path, "bench_offorder.py", "| reader | seconds | / no order |")
-    assert set(result["seconds"]) == {"direct", "no order", "order"}
+    assert set(result["seconds"]) == {"direct", "no order", "order", "no order again"}
     assert all(len(values) == 1 and values[0] > 0 for values in result["seconds"].values())
-    assert result["round_ratios"] == [result["seconds"]["order"][0]
-                                      / result["seconds"]["no order"][0]]
+    seconds = {name: values[0] for name, values in result["seconds"].items()}
+    assert result["round_ratios"] == [seconds["order"] / seconds["no order"]]
+    assert result["again_ratios"] == [seconds["no order again"] / seconds["no order"]]
     assert "order / no order, round by round: " in done.stdout
+    assert "no order again / no order, round by round (the noise floor): " in done.stdout
     assert "| mount | blocks in RAM | RSS scanned MiB | order MiB |" in done.stdout
-    for name in ("no order", "order"):  # the RSS before the read is the base per block
+    for name in ("no order", "order", "no order again"):  # the RSS before the read: the base
         used = result["memory"][name][0]
         assert used["rss_scanned"] > 0 and used["rss_before"] > 0 and used["blocks"] > 0
     assert_no_mount_under(tmp_path)

@@ -178,6 +178,25 @@ def test_open_handles_of_a_directory_share_one_listing(tree, mounter):
             os.close(fd)
 
 
+def test_a_connection_the_kernel_tore_down_mid_read_ends_the_mount_quietly():
+    """An unmount racing a request the daemon was reading (a FORGET or RELEASE of the
+    unmount itself) reaches pyfuse3's loop as ECONNABORTED, not libfuse's ENODEV: the daemon
+    logged it as a traceback (a CI run, at the end of the test above), though the mount had
+    ended as it should. That one error, alone or all of an exception group, ends the mount;
+    any other still propagates."""
+    from cachefs.mount import _connection_ended
+
+    aborted = ConnectionAbortedError(errno.ECONNABORTED, "fuse_session_receive_buf failed")
+    assert _connection_ended(aborted)
+    if sys.version_info >= (3, 11):  # as trio's nurseries raise it
+        nested = ExceptionGroup("nursery", [ExceptionGroup("loop", [aborted])])  # noqa: F821
+        assert _connection_ended(nested)
+        mixed = ExceptionGroup("nursery", [aborted, OSError(errno.EIO, "x")])  # noqa: F821
+        assert not _connection_ended(mixed)
+    assert not _connection_ended(OSError(errno.EIO, "fuse_session_receive_buf failed"))
+    assert not _connection_ended(ValueError())
+
+
 def test_random_offsets_short_reads_and_memmap(tree, mounter):
     mount = mounter(tree)
     data = (tree / "big.bin").read_bytes()
