@@ -22,7 +22,9 @@ the order's publication counts in the order's.
 A third mount with no order, the same as the first, takes its turns beside them: its ratio to
 the first, round by round, is the noise floor of the order's (two identical mounts differed by
 4-9 % a round on these VMs, more than the order's cost to measure), and the median of the
-order's rounds means something only where it stands clear of that.
+order's rounds means something only where it stands clear of that. Which mount is made first
+rotates from round to round, as the first place of the reader's turns does: the first made
+ran a few per cent slower than the others, whatever it served.
 
 It also reports what the daemon's bookkeeping costs per cached block (case 9): its resident
 memory (VmRSS) after the read, less its RSS before it (once the source was scanned, and the
@@ -137,10 +139,14 @@ def through_mounts(args, source: Path, dirs: list[str], round_index: int
     Per mount: the seconds, the daemon's memory (`rss_*` bytes, RAM tier blocks) and its CPU
     per file read (`daemon_cpu_ms_per_file`, `trio_cpu_ms_per_file`: the reader reads one file
     at a time, so what the trio thread spends per file is on its path)."""
+    # the mount made first rotates too: made first in every round, a mount with no order took
+    # 0.90-1.01x (median 0.96x) the time of one made last with no order either
+    made = list(MOUNTS.items())
+    made = made[round_index % len(made):] + made[:round_index % len(made)]
     with contextlib.ExitStack() as stack:
         mounts = {name: stack.enter_context(benchlib.cachefs_mount(
             source, args.workdir / f"mnt-{slug}", args.workdir / f"state-{slug}",
-            ram_bytes=1 << 30)) for name, slug in MOUNTS.items()}
+            ram_bytes=1 << 30)) for name, slug in made}
         pids, memory, cpu, seconds = {}, {}, {}, {}
         for name, mount in mounts.items():
             files = source_file_count(mount.mountpoint, 300)
