@@ -538,10 +538,9 @@ async def _terminate_on_signal(signals, main_scope: trio.CancelScope) -> None:
 
 
 def _connection_ended(exc: BaseException) -> bool:
-    """Whether pyfuse3's request loop ended on ECONNABORTED alone (as itself, or as all of an
-    exception group of its nursery): the kernel tore the connection down while a request was
-    being read, an unmount racing a FORGET or a RELEASE, or an abort through fusectl. libfuse
-    ends its loop quietly on ENODEV, the usual end of an unmount, but raises this one."""
+    """Whether pyfuse3's loop ended on ECONNABORTED alone (or all of a nursery's exception
+    group): the kernel tore the connection down while a request was read (an unmount racing
+    its FORGET or RELEASE, a fusectl abort); libfuse ends quietly on ENODEV only."""
     if isinstance(exc, ConnectionAbortedError):
         return True
     inner = getattr(exc, "exceptions", ())  # an ExceptionGroup (3.11, or its backport)
