@@ -191,8 +191,7 @@ def main(argv=None) -> int:
         passes: dict[str, list[dict]] = {name: [] for name in CONTENDERS}
         with cpu_load(args.cpu_load):
             for round_index in range(args.rounds):
-                turn = round_index % len(CONTENDERS)
-                for contender in CONTENDERS[turn:] + CONTENDERS[:turn]:
+                for contender in benchlib.rotated(CONTENDERS, round_index):
                     passes[contender].append(one_pass(args, root, relpaths, contender))
     except benchlib.BenchError as exc:
         print(f"bench_fetch: {exc}", file=sys.stderr)

@@ -147,8 +147,7 @@ def main(argv=None) -> int:
         stack.enter_context(busy_source(source, args.load_threads))
         roots = {"direct": source, **mounts}
         for number in range(args.passes):
-            order = CONTENDERS[number % 3:] + CONTENDERS[:number % 3]
-            for name in order:
+            for name in benchlib.rotated(CONTENDERS, number):
                 for relpath in dirs:
                     time.sleep(TTL_WAIT_S)
                     drop_dentries()

@@ -54,7 +54,7 @@ from cachefs.order import permutation  # noqa: E402
 from cachefs.publish import publish, source_file_count  # noqa: E402
 
 FILES_PER_DIR = 1000
-# the two mounts, and the names of their mountpoints and state directories
+# the mounts, and the names of their mountpoints and state directories
 MOUNTS = {"no order": "no-order", "order": "order", "no order again": "no-order-again"}
 # the mount whose time the others' are compared with, round by round
 BASE = "no order"
@@ -141,8 +141,7 @@ def through_mounts(args, source: Path, dirs: list[str], round_index: int
     at a time, so what the trio thread spends per file is on its path)."""
     # the mount made first rotates too: made first in every round, a mount with no order took
     # 0.90-1.01x (median 0.96x) the time of one made last with no order either
-    made = list(MOUNTS.items())
-    made = made[round_index % len(made):] + made[:round_index % len(made)]
+    made = benchlib.rotated(MOUNTS.items(), round_index)
     with contextlib.ExitStack() as stack:
         mounts = {name: stack.enter_context(benchlib.cachefs_mount(
             source, args.workdir / f"mnt-{slug}", args.workdir / f"state-{slug}",
@@ -162,9 +161,7 @@ def through_mounts(args, source: Path, dirs: list[str], round_index: int
         for name in mounts:
             memory[name]["rss_before"] = rss_bytes(pids[name])
         for index, directory in enumerate(dirs):
-            first = (index + round_index) % len(mounts)
-            turn = list(mounts)[first:] + list(mounts)[:first]
-            for name in turn:
+            for name in benchlib.rotated(mounts, index + round_index):
                 seconds[name] += read_dirs(mounts[name].mountpoint, [directory])
                 seconds[name] += until_quiet_s(pids[name])
         figures = {}

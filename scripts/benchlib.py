@@ -386,6 +386,14 @@ def median(values) -> float:
     return statistics.median(values) if values else math.nan
 
 
+def rotated(items, shift: int) -> list:
+    """`items` starting at `shift` (modulo their count) and wrapping round: contenders taking
+    turns, each first as often over the rounds, since these machines' speed drifts."""
+    items = list(items)
+    shift %= len(items)
+    return items[shift:] + items[:shift]
+
+
 # -- cachefs mounts ------------------------------------------------------------------------------
 
 def daemon_pid(mount: MountProcess) -> int:
