@@ -17,7 +17,8 @@ measure is a few per cent; taking turns, rounds agree within a few per cent. Nei
 credited with the other's work: after each directory the reader waits for that mount's daemon
 to go quiet (the closes of its files are reported to it after the reader's close returned),
 and that wait counts in the mount's time, as the read-ahead's filling of its window after
-the order's publication counts in the order's.
+the order's publication counts in the order's; the table gives the waits apart (a quarter of a
+second of a mount's twenty on 2026-12-02, alike with and without the order).
 
 A third mount with no order, the same as the first, takes its turns beside them: its ratio to
 the first, round by round, is the noise floor of the order's (two identical mounts differed by
@@ -136,9 +137,10 @@ def through_mounts(args, source: Path, dirs: list[str], round_index: int
     (`until_quiet_s`), so that none of its work lands in another's time, and the order's
     mount the time its read-ahead takes to fill the window after the order's publication.
 
-    Per mount: the seconds, the daemon's memory (`rss_*` bytes, RAM tier blocks) and its CPU
-    per file read (`daemon_cpu_ms_per_file`, `trio_cpu_ms_per_file`: the reader reads one file
-    at a time, so what the trio thread spends per file is on its path)."""
+    Per mount: the seconds, the seconds of them spent waiting for the daemon to go quiet,
+    the daemon's memory (`rss_*` bytes, RAM tier blocks) and its CPU per file read
+    (`daemon_cpu_ms_per_file`, `trio_cpu_ms_per_file`: the reader reads one file at a time,
+    so what the trio thread spends per file is on its path)."""
     # the mount made first rotates too: made first in every round, a mount with no order took
     # 0.90-1.01x (median 0.96x) the time of one made last with no order either
     made = benchlib.rotated(MOUNTS.items(), round_index)
@@ -146,31 +148,31 @@ def through_mounts(args, source: Path, dirs: list[str], round_index: int
         mounts = {name: stack.enter_context(benchlib.cachefs_mount(
             source, args.workdir / f"mnt-{slug}", args.workdir / f"state-{slug}",
             ram_bytes=1 << 30)) for name, slug in made}
-        pids, memory, cpu, seconds = {}, {}, {}, {}
+        pids, memory, cpu, seconds, waited = {}, {}, {}, {}, {}
         for name, mount in mounts.items():
             files = source_file_count(mount.mountpoint, 300)
             pids[name] = benchlib.daemon_pid(mount)
             memory[name] = {"rss_scanned": rss_bytes(pids[name])}
             cpu[name] = benchlib.DaemonCpu(mount)
-            seconds[name] = 0.0
+            seconds[name] = waited[name] = 0.0
         # returns once the daemon took it (and made its arrays); its read-ahead then fills
         # the window, charged to the order's mount
         publish(mounts["order"].mountpoint, 0, permutation(files, 0, 0),
                 next=permutation(files, 0, 1))
-        seconds["order"] += until_quiet_s(pids["order"])
+        waited["order"] += until_quiet_s(pids["order"])
         for name in mounts:
             memory[name]["rss_before"] = rss_bytes(pids[name])
         for index, directory in enumerate(dirs):
             for name in benchlib.rotated(mounts, index + round_index):
                 seconds[name] += read_dirs(mounts[name].mountpoint, [directory])
-                seconds[name] += until_quiet_s(pids[name])
+                waited[name] += until_quiet_s(pids[name])
         figures = {}
         for name, mount in mounts.items():
             cpu_ms = cpu[name].per_file_ms(len(dirs) * FILES_PER_DIR)
             ram = mount.stats()["ram"]
             memory[name].update(rss_read=rss_bytes(pids[name]), blocks=ram["blocks"],
                                 ram_bytes=ram["bytes"])
-            figures[name] = (seconds[name], memory[name], cpu_ms)
+            figures[name] = (seconds[name] + waited[name], waited[name], memory[name], cpu_ms)
         return figures
 
 
@@ -180,15 +182,17 @@ def main(argv=None) -> int:
     make_files(source, args.files)
     dirs = [f"d{index:04d}" for index in range(args.read_dirs)]
     figures: dict[str, list[float]] = {"direct": [], **{name: [] for name in MOUNTS}}
+    waits: dict[str, list[float]] = {name: [] for name in MOUNTS}
     memory: dict[str, list[dict]] = {name: [] for name in MOUNTS}
     cpu: dict[str, list[dict]] = {name: [] for name in MOUNTS}
     try:
         for round_index in range(args.passes):
             read_dirs(source, dirs)  # the source in the page cache, as for the mounts
             figures["direct"].append(read_dirs(source, dirs))
-            for name, (seconds, used, cpu_ms) in through_mounts(args, source, dirs,
-                                                                 round_index).items():
+            for name, (seconds, waited_s, used, cpu_ms) in through_mounts(
+                    args, source, dirs, round_index).items():
                 figures[name].append(seconds)
+                waits[name].append(waited_s)
                 memory[name].append(used)
                 cpu[name].append(cpu_ms)
     except benchlib.BenchError as exc:
@@ -199,7 +203,9 @@ def main(argv=None) -> int:
                                                 if key in round_ms])
                           for key in benchlib.DAEMON_CPU_KEYS}
                    for name, rounds in cpu.items() if all(rounds)}
+    wait_medians = {name: benchlib.median(values) for name, values in waits.items()}
     rows = [[name, f"{seconds:.2f}", f"{seconds / medians[BASE]:.2f}",
+             f"{wait_medians[name]:.2f}" if name in wait_medians else "-",
              *(f"{cpu_medians[name][key]:.3f}" if name in cpu_medians else "-"
                for key in benchlib.DAEMON_CPU_KEYS)]
             for name, seconds in medians.items()]
@@ -210,7 +216,8 @@ def main(argv=None) -> int:
                                   for name in ("order", "no order again"))
     print(f"{args.read_dirs * FILES_PER_DIR} of {args.files} one-byte files read in directory "
           f"order, medians of {args.passes}\n")
-    print(benchlib.markdown_table(["reader", "seconds", "/ no order", "daemon CPU ms/file",
+    print(benchlib.markdown_table(["reader", "seconds", "/ no order",
+                                   "of which waiting for the daemon", "daemon CPU ms/file",
                                    "trio thread CPU ms/file"], rows))
     print(f"\norder / no order, round by round: "
           f"{', '.join(f'{ratio:.2f}x' for ratio in round_ratios)} "
@@ -234,6 +241,7 @@ def main(argv=None) -> int:
     if args.json:
         benchlib.write_json(args.json, {"benchmark": "bench_offorder", "args": vars(args),
                                         "seconds": figures, "medians": medians,
+                                        "waits": waits,
                                         "round_ratios": round_ratios,
                                         "again_ratios": again_ratios,
                                         "memory": memory, "cpu": cpu})

@@ -275,9 +275,14 @@ def test_readers_split_an_order_as_dataloader_workers_do():
 
 
 def test_bench_offorder_smoke(tmp_path):
-    done, result = run_smoke(tmp_path, "bench_offorder.py", "| reader | seconds | / no order |")
+    done, result = run_smoke(tmp_path, "bench_offorder.py",
+                             "| reader | seconds | / no order | of which waiting for the daemon |")
     assert set(result["seconds"]) == {"direct", "no order", "order", "no order again"}
     assert all(len(values) == 1 and values[0] > 0 for values in result["seconds"].values())
+    # the waits for each daemon to go quiet are part of its mount's seconds
+    assert set(result["waits"]) == {"no order", "order", "no order again"}
+    assert all(0 <= result["waits"][name][0] < result["seconds"][name][0]
+               for name in result["waits"])
     seconds = {name: values[0] for name, values in result["seconds"].items()}
     assert result["round_ratios"] == [seconds["order"] / seconds["no order"]]
     assert result["again_ratios"] == [seconds["no order again"] / seconds["no order"]]
