@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachefs import errors
-from cachefs.client import MountProcess
+from cachefs.client import MountError, MountProcess
 from cachefs.metrics import READ_CLASSES, Exporter
 from cachefs.mountinfo import mounted_paths
 from cachefs.stats import Histogram
@@ -28,6 +28,24 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def started_with_metrics(src, tmp_path, args) -> tuple[MountProcess, int]:
+    """A daemonized mount serving its metrics on a free port, and the port: one probed free,
+    then bound by the daemon, and another if a process took it in between (the mount's exit
+    code 8; outgoing connections of other tests take ports from the same range)."""
+    for _ in range(5):
+        port = free_port()
+        mount = MountProcess(src, tmp_path / "mnt", tmp_path / "state",
+                             ["--metrics", f"127.0.0.1:{port}", *args])
+        try:
+            mount.start()
+        except MountError as exc:
+            if f"(exit {errors.EXIT_METRICS})" not in str(exc):
+                raise
+            continue
+        return mount, port
+    raise AssertionError("no port probed free stayed free until the daemon bound it")
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -78,12 +96,11 @@ def settled_scrape(mountpoint, port) -> tuple[dict, dict]:
 
 def test_metrics_agree_with_stats_json_and_stop_with_the_daemon(dataset, tmp_path):
     src, relpaths = dataset
-    port = free_port()
-    mount = MountProcess(src, tmp_path / "mnt", tmp_path / "state",
-                         ["--metrics", f"127.0.0.1:{port}", "--ssd-cache", tmp_path / "ssd",
-                          "--ssd-size", "600KiB", "--ram-cache", "1MiB"])
+    # daemonized: `cachefs mount` returned, the daemon serves the metrics
+    mount, port = started_with_metrics(src, tmp_path, ["--ssd-cache", tmp_path / "ssd",
+                                                       "--ssd-size", "600KiB",
+                                                       "--ram-cache", "1MiB"])
     try:
-        mount.start()  # daemonized: `cachefs mount` returned, the daemon serves the metrics
         read_epoch(mount, relpaths, 0)
         read_epoch(mount, relpaths, 1)
         snapshot, samples = settled_scrape(mount.mountpoint, port)
