@@ -155,7 +155,7 @@ class Planner:
         self._outside: list[int] = []  # positions read outside the order, not noted yet
         # by position of the current order: read outside it (module docstring), and the
         # items consumed since as the cursor reached them, for the prefetcher to re-rank
-        self._read_outside = np.zeros(0, bool)
+        self._read_outside = bytearray()  # (not numpy's: written an element at a time)
         self.caught_up: list[int] = []
         # the read-ahead of an order of byte ranges (cachefs/range_prefetch.py), which walks
         # one list, `window`, has handled every window position below this
@@ -282,7 +282,7 @@ class Planner:
         self.current = current
         self.next = next_
         self.consumed = np.zeros(len(current), bool)
-        self._read_outside = np.zeros(len(current), bool)
+        self._read_outside = bytearray(len(current))
         self.caught_up = []  # numbered by the plan before, perhaps under another manifest
         self.consumed_count = 0
         self.cursor = self.scan = 0
@@ -401,7 +401,7 @@ class Planner:
         if position < self._outside_from:  # not far, or in no order / consumed (-1)
             return False
         self._outside.append(position)
-        self._read_outside[position] = True
+        self._read_outside[position] = 1
         if len(self._outside) >= OUTSIDE_NOTES:
             self._note_positions([])
         return True
@@ -612,7 +612,7 @@ class Planner:
                     ahead = consumed[self.cursor:self.cursor + ENTRY_CHUNK]
                     gaps = np.flatnonzero(~ahead)
                     self.cursor += int(gaps[0]) if len(gaps) else len(ahead)
-            if self.cursor >= n or not self._read_outside.item(self.cursor):
+            if self.cursor >= n or not self._read_outside[self.cursor]:
                 return
             self._catch_up(self.cursor)
 

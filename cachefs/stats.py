@@ -40,7 +40,6 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, fields
 from itertools import accumulate
 
-import numpy as np
 
 # Origins of the data a reader got, in order of increasing cost; a file's class is the
 # costliest origin among its blocks.
@@ -130,9 +129,11 @@ class Stats:
         self.ssd_errors = 0
         self.read_errors = 0
         # Blocks fetched from the source in the current epoch, to count refetches: block 0 of
-        # manifest items in a bitmap (no per-item Python objects at ImageNet scale), other
-        # blocks (large files, files outside the manifest) in a bounded window, oldest first.
-        self._fetched_first_blocks = np.zeros(0, bool)
+        # manifest items in a byte per item (no per-item Python objects at ImageNet scale; a
+        # bytearray, not numpy's: an element of a numpy array read or written costs a scalar
+        # made and an index parsed), other blocks (large files, files outside the manifest) in
+        # a bounded window, oldest first.
+        self._fetched_first_blocks = bytearray()
         self._fetched_other_blocks: OrderedDict = OrderedDict()
         self._refetch_window_blocks = refetch_window_blocks
 
@@ -146,12 +147,12 @@ class Stats:
         if self.current.epoch is None and self.current.reads == 0:
             self.epochs.pop()  # no reads happened before the first order: no empty record
         self.epochs.append(EpochStats(epoch))
-        self._fetched_first_blocks[:] = False
+        self._fetched_first_blocks = bytearray(len(self._fetched_first_blocks))
         self._fetched_other_blocks.clear()
 
     def track_items(self, manifest_len: int) -> None:
         """A new manifest: item numbers change, so refetch tracking starts over."""
-        self._fetched_first_blocks = np.zeros(manifest_len, bool)
+        self._fetched_first_blocks = bytearray(manifest_len)
         self._fetched_other_blocks.clear()
 
     def file_read(self, origin: int, stall_s: float, bytes_served: int,
@@ -180,7 +181,7 @@ class Stats:
         record.backend_reads += 1
         if key[1] == 0 and 0 <= item < len(self._fetched_first_blocks):
             again = self._fetched_first_blocks[item]
-            self._fetched_first_blocks[item] = True
+            self._fetched_first_blocks[item] = 1
         else:
             recent = self._fetched_other_blocks
             again = key in recent
