@@ -56,7 +56,7 @@ everything before it, and were not going to stop there for good. A pass off the
 order then leaves the plan as the order's readers left it: the read-ahead still reads its
 files at their positions for the trainer (consumed, they were skipped, and a trainer running
 beside a validation pass missed on each), and it costs the pass about what a pass with no
-order costs (1.00x and 1.06x in two runs on 2026-12-02, README), where the consumption, the
+order costs (1.00x, 1.02x and 1.00x in three runs on 2026-12-02, README), where the consumption, the
 re-rank and the early rank of each of its files took a tenth more of the daemon's work per
 file (scripts/bench_offorder.py). The nearer ones are
 the order's (readers that follow it read there, beside such a pass or not): 8,192 positions per
