@@ -129,7 +129,7 @@ def until_quiet_s(pid: int) -> float:
 
 
 def through_mounts(args, source: Path, dirs: list[str], round_index: int
-                   ) -> dict[str, tuple[float, dict, dict]]:
+                   ) -> dict[str, tuple[float, float, dict, dict]]:
     """The mounts up at once, the reader taking turns between them directory by directory
     (each in each place of the turn as often: the mount that goes first rotates), so that a
     machine whose speed drifts over seconds (these VMs' neighbours) weighs on all alike. Each
