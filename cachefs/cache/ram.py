@@ -495,8 +495,9 @@ class RamTier:
         if item < 0 or not isinstance(key[1], int):
             return  # in no manifest, or a range entry (cachefs/range_cache.py): no file block
         counts = self._kernel_blocks
-        if item >= len(counts):
-            counts.frombytes(bytes(counts.itemsize * max(item + 1 - len(counts), len(counts))))
+        if item >= len(counts):  # doubled at least, as a list grows: a few copies in all
+            grown = max(item + 1, 2 * len(counts))
+            counts.frombytes(bytes(counts.itemsize * (grown - len(counts))))
         counts[item] += change
 
     def stats(self) -> dict:
